@@ -1,0 +1,158 @@
+//! The numeric kernels of the reducer.
+//!
+//! Loops are written so that LLVM vectorises them (plain zipped iterators over slices, no
+//! bounds checks in the body). [`ReduceBuffer`] is the interface the reducer uses for its
+//! accumulators; [`CpuBuffer`] is the reference implementation, and a device buffer (behind the
+//! future `cuda` feature) implements the same trait and is tested against it.
+
+use super::PartView;
+
+/// `acc[i] += w * x[i]`.
+#[inline]
+pub fn add_scaled(acc: &mut [f32], x: &[f32], w: f32) {
+    debug_assert_eq!(acc.len(), x.len());
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += w * v;
+    }
+}
+
+/// `acc[i] += w * x[i]` for any element type of `x` (converted to f32 on the fly).
+pub fn add_scaled_view(acc: &mut [f32], x: PartView<'_>, w: f32) {
+    debug_assert_eq!(acc.len(), x.len());
+    match x {
+        PartView::F32(s) => add_scaled(acc, s, w),
+        PartView::F16(s) => {
+            for (a, v) in acc.iter_mut().zip(s) {
+                *a += w * v.to_f32();
+            }
+        }
+        PartView::BF16(s) => {
+            for (a, v) in acc.iter_mut().zip(s) {
+                *a += w * v.to_f32();
+            }
+        }
+    }
+}
+
+/// `out[i] = a[i] * scale - b[i]`: the delta of an average (given as a sum and `1/denominator`)
+/// against one sender's input.
+#[inline]
+pub fn scaled_sub(out: &mut [f32], a: &[f32], scale: f32, b: &[f32]) {
+    debug_assert!(out.len() == a.len() && a.len() == b.len());
+    for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+        *o = x * scale - y;
+    }
+}
+
+/// `x[i] *= s`.
+#[inline]
+pub fn scale(x: &mut [f32], s: f32) {
+    for v in x.iter_mut() {
+        *v *= s;
+    }
+}
+
+/// Largest `|a[i] - b[i]|` (0 for empty input; NaN if any difference is NaN).
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0.0f32, |m, (&x, &y)| {
+        let d = (x - y).abs();
+        if d.is_nan() || m.is_nan() {
+            f32::NAN
+        } else {
+            m.max(d)
+        }
+    })
+}
+
+/// A weighted-sum accumulator for one part, as the reducer uses it.
+///
+/// Implementations: [`CpuBuffer`] (reference). A GPU buffer implements the same operations on
+/// device memory; results must agree with the CPU buffer within float tolerance.
+pub trait ReduceBuffer: Send {
+    /// Number of f32 accumulator elements.
+    fn len(&self) -> usize;
+    /// Whether the accumulator is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Resizes to `len` elements, all zero (reusing the allocation).
+    fn reset(&mut self, len: usize);
+    /// `acc += w * x`.
+    fn add_scaled(&mut self, x: &[f32], w: f32);
+    /// Divides the accumulated sum by `denominator`, turning it into the average.
+    fn finish_average(&mut self, denominator: f64);
+    /// Copies the accumulator to host memory.
+    fn to_host(&self, out: &mut [f32]);
+}
+
+/// The CPU reference [`ReduceBuffer`].
+#[derive(Debug, Default, Clone)]
+pub struct CpuBuffer {
+    data: Vec<f32>,
+}
+
+impl CpuBuffer {
+    /// The accumulator contents.
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+}
+
+impl ReduceBuffer for CpuBuffer {
+    fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    fn reset(&mut self, len: usize) {
+        self.data.clear();
+        self.data.resize(len, 0.0);
+    }
+
+    fn add_scaled(&mut self, x: &[f32], w: f32) {
+        add_scaled(&mut self.data, x, w);
+    }
+
+    fn finish_average(&mut self, denominator: f64) {
+        scale(&mut self.data, (1.0 / denominator) as f32);
+    }
+
+    fn to_host(&self, out: &mut [f32]) {
+        out.copy_from_slice(&self.data);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    #[test]
+    fn kernels() {
+        let mut acc = vec![1.0, 2.0, 3.0];
+        add_scaled(&mut acc, &[1.0, 1.0, 1.0], 2.0);
+        assert_eq!(acc, vec![3.0, 4.0, 5.0]);
+        let h: Vec<f16> = [1.0f32, 2.0, 3.0].iter().map(|&v| f16::from_f32(v)).collect();
+        add_scaled_view(&mut acc, PartView::F16(&h), -1.0);
+        assert_eq!(acc, vec![2.0, 2.0, 2.0]);
+        let mut out = vec![0.0; 3];
+        scaled_sub(&mut out, &acc, 0.5, &[1.0, 0.0, -1.0]);
+        assert_eq!(out, vec![0.0, 1.0, 2.0]);
+        assert_eq!(max_abs_diff(&out, &[0.0, 1.0, 1.5]), 0.5);
+        assert!(max_abs_diff(&[f32::NAN], &[0.0]).is_nan());
+    }
+
+    #[test]
+    fn cpu_buffer() {
+        let mut b = CpuBuffer::default();
+        b.reset(2);
+        b.add_scaled(&[2.0, 4.0], 1.0);
+        b.add_scaled(&[4.0, 8.0], 0.5);
+        b.finish_average(1.5);
+        let mut out = [0.0; 2];
+        b.to_host(&mut out);
+        assert_eq!(out, [8.0 / 3.0, 16.0 / 3.0]);
+        b.reset(1);
+        assert_eq!(b.as_slice(), &[0.0]);
+    }
+}
