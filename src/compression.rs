@@ -11,13 +11,18 @@
 //! | [`CompressionType::None`] | raw little-endian elements of the part's dtype | exact |
 //! | [`CompressionType::Float16`] | f16 values (clamped to ±65504) | relative 2^-11 |
 //! | [`CompressionType::BFloat16`] | bf16 values | relative 2^-8 |
-//! | [`CompressionType::Uniform8Bit`] | f32 codebook[256] + u8 index per value, bins of 6σ/256 around the mean | MSE < 8e-4 for N(0,1) |
-//! | [`CompressionType::Quantile8Bit`] | f32 codebook[256] + u8 index per value, bins at quantiles | MSE < 8e-4 for N(0,1) |
+//! | [`CompressionType::Uniform8Bit`] | f32 codebook\[256\] + u8 index per value, bins of 6σ/256 around the mean | MSE < 8e-4 for N(0,1) |
+//! | [`CompressionType::Quantile8Bit`] | f32 codebook\[256\] + u8 index per value, bins at quantiles | MSE < 8e-4 for N(0,1) (2^20 values) |
 //! | [`CompressionType::Blockwise8Bit`] | per block of 4096: f32 absmax, dynamic signed codebook, u8 index | MSE < 8e-4 for N(0,1) |
+//!
+//! Each codec type documents its exact layout, the checks its decoder makes, and the bounds it
+//! states and tests. The lossy codecs take any input dtype, declare [`DType::F32`] on the wire
+//! and reject any other declaration; [`NoCompression`] declares and accepts the part's own dtype.
 //!
 //! [`Compression`] is the user-facing choice, including an adaptive choice by tensor size.
 
 mod blockwise;
+mod elements;
 mod float16;
 mod none;
 mod quantize;

@@ -391,7 +391,11 @@ mod tests {
         assert!(e.flat().is_empty());
         assert!(matches!(
             Tensor::from_f32(&[2, 2], vec![1.0]),
-            Err(TensorError::ShapeMismatch { expected: 4, actual: 1, .. })
+            Err(TensorError::ShapeMismatch {
+                expected: 4,
+                actual: 1,
+                ..
+            })
         ));
     }
 

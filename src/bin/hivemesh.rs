@@ -1,1 +1,236 @@
-fn main(){}
+//! The `hivemesh` command line: `hivemesh sim` runs one simulated all-reduce round.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use hivemesh::allreduce::{Mode, TensorDescriptor};
+use hivemesh::compression::Compression;
+use hivemesh::sim::{self, Fault, PeerStatus, SimConfig, SimPeer};
+use hivemesh::tensor::DType;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "hivemesh",
+    version,
+    about = "Peer-to-peer decentralized averaging"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run one butterfly all-reduce round among simulated peers in virtual time.
+    Sim(SimArgs),
+}
+
+/// A fault injected into one peer: `KIND@PEER`.
+#[derive(Clone, Debug)]
+struct FaultSpec {
+    fault: Fault,
+    peer: usize,
+}
+
+impl std::str::FromStr for FaultSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (kind, peer) = s
+            .split_once('@')
+            .ok_or_else(|| format!("fault '{s}' must look like KIND@PEER, e.g. fail-sending@0"))?;
+        let peer = peer
+            .parse()
+            .map_err(|_| format!("fault '{s}': '{peer}' is not a peer index"))?;
+        Ok(Self {
+            fault: kind.parse()?,
+            peer,
+        })
+    }
+}
+
+#[derive(Args, Debug)]
+struct SimArgs {
+    /// Number of peers in the group.
+    #[arg(long, default_value_t = 8)]
+    peers: usize,
+    /// MiB of f32 values per peer.
+    #[arg(long, default_value_t = 16.0)]
+    mib: f64,
+    /// Target part size in bytes (after compression).
+    #[arg(long, default_value_t = hivemesh::allreduce::DEFAULT_PART_SIZE_BYTES)]
+    part_bytes: usize,
+    /// none, float16, bfloat16, uniform8, quantile8, blockwise8 or adaptive.
+    #[arg(long, default_value = "none")]
+    compression: Compression,
+    /// Inject a fault, KIND@PEER (repeatable). Kinds: fail-before, fail-sending, slow-sending,
+    /// fail-reducing, slow-reducing, cancel.
+    #[arg(long = "fault", value_name = "KIND@PEER")]
+    faults: Vec<FaultSpec>,
+    /// Number of client-mode peers (taken from the end of the group).
+    #[arg(long, default_value_t = 0)]
+    clients: usize,
+    /// Number of aux-mode peers (taken before the clients).
+    #[arg(long, default_value_t = 0)]
+    aux: usize,
+    /// Seed for the data and the link jitter.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// One-way link latency in milliseconds.
+    #[arg(long, default_value_t = 5.0)]
+    latency_ms: f64,
+    /// Uplink bandwidth per peer in MB/s.
+    #[arg(long, default_value_t = 1000.0)]
+    bandwidth_mbps: f64,
+    /// sender_timeout in seconds (reducer_timeout is twice that).
+    #[arg(long, default_value_t = 0.5)]
+    sender_timeout: f64,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Sim(args) => run_sim(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_sim(args: SimArgs) -> anyhow::Result<()> {
+    if args.peers == 0 {
+        bail!("--peers must be at least 1");
+    }
+    if args.peers > 4096 {
+        bail!("--peers must be at most 4096");
+    }
+    if !(args.mib.is_finite() && args.mib >= 0.0 && args.mib <= 4096.0) {
+        bail!("--mib must be between 0 and 4096");
+    }
+    if args.part_bytes == 0 {
+        bail!("--part-bytes must be at least 1");
+    }
+    if args.clients + args.aux > args.peers {
+        bail!("--clients + --aux exceed --peers");
+    }
+    if !(args.sender_timeout.is_finite() && args.sender_timeout > 0.0) {
+        bail!("--sender-timeout must be a positive number of seconds");
+    }
+    if !(args.bandwidth_mbps.is_finite() && args.bandwidth_mbps > 0.0) {
+        bail!("--bandwidth-mbps must be positive");
+    }
+    if !(args.latency_ms.is_finite() && args.latency_ms >= 0.0) {
+        bail!("--latency-ms must be non-negative");
+    }
+    let mut peers = vec![SimPeer::node(); args.peers];
+    for p in peers.iter_mut().rev().take(args.clients) {
+        p.mode = Mode::Client;
+        p.fraction = 0.0;
+    }
+    for p in peers.iter_mut().rev().skip(args.clients).take(args.aux) {
+        p.mode = Mode::Aux;
+    }
+    for f in &args.faults {
+        let peer = peers.get_mut(f.peer).with_context(|| {
+            format!(
+                "fault at peer {} but there are {} peers",
+                f.peer, args.peers
+            )
+        })?;
+        if peer.fault.replace(f.fault).is_some() {
+            bail!("peer {} has more than one fault", f.peer);
+        }
+    }
+    let mut cfg = SimConfig::new(peers, args.seed);
+    cfg.round.part_size_bytes = args.part_bytes;
+    cfg.round.compression = args.compression.clone();
+    cfg.round.sender_timeout = Duration::from_secs_f64(args.sender_timeout);
+    cfg.round.reducer_timeout = cfg.round.sender_timeout * 2;
+    cfg.slow_pause = cfg.round.reducer_timeout * 10;
+    cfg.latency = Duration::from_secs_f64(args.latency_ms / 1e3);
+    cfg.bandwidth = args.bandwidth_mbps * 1e6;
+
+    // One large tensor plus a small one and a scalar, so that parts of several tensors mix.
+    let total = ((args.mib * (1 << 20) as f64) / 4.0) as usize;
+    let small = total.min(1000);
+    let scalar = usize::from(total > small);
+    let descriptors = vec![
+        TensorDescriptor {
+            shape: vec![total - small - scalar],
+            dtype: DType::F32,
+        },
+        TensorDescriptor {
+            shape: vec![small],
+            dtype: DType::F32,
+        },
+        TensorDescriptor {
+            shape: if scalar == 1 { vec![] } else { vec![0] },
+            dtype: DType::F32,
+        },
+    ];
+
+    let started = Instant::now();
+    let result = sim::run(&cfg, &descriptors).context("generating peer data")?;
+    let wall = started.elapsed();
+    let checks = result.check();
+    for (p, (peer, check)) in result.peers.iter().zip(&checks).enumerate() {
+        let status = match &peer.status {
+            PeerStatus::Finished(at) => format!("finished at={:.3}s", at.as_secs_f64()),
+            PeerStatus::Cancelled => "cancelled".to_owned(),
+            PeerStatus::NotStarted => "not-started".to_owned(),
+            PeerStatus::Unfinished => "unfinished".to_owned(),
+            PeerStatus::Rejected(e) => format!("rejected ({e})"),
+        };
+        let mut line = format!("peer {p} mode={} {status}", cfg.peers[p].mode);
+        if let Some(f) = cfg.peers[p].fault {
+            line += &format!(" fault={}", f.name());
+        }
+        if let (Some(outcome), Some(c)) = (&peer.outcome, check) {
+            let r = &outcome.report;
+            if c.total_elements > 0 {
+                line += &format!(
+                    " averaged={:.1}%",
+                    100.0 * c.averaged_elements as f64 / c.total_elements as f64
+                );
+            }
+            if !r.banned.is_empty() {
+                line += &format!(" banned={:?}", r.banned);
+            }
+            if !r.failed_reducers.is_empty() {
+                line += &format!(" failed_reducers={:?}", r.failed_reducers);
+            }
+            line += &format!(" max_abs_err={:.3e}", c.max_abs_err);
+        }
+        println!("{line}");
+    }
+    eprintln!(
+        "virtual time {:.3}s, wall time {:.3}s",
+        result.elapsed.as_secs_f64(),
+        wall.as_secs_f64()
+    );
+    let max_err = checks
+        .iter()
+        .flatten()
+        .map(|c| c.max_abs_err)
+        .fold(0.0f32, f32::max);
+    println!(
+        "sim peers={} ok={} max_abs_err={:.3e}",
+        args.peers,
+        result.finished(),
+        max_err
+    );
+    Ok(())
+}

@@ -52,6 +52,21 @@ pub fn scale(x: &mut [f32], s: f32) {
     }
 }
 
+/// Whether every value is finite (no NaN, no infinity). Branch-free so that it vectorises.
+pub fn all_finite(x: &[f32]) -> bool {
+    const EXP: u32 = 0x7f80_0000;
+    let mut bad = 0u32;
+    for chunk in x.chunks(1024) {
+        bad |= chunk
+            .iter()
+            .fold(0u32, |acc, v| acc | u32::from(v.to_bits() & EXP == EXP));
+        if bad != 0 {
+            return false;
+        }
+    }
+    true
+}
+
 /// Largest `|a[i] - b[i]|` (0 for empty input; NaN if any difference is NaN).
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
@@ -132,7 +147,10 @@ mod tests {
         let mut acc = vec![1.0, 2.0, 3.0];
         add_scaled(&mut acc, &[1.0, 1.0, 1.0], 2.0);
         assert_eq!(acc, vec![3.0, 4.0, 5.0]);
-        let h: Vec<f16> = [1.0f32, 2.0, 3.0].iter().map(|&v| f16::from_f32(v)).collect();
+        let h: Vec<f16> = [1.0f32, 2.0, 3.0]
+            .iter()
+            .map(|&v| f16::from_f32(v))
+            .collect();
         add_scaled_view(&mut acc, PartView::F16(&h), -1.0);
         assert_eq!(acc, vec![2.0, 2.0, 2.0]);
         let mut out = vec![0.0; 3];
@@ -140,6 +158,10 @@ mod tests {
         assert_eq!(out, vec![0.0, 1.0, 2.0]);
         assert_eq!(max_abs_diff(&out, &[0.0, 1.0, 1.5]), 0.5);
         assert!(max_abs_diff(&[f32::NAN], &[0.0]).is_nan());
+        assert!(all_finite(&[0.0, -1.0, f32::MAX]));
+        assert!(!all_finite(&[0.0, f32::NAN]));
+        assert!(!all_finite(&vec![f32::NEG_INFINITY; 3000]));
+        assert!(all_finite(&[]));
     }
 
     #[test]

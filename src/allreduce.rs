@@ -1,0 +1,470 @@
+//! The butterfly all-reduce, sans-IO.
+//!
+//! # The protocol
+//!
+//! A group of `N` peers in an agreed order averages a list of tensors. All tensors are
+//! flattened and cut into parts ([`partition`]); peer `i` *reduces* the `i`-th contiguous span
+//! of parts, sized by its fraction. Every *sender* streams its parts of span `i` to peer `i`
+//! ([`Message::Part`], in part order, with its weight); the reducer accumulates `Σ w·x` and
+//! `Σ w` per part ([`Reducer`]) and, once every sender that is still in the round has
+//! contributed a part, answers each sender with the *delta* `average − that sender's decoded
+//! input` ([`Message::Averaged`], with the set of contributors). The sender adds the delta to its
+//! local values, so each peer keeps its own compression error (as in hivemind). A reducer's own
+//! parts never touch the network or a codec.
+//!
+//! Modes ([`Mode`]): a **node** sends and reduces; a **client** sends and receives but reduces
+//! nothing (fraction 0) and gets its results only after it has sent everything to that reducer
+//! (no full-duplex traffic on asymmetric links); an **aux** peer reduces but sends nothing and
+//! applies nothing. A group without any sender (all aux) is rejected with
+//! [`RoundError::NoSenders`].
+//!
+//! # Timeouts and failures
+//!
+//! * `sender_timeout`: the longest a reducer waits for the next part of a sender that it is
+//!   not itself holding up (the reducer owes it no reply, or it is a client still sending),
+//!   counted from the round start, the sender's last part, or the reducer's last reply to it.
+//!   A sender that misses it is **banned**: excluded from every part it has not contributed;
+//!   parts it already contributed keep it.
+//! * `reducer_timeout` (must be larger than `sender_timeout`, so an honest reducer waiting out
+//!   a slow sender is not mistaken for a dead one): the longest a sender waits for the next
+//!   reply of a reducer while it has parts outstanding there. A reducer that misses it has
+//!   **failed**: its remaining parts keep the local values.
+//! * Malformed or inconsistent messages (wrong part, size, codec, weight, non-finite values,
+//!   duplicates, a reply naming impossible contributors) ban the sender or fail the reducer
+//!   with a typed [`Violation`]. An [`Message::Abort`] (cancel, ban) does the same at once.
+//!
+//! The round ends with an [`Outcome`]: the deltas (zero where values stay local) and a
+//! [`RoundReport`] that names, for every part, the senders whose values it averages or that it
+//! stayed local. [`Butterfly`] is one peer's side of a round; it never reads a clock or touches
+//! a socket: the caller feeds it messages and `now`, and drives `poll_transmit`, `poll_event`
+//! and `poll_timeout` (see [`crate::sim`] for a driver in virtual time).
+
+mod butterfly;
+pub mod partition;
+mod peer_set;
+mod reducer;
+
+use std::ops::Range;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::compression::{CodecError, Compression, CompressionType};
+use crate::tensor::{DType, Tensor, TensorError};
+
+pub use butterfly::Butterfly;
+pub use partition::{
+    DEFAULT_PART_SIZE_BYTES, PartSpec, Partition, PartitionError, TensorDescriptor,
+};
+pub use peer_set::PeerSet;
+pub use reducer::{CompletedPart, ReduceError, Reducer};
+
+/// Default `sender_timeout`.
+pub const DEFAULT_SENDER_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default `reducer_timeout` (twice the sender timeout, as hivemind derives it).
+pub const DEFAULT_REDUCER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default number of parts a sender may have outstanding at one reducer.
+pub const DEFAULT_MAX_IN_FLIGHT_PARTS: usize = 4;
+
+/// A peer's role in a round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Sends its values and reduces its span.
+    Node,
+    /// Sends and receives, reduces nothing, is never dialed.
+    Client,
+    /// Reduces its span, contributes nothing and applies nothing.
+    Aux,
+}
+
+impl Mode {
+    /// Whether this peer contributes values.
+    pub fn is_sender(self) -> bool {
+        !matches!(self, Self::Aux)
+    }
+
+    /// Whether this peer may reduce a span.
+    pub fn is_reducer(self) -> bool {
+        !matches!(self, Self::Client)
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "node" => Ok(Self::Node),
+            "client" => Ok(Self::Client),
+            "aux" => Ok(Self::Aux),
+            other => Err(format!("unknown mode '{other}' (node, client or aux)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Node => "node",
+            Self::Client => "client",
+            Self::Aux => "aux",
+        })
+    }
+}
+
+/// One member of the group, as every member sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Member {
+    /// Its mode.
+    pub mode: Mode,
+    /// Its share of the reduction (any positive scale; forced to 0 for clients).
+    pub fraction: f64,
+}
+
+/// Parameters of one round, identical on every member except `me` and `weight`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoundConfig {
+    /// The group, in the agreed order (= reducer order).
+    pub members: Vec<Member>,
+    /// This peer's index in `members`.
+    pub me: usize,
+    /// This peer's averaging weight (ignored for aux peers).
+    pub weight: f64,
+    /// Target size of a compressed part in bytes.
+    pub part_size_bytes: usize,
+    /// Codec choice per tensor.
+    pub compression: Compression,
+    /// See the module docs.
+    pub sender_timeout: Duration,
+    /// See the module docs; must be larger than `sender_timeout`.
+    pub reducer_timeout: Duration,
+    /// Parts a node may have outstanding at one reducer before it waits for replies.
+    pub max_in_flight_parts: usize,
+}
+
+impl RoundConfig {
+    /// A config with defaults for everything but the group and this peer's index.
+    pub fn new(members: Vec<Member>, me: usize) -> Self {
+        Self {
+            members,
+            me,
+            weight: 1.0,
+            part_size_bytes: DEFAULT_PART_SIZE_BYTES,
+            compression: Compression::default(),
+            sender_timeout: DEFAULT_SENDER_TIMEOUT,
+            reducer_timeout: DEFAULT_REDUCER_TIMEOUT,
+            max_in_flight_parts: DEFAULT_MAX_IN_FLIGHT_PARTS,
+        }
+    }
+
+    /// The effective fractions (0 for clients).
+    pub fn fractions(&self) -> Vec<f64> {
+        self.members
+            .iter()
+            .map(|m| if m.mode.is_reducer() { m.fraction } else { 0.0 })
+            .collect()
+    }
+}
+
+/// Which side of a link a message or failure concerns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// The peer as a sender of parts to us.
+    Sender,
+    /// The peer as the reducer of our parts.
+    Reducer,
+}
+
+/// Why a peer aborts its part of a round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AbortReason {
+    /// Its step was cancelled.
+    Cancelled,
+    /// It banned the receiver (as a sender) or gave up on it (as a reducer).
+    Banned,
+    /// It failed internally.
+    Internal,
+}
+
+/// A message between two members of a round (the group id travels in the framing).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Message {
+    /// Sender -> reducer: one part of the sender's values.
+    Part(PartMessage),
+    /// Reducer -> sender: the delta for one part.
+    Averaged(AveragedMessage),
+    /// Either direction: the sending peer leaves the link in the given role.
+    Abort {
+        /// The role the aborting peer leaves.
+        role: Role,
+        /// Why.
+        reason: AbortReason,
+    },
+}
+
+impl Message {
+    /// Bytes of payload carried (for bandwidth accounting).
+    pub fn payload_len(&self) -> usize {
+        match self {
+            Self::Part(p) => p.payload.len(),
+            Self::Averaged(a) => a.payload.len(),
+            Self::Abort { .. } => 0,
+        }
+    }
+}
+
+/// One encoded part of a sender's values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PartMessage {
+    /// Global part index.
+    pub part: u32,
+    /// The sender's averaging weight.
+    pub weight: f64,
+    /// Codec of the payload.
+    pub codec: CompressionType,
+    /// Dtype the payload declares.
+    pub dtype: DType,
+    /// Encoded values.
+    pub payload: Bytes,
+}
+
+/// The delta for one part, from its reducer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AveragedMessage {
+    /// Global part index.
+    pub part: u32,
+    /// Codec of the payload (the one the sender used for the part).
+    pub codec: CompressionType,
+    /// Dtype the payload declares.
+    pub dtype: DType,
+    /// Senders whose values are in the average; empty means "no average, keep local" (and
+    /// then the payload is empty).
+    pub contributors: PeerSet,
+    /// Encoded `average − sender's decoded input`.
+    pub payload: Bytes,
+}
+
+/// An outgoing message.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Transmit {
+    /// Destination peer index.
+    pub to: usize,
+    /// The message.
+    pub message: Message,
+}
+
+/// A protocol violation or failure that got a peer banned or marked as a failed reducer.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Violation {
+    /// The sender missed `sender_timeout`.
+    #[error("sender timed out")]
+    SenderTimeout,
+    /// The reducer missed `reducer_timeout`.
+    #[error("reducer timed out")]
+    ReducerTimeout,
+    /// The peer aborted.
+    #[error("peer aborted: {0:?}")]
+    Aborted(AbortReason),
+    /// The transport reported the link dead.
+    #[error("link failed")]
+    LinkFailed,
+    /// A part the reducer refused.
+    #[error(transparent)]
+    Reduce(#[from] ReduceError),
+    /// A payload that does not decode.
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+    /// A part out of order, or sent to a peer that reduces nothing.
+    #[error("unexpected part {part} (expected {expected:?})")]
+    UnexpectedPart {
+        /// Part index received.
+        part: u32,
+        /// Part index expected next, if any.
+        expected: Option<usize>,
+    },
+    /// A reply for a part that was not sent, already answered, or outside the span.
+    #[error("unexpected reply for part {0}")]
+    UnexpectedReply(u32),
+    /// Codec or dtype other than the group's configuration prescribes.
+    #[error("part {part} declares {codec:?}/{dtype}, expected {expected_codec:?}/{expected_dtype}")]
+    WrongEncoding {
+        /// Part index.
+        part: u32,
+        /// Declared codec.
+        codec: CompressionType,
+        /// Declared dtype.
+        dtype: DType,
+        /// Codec the configuration prescribes.
+        expected_codec: CompressionType,
+        /// Dtype the configuration prescribes.
+        expected_dtype: DType,
+    },
+    /// A reply naming contributors that cannot be (not senders, or without us).
+    #[error("reply for part {0} names impossible contributors")]
+    BadContributors(u32),
+    /// A reply with non-finite deltas.
+    #[error("reply for part {0} carries non-finite values")]
+    NonFiniteDelta(u32),
+}
+
+/// Errors that stop a round from starting or finishing.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RoundError {
+    /// `me` is not an index of `members`.
+    #[error("own index {me} is outside the group of {size}")]
+    NotInGroup {
+        /// Own index.
+        me: usize,
+        /// Group size.
+        size: usize,
+    },
+    /// `reducer_timeout` is not larger than `sender_timeout`.
+    #[error("reducer_timeout ({reducer:?}) must be larger than sender_timeout ({sender:?})")]
+    Timeouts {
+        /// Sender timeout.
+        sender: Duration,
+        /// Reducer timeout.
+        reducer: Duration,
+    },
+    /// Every member is aux: nobody contributes values.
+    #[error("the group has no senders (every member is aux)")]
+    NoSenders,
+    /// No member can reduce (all clients or all zero fractions).
+    #[error("no member reduces anything: {0}")]
+    NoReducers(PartitionError),
+    /// Bad partition parameters.
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
+    /// Own weight is negative, NaN or infinite.
+    #[error("weight {0} is not a finite non-negative number")]
+    BadWeight(f64),
+    /// `max_in_flight_parts` is zero.
+    #[error("max_in_flight_parts must be at least 1")]
+    ZeroWindow,
+    /// A message named a peer index outside the group.
+    #[error("peer index {0} is outside the group")]
+    UnknownPeer(usize),
+    /// The round was cancelled.
+    #[error("the round was cancelled")]
+    Cancelled,
+    /// The round has not finished yet.
+    #[error("the round has not finished")]
+    NotFinished,
+    /// Applying deltas failed.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+/// Something the driver should know about.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RoundEvent {
+    /// A sender was banned from this peer's span.
+    Banned {
+        /// Peer index.
+        peer: usize,
+        /// Why.
+        reason: Violation,
+    },
+    /// A reducer failed for this peer; its remaining parts stay local.
+    ReducerFailed {
+        /// Peer index.
+        peer: usize,
+        /// Why.
+        reason: Violation,
+    },
+    /// The round finished; [`Butterfly::outcome`] is ready.
+    Finished,
+}
+
+/// A run of consecutive parts with the same result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Segment {
+    /// Global part indices.
+    pub parts: Range<usize>,
+    /// The senders averaged into these parts, or `None` where the local values were kept.
+    pub contributors: Option<PeerSet>,
+}
+
+/// What happened to one reducer's span, from this peer's point of view.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpanReport {
+    /// The reducer's index.
+    pub reducer: usize,
+    /// Its global part indices.
+    pub parts: Range<usize>,
+    /// Runs of parts, in order, covering `parts`.
+    pub segments: Vec<Segment>,
+}
+
+/// What one round did, part by part.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct RoundReport {
+    /// One entry per reducer with a non-empty span that concerns this peer (all of them for
+    /// senders; only its own for an aux peer).
+    pub spans: Vec<SpanReport>,
+    /// Senders this peer banned from its span.
+    pub banned: PeerSet,
+    /// Reducers that failed for this peer.
+    pub failed_reducers: PeerSet,
+}
+
+impl RoundReport {
+    /// The contributors of global part `part`, `None` if it stayed local or is not covered.
+    pub fn contributors(&self, part: usize) -> Option<&PeerSet> {
+        self.spans
+            .iter()
+            .flat_map(|s| &s.segments)
+            .find(|seg| seg.parts.contains(&part))
+            .and_then(|seg| seg.contributors.as_ref())
+    }
+
+    /// Global part indices that kept local values.
+    pub fn local_parts(&self) -> impl Iterator<Item = usize> + '_ {
+        self.spans
+            .iter()
+            .flat_map(|s| &s.segments)
+            .filter(|seg| seg.contributors.is_none())
+            .flat_map(|seg| seg.parts.clone())
+    }
+}
+
+/// The result of a finished round.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// Per tensor, flat f32 deltas to add to the local values (zero where they stay local);
+    /// `None` for an aux peer, which applies nothing.
+    pub deltas: Option<Vec<Vec<f32>>>,
+    /// What was averaged.
+    pub report: RoundReport,
+}
+
+impl Outcome {
+    /// Adds `alpha ·` the deltas to `tensors` (no-op for an aux peer).
+    pub fn apply(&self, tensors: &mut [Tensor], alpha: f32) -> Result<(), RoundError> {
+        let Some(deltas) = &self.deltas else {
+            return Ok(());
+        };
+        if deltas.len() != tensors.len() {
+            return Err(TensorError::Mismatch(format!(
+                "{} deltas for {} tensors",
+                deltas.len(),
+                tensors.len()
+            ))
+            .into());
+        }
+        for (t, d) in tensors.iter_mut().zip(deltas) {
+            if d.len() != t.numel() {
+                return Err(TensorError::Mismatch(format!(
+                    "delta of {} for a tensor of {}",
+                    d.len(),
+                    t.numel()
+                ))
+                .into());
+            }
+            t.add_scaled_f32(0, d, alpha)?;
+        }
+        Ok(())
+    }
+}

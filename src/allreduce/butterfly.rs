@@ -1,0 +1,779 @@
+//! One peer's side of one butterfly round, as a pure state machine.
+//!
+//! Inputs: [`Butterfly::handle_message`], [`Butterfly::handle_timeout`],
+//! [`Butterfly::handle_link_failed`], [`Butterfly::cancel`], each with `now`.
+//! Outputs: [`Butterfly::poll_transmit`] (messages, generated lazily so that at most
+//! `max_in_flight_parts` parts per reducer exist at a time), [`Butterfly::poll_event`]
+//! (bans, failed reducers, finish) and [`Butterfly::poll_timeout`] (the next deadline).
+//!
+//! Encoding, decoding and reduction happen inside these calls: the driver runs the machine on
+//! a compute task and keeps network tasks for moving bytes.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::{
+    AbortReason, AveragedMessage, Message, Mode, Outcome, PartMessage, Partition, PeerSet, Reducer,
+    Role, RoundConfig, RoundError, RoundEvent, RoundReport, Segment, SpanReport, TensorDescriptor,
+    Transmit, Violation,
+};
+use crate::compression::Codec;
+use crate::tensor::{DType, PartView, Tensor, ops};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LinkStatus {
+    Active,
+    Done,
+    Failed,
+}
+
+/// This peer as a sender to one reducer.
+#[derive(Debug)]
+struct OutLink {
+    span: Range<usize>,
+    next: usize,
+    in_flight: usize,
+    replied: Vec<bool>,
+    replies: usize,
+    status: LinkStatus,
+    last_progress: Instant,
+}
+
+/// One sender to this peer as a reducer.
+#[derive(Debug)]
+struct InLink {
+    received: usize,
+    transmitted: usize,
+    held: Vec<Message>,
+    status: LinkStatus,
+    last_activity: Instant,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Running,
+    Finished,
+    Cancelled,
+}
+
+/// One peer's side of one butterfly all-reduce round (see the [module docs](super)).
+#[derive(Debug)]
+pub struct Butterfly {
+    cfg: RoundConfig,
+    modes: Vec<Mode>,
+    partition: Partition,
+    codecs: Vec<&'static dyn Codec>,
+    tensors: Vec<Tensor>,
+    deltas: Option<Vec<Vec<f32>>>,
+    out_links: Vec<Option<OutLink>>,
+    reducer: Option<Reducer>,
+    in_links: Vec<Option<InLink>>,
+    outbox: Vec<VecDeque<Message>>,
+    events: VecDeque<RoundEvent>,
+    results: Vec<Option<PeerSet>>,
+    banned: PeerSet,
+    failed_reducers: PeerSet,
+    state: State,
+    cursor: usize,
+    scratch: Vec<f32>,
+}
+
+impl Butterfly {
+    /// Starts a round over `tensors` (this peer's values, owned for the round's duration).
+    pub fn new(cfg: RoundConfig, tensors: Vec<Tensor>, now: Instant) -> Result<Self, RoundError> {
+        let n = cfg.members.len();
+        if cfg.me >= n {
+            return Err(RoundError::NotInGroup {
+                me: cfg.me,
+                size: n,
+            });
+        }
+        if cfg.reducer_timeout <= cfg.sender_timeout {
+            return Err(RoundError::Timeouts {
+                sender: cfg.sender_timeout,
+                reducer: cfg.reducer_timeout,
+            });
+        }
+        if cfg.max_in_flight_parts == 0 {
+            return Err(RoundError::ZeroWindow);
+        }
+        if !cfg.weight.is_finite() || cfg.weight < 0.0 {
+            return Err(RoundError::BadWeight(cfg.weight));
+        }
+        let modes: Vec<Mode> = cfg.members.iter().map(|m| m.mode).collect();
+        let senders = PeerSet::from_indices((0..n).filter(|&i| modes[i].is_sender()));
+        if senders.is_empty() {
+            return Err(RoundError::NoSenders);
+        }
+        let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
+        let partition = Partition::new(
+            &descriptors,
+            &cfg.fractions(),
+            cfg.part_size_bytes,
+            &cfg.compression,
+        )
+        .map_err(|e| match e {
+            super::PartitionError::AllZero => RoundError::NoReducers(e),
+            other => RoundError::Partition(other),
+        })?;
+        let codecs = descriptors
+            .iter()
+            .map(|d| cfg.compression.codec_for(d.numel()))
+            .collect();
+        let me = cfg.me;
+        let my_mode = modes[me];
+
+        let deltas = my_mode.is_sender().then(|| {
+            descriptors
+                .iter()
+                .map(|d| vec![0.0f32; d.numel()])
+                .collect()
+        });
+
+        let out_links = (0..n)
+            .map(|r| {
+                let span = partition.span(r);
+                (my_mode.is_sender() && r != me && !span.is_empty()).then(|| OutLink {
+                    next: span.start,
+                    in_flight: 0,
+                    replied: vec![false; span.len()],
+                    replies: 0,
+                    status: LinkStatus::Active,
+                    last_progress: now,
+                    span,
+                })
+            })
+            .collect();
+
+        let my_span = partition.span(me);
+        let (reducer, in_links) = if my_mode.is_reducer() && !my_span.is_empty() {
+            let lens = partition.parts()[my_span.clone()]
+                .iter()
+                .map(|p| p.len)
+                .collect();
+            let reducer = Reducer::new(my_span.clone(), lens, senders.clone());
+            let links = (0..n)
+                .map(|s| {
+                    (s != me && senders.contains(s)).then(|| InLink {
+                        received: 0,
+                        transmitted: 0,
+                        held: Vec::new(),
+                        status: LinkStatus::Active,
+                        last_activity: now,
+                    })
+                })
+                .collect();
+            (Some(reducer), links)
+        } else {
+            (None, (0..n).map(|_| None).collect())
+        };
+
+        let mut machine = Self {
+            modes,
+            results: vec![None; partition.num_parts()],
+            partition,
+            codecs,
+            tensors,
+            deltas,
+            out_links,
+            reducer,
+            in_links,
+            outbox: (0..n).map(|_| VecDeque::new()).collect(),
+            events: VecDeque::new(),
+            banned: PeerSet::new(),
+            failed_reducers: PeerSet::new(),
+            state: State::Running,
+            cursor: 0,
+            scratch: Vec::new(),
+            cfg,
+        };
+        machine.contribute_local();
+        machine.drain_completed();
+        machine.check_finished();
+        Ok(machine)
+    }
+
+    /// The partition of this round.
+    pub fn partition(&self) -> &Partition {
+        &self.partition
+    }
+
+    /// This peer's values as they were when the round started.
+    pub fn tensors(&self) -> &[Tensor] {
+        &self.tensors
+    }
+
+    /// Whether the round finished (successfully).
+    pub fn is_finished(&self) -> bool {
+        self.state == State::Finished
+    }
+
+    /// Whether the round was cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        self.state == State::Cancelled
+    }
+
+    /// The result, once [`RoundEvent::Finished`] was emitted.
+    pub fn outcome(&self) -> Result<Outcome, RoundError> {
+        match self.state {
+            State::Running => Err(RoundError::NotFinished),
+            State::Cancelled => Err(RoundError::Cancelled),
+            State::Finished => Ok(Outcome {
+                deltas: self.deltas.clone(),
+                report: self.report(),
+            }),
+        }
+    }
+
+    /// Like [`Butterfly::outcome`], without copying the deltas; also returns the tensors.
+    pub fn into_outcome(self) -> Result<(Vec<Tensor>, Outcome), RoundError> {
+        match self.state {
+            State::Running => Err(RoundError::NotFinished),
+            State::Cancelled => Err(RoundError::Cancelled),
+            State::Finished => {
+                let report = self.report();
+                Ok((
+                    self.tensors,
+                    Outcome {
+                        deltas: self.deltas,
+                        report,
+                    },
+                ))
+            }
+        }
+    }
+
+    /// The next event for the driver.
+    pub fn poll_event(&mut self) -> Option<RoundEvent> {
+        self.events.pop_front()
+    }
+
+    /// The earliest time at which [`Butterfly::handle_timeout`] must be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.state != State::Running {
+            return None;
+        }
+        let ins = (0..self.in_links.len()).filter_map(|s| self.in_deadline(s));
+        let outs = (0..self.out_links.len()).filter_map(|r| self.out_deadline(r));
+        ins.chain(outs).min()
+    }
+
+    /// The next message to send, to a destination for which `ready` returns true. Parts are
+    /// produced (encoded) here, lazily, so a slow link holds back only its own data.
+    pub fn poll_transmit(
+        &mut self,
+        now: Instant,
+        mut ready: impl FnMut(usize) -> bool,
+    ) -> Option<Transmit> {
+        let n = self.outbox.len();
+        for k in 0..n {
+            let to = (self.cursor + k) % n;
+            if self.outbox[to].is_empty() && !self.can_send_part(to) {
+                continue;
+            }
+            if !ready(to) {
+                continue;
+            }
+            self.cursor = (to + 1) % n;
+            if let Some(message) = self.outbox[to].pop_front() {
+                if matches!(message, Message::Averaged(_))
+                    && let Some(link) = self.in_links[to].as_mut()
+                {
+                    link.transmitted += 1;
+                    link.last_activity = now;
+                }
+                return Some(Transmit { to, message });
+            }
+            let message = self.make_part(to, now);
+            return Some(Transmit { to, message });
+        }
+        None
+    }
+
+    /// Handles a message from group member `from`.
+    pub fn handle_message(
+        &mut self,
+        now: Instant,
+        from: usize,
+        message: Message,
+    ) -> Result<(), RoundError> {
+        if from >= self.modes.len() {
+            return Err(RoundError::UnknownPeer(from));
+        }
+        if self.state != State::Running {
+            return Ok(());
+        }
+        match message {
+            Message::Part(part) => self.on_part(now, from, part),
+            Message::Averaged(avg) => self.on_averaged(now, from, avg),
+            Message::Abort { role, reason } => match role {
+                Role::Sender => self.ban(from, Violation::Aborted(reason), false),
+                Role::Reducer => self.fail_reducer(from, Violation::Aborted(reason), false),
+            },
+        }
+        self.drain_completed();
+        self.check_finished();
+        Ok(())
+    }
+
+    /// Handles expired deadlines.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.state != State::Running {
+            return;
+        }
+        for s in 0..self.in_links.len() {
+            if self.in_deadline(s).is_some_and(|d| d <= now) {
+                self.ban(s, Violation::SenderTimeout, true);
+            }
+        }
+        for r in 0..self.out_links.len() {
+            if self.out_deadline(r).is_some_and(|d| d <= now) {
+                self.fail_reducer(r, Violation::ReducerTimeout, true);
+            }
+        }
+        self.drain_completed();
+        self.check_finished();
+    }
+
+    /// The transport lost the link to `peer` in `role` (or both roles with `None`).
+    pub fn handle_link_failed(&mut self, now: Instant, peer: usize, role: Option<Role>) {
+        let _ = now;
+        if self.state != State::Running || peer >= self.modes.len() {
+            return;
+        }
+        if role != Some(Role::Reducer) {
+            self.ban(peer, Violation::LinkFailed, false);
+        }
+        if role != Some(Role::Sender) {
+            self.fail_reducer(peer, Violation::LinkFailed, false);
+        }
+        self.drain_completed();
+        self.check_finished();
+    }
+
+    /// Cancels the round: every peer still linked gets an abort; the outcome is
+    /// [`RoundError::Cancelled`]. Keep draining [`Butterfly::poll_transmit`] to send the aborts.
+    pub fn cancel(&mut self, now: Instant) {
+        let _ = now;
+        if self.state != State::Running {
+            return;
+        }
+        for q in &mut self.outbox {
+            q.clear();
+        }
+        for r in 0..self.out_links.len() {
+            if let Some(l) = self.out_links[r].as_mut()
+                && l.status == LinkStatus::Active
+            {
+                l.status = LinkStatus::Failed;
+                self.outbox[r].push_back(Message::Abort {
+                    role: Role::Sender,
+                    reason: AbortReason::Cancelled,
+                });
+            }
+        }
+        for s in 0..self.in_links.len() {
+            if let Some(l) = self.in_links[s].as_mut()
+                && l.status != LinkStatus::Failed
+            {
+                l.status = LinkStatus::Failed;
+                l.held.clear();
+                self.outbox[s].push_back(Message::Abort {
+                    role: Role::Reducer,
+                    reason: AbortReason::Cancelled,
+                });
+            }
+        }
+        self.state = State::Cancelled;
+    }
+
+    // ---- sender side ----
+
+    fn can_send_part(&self, to: usize) -> bool {
+        if self.state != State::Running {
+            return false;
+        }
+        let Some(l) = &self.out_links[to] else {
+            return false;
+        };
+        l.status == LinkStatus::Active
+            && l.next < l.span.end
+            && (self.modes[self.cfg.me] == Mode::Client
+                || l.in_flight < self.cfg.max_in_flight_parts)
+    }
+
+    fn make_part(&mut self, to: usize, now: Instant) -> Message {
+        let client = self.modes[self.cfg.me] == Mode::Client;
+        let link = self.out_links[to]
+            .as_mut()
+            .expect("can_send_part checked the link");
+        let g = link.next;
+        link.next += 1;
+        if link.in_flight == 0 && !client {
+            link.last_progress = now;
+        }
+        link.in_flight += 1;
+        if client && link.next == link.span.end {
+            link.last_progress = now;
+        }
+        let spec = *self.partition.part(g);
+        let codec = self.codecs[spec.tensor];
+        let view = self.tensors[spec.tensor].part(spec.range());
+        let mut buf = Vec::with_capacity(view.as_bytes().len());
+        codec.encode(view, &mut buf);
+        Message::Part(PartMessage {
+            part: g as u32,
+            weight: self.cfg.weight,
+            codec: codec.kind(),
+            dtype: codec.wire_dtype(view.dtype()),
+            payload: Bytes::from(buf),
+        })
+    }
+
+    fn out_deadline(&self, r: usize) -> Option<std::time::Instant> {
+        let l = self.out_links[r].as_ref()?;
+        if l.status != LinkStatus::Active || l.in_flight == 0 {
+            return None;
+        }
+        if self.modes[self.cfg.me] == Mode::Client && l.next < l.span.end {
+            return None;
+        }
+        Some(l.last_progress + self.cfg.reducer_timeout)
+    }
+
+    fn on_averaged(&mut self, now: Instant, from: usize, msg: AveragedMessage) {
+        let me = self.cfg.me;
+        let Some(link) = self.out_links[from].as_ref() else {
+            // Not a reducer of ours (or ourselves): nothing of ours to fail, just report it.
+            self.events.push_back(RoundEvent::ReducerFailed {
+                peer: from,
+                reason: Violation::UnexpectedReply(msg.part),
+            });
+            return;
+        };
+        if link.status != LinkStatus::Active {
+            return; // stale reply after a failure
+        }
+        let g = msg.part as usize;
+        if !(link.span.start <= g && g < link.next) || link.replied[g - link.span.start] {
+            self.fail_reducer(from, Violation::UnexpectedReply(msg.part), true);
+            return;
+        }
+        let spec = *self.partition.part(g);
+        let codec = self.codecs[spec.tensor];
+        let expected_dtype = codec.wire_dtype(DType::F32);
+        if msg.codec != codec.kind() || msg.dtype != expected_dtype {
+            self.fail_reducer(
+                from,
+                Violation::WrongEncoding {
+                    part: msg.part,
+                    codec: msg.codec,
+                    dtype: msg.dtype,
+                    expected_codec: codec.kind(),
+                    expected_dtype,
+                },
+                true,
+            );
+            return;
+        }
+        let contributors_ok = if msg.contributors.is_empty() {
+            msg.payload.is_empty()
+        } else {
+            msg.contributors.contains(me)
+                && msg.contributors.bound() <= self.modes.len()
+                && msg.contributors.iter().all(|s| self.modes[s].is_sender())
+        };
+        if !contributors_ok {
+            self.fail_reducer(from, Violation::BadContributors(msg.part), true);
+            return;
+        }
+        if !msg.contributors.is_empty() {
+            let deltas = self.deltas.as_mut().expect("senders have delta buffers");
+            let out = &mut deltas[spec.tensor][spec.range()];
+            if let Err(e) = codec.decode(&msg.payload, msg.dtype, out) {
+                out.fill(0.0);
+                self.fail_reducer(from, e.into(), true);
+                return;
+            }
+            if !ops::all_finite(out) {
+                out.fill(0.0);
+                self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
+                return;
+            }
+            self.results[g] = Some(msg.contributors);
+        }
+        let link = self.out_links[from].as_mut().expect("checked above");
+        link.replied[g - link.span.start] = true;
+        link.replies += 1;
+        link.in_flight -= 1;
+        link.last_progress = now;
+        if link.replies == link.span.len() {
+            link.status = LinkStatus::Done;
+        }
+    }
+
+    /// Marks reducer `r` as failed for us: its remaining parts keep local values.
+    fn fail_reducer(&mut self, r: usize, reason: Violation, notify: bool) {
+        let Some(link) = self.out_links[r].as_mut() else {
+            return;
+        };
+        if link.status != LinkStatus::Active {
+            return;
+        }
+        link.status = LinkStatus::Failed;
+        self.failed_reducers.insert(r);
+        self.outbox[r].retain(|m| !matches!(m, Message::Part(_)));
+        if notify {
+            self.outbox[r].push_back(Message::Abort {
+                role: Role::Sender,
+                reason: AbortReason::Banned,
+            });
+        }
+        self.events
+            .push_back(RoundEvent::ReducerFailed { peer: r, reason });
+    }
+
+    // ---- reducer side ----
+
+    fn contribute_local(&mut self) {
+        let me = self.cfg.me;
+        if !self.modes[me].is_sender() {
+            return;
+        }
+        let Some(reducer) = self.reducer.as_mut() else {
+            return;
+        };
+        for g in reducer.span() {
+            let spec = *self.partition.part(g);
+            let view = self.tensors[spec.tensor].part(spec.range());
+            let mut buf = reducer.take_buffer(spec.len);
+            view.copy_to_f32(&mut buf);
+            reducer
+                .accumulate(me, g, buf, self.cfg.weight, false)
+                .expect("own contribution is well-formed: checked weight, own partition");
+        }
+    }
+
+    fn in_deadline(&self, s: usize) -> Option<Instant> {
+        let l = self.in_links[s].as_ref()?;
+        let reducer = self.reducer.as_ref()?;
+        if l.status != LinkStatus::Active || l.received >= reducer.span().len() {
+            return None;
+        }
+        let owes = l.received > l.transmitted;
+        if self.modes[s] != Mode::Client && owes {
+            return None;
+        }
+        Some(l.last_activity + self.cfg.sender_timeout)
+    }
+
+    fn on_part(&mut self, now: Instant, from: usize, msg: PartMessage) {
+        let link_state = self.in_links[from].as_ref().map(|l| (l.status, l.received));
+        let span = self.reducer.as_ref().map(Reducer::span);
+        let (Some((status, received)), Some(span)) = (link_state, span) else {
+            self.events.push_back(RoundEvent::Banned {
+                peer: from,
+                reason: Violation::UnexpectedPart {
+                    part: msg.part,
+                    expected: None,
+                },
+            });
+            return;
+        };
+        if status != LinkStatus::Active {
+            return; // stale part from a banned (or finished) sender
+        }
+        let g = span.start + received;
+        if msg.part as usize != g {
+            self.ban(
+                from,
+                Violation::UnexpectedPart {
+                    part: msg.part,
+                    expected: Some(g),
+                },
+                true,
+            );
+            return;
+        }
+        let spec = *self.partition.part(g);
+        let codec = self.codecs[spec.tensor];
+        let expected_dtype = codec.wire_dtype(self.tensors[spec.tensor].dtype());
+        if msg.codec != codec.kind() || msg.dtype != expected_dtype {
+            self.ban(
+                from,
+                Violation::WrongEncoding {
+                    part: msg.part,
+                    codec: msg.codec,
+                    dtype: msg.dtype,
+                    expected_codec: codec.kind(),
+                    expected_dtype,
+                },
+                true,
+            );
+            return;
+        }
+        let reducer = self
+            .reducer
+            .as_mut()
+            .expect("span exists, so the reducer does");
+        let mut buf = reducer.take_buffer(spec.len);
+        if let Err(e) = codec.decode(&msg.payload, msg.dtype, &mut buf) {
+            reducer.recycle(buf);
+            self.ban(from, e.into(), true);
+            return;
+        }
+        if let Err(e) = reducer.accumulate(from, g, buf, msg.weight, true) {
+            self.ban(from, e.into(), true);
+            return;
+        }
+        let link = self.in_links[from].as_mut().expect("checked above");
+        link.received += 1;
+        link.last_activity = now;
+        if link.received == span.len() {
+            link.status = LinkStatus::Done;
+            // A client gets its results only once it has sent everything.
+            let held = std::mem::take(&mut link.held);
+            self.outbox[from].extend(held);
+        }
+    }
+
+    /// Bans sender `s` from our span.
+    fn ban(&mut self, s: usize, reason: Violation, notify: bool) {
+        let Some(link) = self.in_links[s].as_mut() else {
+            if s != self.cfg.me && self.reducer.is_some() && !self.modes[s].is_sender() {
+                // An aux peer posing as a sender: nothing to exclude, but say so.
+                self.events
+                    .push_back(RoundEvent::Banned { peer: s, reason });
+            }
+            return;
+        };
+        if link.status == LinkStatus::Failed {
+            return;
+        }
+        link.status = LinkStatus::Failed;
+        link.held.clear();
+        self.banned.insert(s);
+        self.outbox[s].retain(|m| !matches!(m, Message::Averaged(_)));
+        if notify {
+            self.outbox[s].push_back(Message::Abort {
+                role: Role::Reducer,
+                reason: AbortReason::Banned,
+            });
+        }
+        if let Some(r) = self.reducer.as_mut() {
+            r.exclude(s);
+        }
+        self.events
+            .push_back(RoundEvent::Banned { peer: s, reason });
+    }
+
+    fn drain_completed(&mut self) {
+        let me = self.cfg.me;
+        let Some(reducer) = self.reducer.as_mut() else {
+            return;
+        };
+        while let Some(done) = reducer.poll_completed() {
+            let g = done.part;
+            let spec = *self.partition.part(g);
+            let codec = self.codecs[spec.tensor];
+            // Our own delta, straight from our values (never compressed).
+            if let (Some(avg), Some(deltas)) = (&done.average, self.deltas.as_mut()) {
+                let out = &mut deltas[spec.tensor][spec.range()];
+                match self.tensors[spec.tensor].part(spec.range()) {
+                    PartView::F32(x) => ops::scaled_sub(out, avg, 1.0, x),
+                    other => {
+                        self.scratch.resize(spec.len, 0.0);
+                        other.copy_to_f32(&mut self.scratch);
+                        ops::scaled_sub(out, avg, 1.0, &self.scratch);
+                    }
+                }
+            }
+            self.results[g] = done.average.as_ref().map(|_| done.contributors.clone());
+            for (s, input) in done.inputs {
+                let Some(link) = self.in_links[s].as_mut() else {
+                    reducer.recycle(input);
+                    continue;
+                };
+                if link.status == LinkStatus::Failed {
+                    reducer.recycle(input);
+                    continue;
+                }
+                let mut payload = Vec::new();
+                if let Some(avg) = &done.average {
+                    self.scratch.resize(spec.len, 0.0);
+                    ops::scaled_sub(&mut self.scratch, avg, 1.0, &input);
+                    codec.encode(PartView::F32(&self.scratch), &mut payload);
+                }
+                reducer.recycle(input);
+                let reply = Message::Averaged(AveragedMessage {
+                    part: g as u32,
+                    codec: codec.kind(),
+                    dtype: codec.wire_dtype(DType::F32),
+                    contributors: done.contributors.clone(),
+                    payload: Bytes::from(payload),
+                });
+                let sending_done = link.status == LinkStatus::Done;
+                if self.modes[s] == Mode::Client && !sending_done {
+                    link.held.push(reply);
+                } else {
+                    self.outbox[s].push_back(reply);
+                }
+            }
+            if let Some(avg) = done.average {
+                reducer.recycle(avg);
+            }
+        }
+        let _ = me;
+    }
+
+    fn check_finished(&mut self) {
+        if self.state != State::Running {
+            return;
+        }
+        let sending_done = self
+            .out_links
+            .iter()
+            .flatten()
+            .all(|l| l.status != LinkStatus::Active);
+        let reducing_done = self.reducer.as_ref().is_none_or(Reducer::is_finished)
+            && self.in_links.iter().flatten().all(|l| l.held.is_empty());
+        if sending_done && reducing_done {
+            self.state = State::Finished;
+            self.events.push_back(RoundEvent::Finished);
+        }
+    }
+
+    fn report(&self) -> RoundReport {
+        let me = self.cfg.me;
+        let mut spans = Vec::new();
+        for r in 0..self.modes.len() {
+            let parts = self.partition.span(r);
+            if parts.is_empty() || (!self.modes[me].is_sender() && r != me) {
+                continue;
+            }
+            let mut segments: Vec<Segment> = Vec::new();
+            for g in parts.clone() {
+                match segments.last_mut() {
+                    Some(seg) if seg.contributors == self.results[g] => seg.parts.end = g + 1,
+                    _ => segments.push(Segment {
+                        parts: g..g + 1,
+                        contributors: self.results[g].clone(),
+                    }),
+                }
+            }
+            spans.push(SpanReport {
+                reducer: r,
+                parts,
+                segments,
+            });
+        }
+        RoundReport {
+            spans,
+            banned: self.banned.clone(),
+            failed_reducers: self.failed_reducers.clone(),
+        }
+    }
+}

@@ -1,0 +1,440 @@
+//! Weighted accumulation of one peer's span of parts.
+//!
+//! For each part of the span the reducer keeps an f32 accumulator `Σ w·x` and the denominator
+//! `Σ w` over the senders that actually contributed that part. A part is complete once every
+//! sender that is not excluded has contributed it; its average is `Σ w·x / Σ w`. Senders may be
+//! at different parts at the same time (out-of-order across senders); contributions of one
+//! sender to one part are accepted once. Excluding (banning) a sender removes it from every part
+//! it has not contributed yet, while its earlier contributions stay in their averages, so a
+//! part's average is always over exactly the senders listed as its contributors.
+//!
+//! A part whose contributors all have weight 0, or that has no contributors at all, has no
+//! average: it completes with `average = None` and every sender keeps its local values there
+//! (hivemind divides by zero and returns NaN).
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use super::peer_set::PeerSet;
+use crate::tensor::ops;
+
+/// Why a contribution was refused. Each one is a protocol violation by the sender, except
+/// [`ReduceError::Excluded`], which only means the sender was banned earlier.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReduceError {
+    /// The peer is not a sender of this group.
+    #[error("peer {0} is not a sender in this group")]
+    NotASender(usize),
+    /// The part is not in this reducer's span.
+    #[error("part {part} is outside this reducer's span {span:?}")]
+    OutsideSpan {
+        /// Global part index.
+        part: usize,
+        /// This reducer's span.
+        span: Range<usize>,
+    },
+    /// The sender already contributed this part.
+    #[error("peer {sender} contributed part {part} twice")]
+    Duplicate {
+        /// Sender.
+        sender: usize,
+        /// Global part index.
+        part: usize,
+    },
+    /// The values do not have the part's length.
+    #[error("part {part} has {expected} elements, got {actual}")]
+    Length {
+        /// Global part index.
+        part: usize,
+        /// Expected element count.
+        expected: usize,
+        /// Received element count.
+        actual: usize,
+    },
+    /// A weight that is negative, NaN or infinite.
+    #[error("weight {0} is not a finite non-negative number")]
+    BadWeight(f64),
+    /// The values contain NaN or infinity.
+    #[error("part {0} carries non-finite values")]
+    NonFinite(usize),
+    /// The sender was excluded earlier; the contribution is ignored.
+    #[error("peer {0} was excluded from this round")]
+    Excluded(usize),
+}
+
+/// A part whose contributions are all in.
+#[derive(Debug)]
+pub struct CompletedPart {
+    /// Global part index.
+    pub part: usize,
+    /// `Σ w·x / Σ w` over `contributors`, or `None` if the total weight is zero.
+    pub average: Option<Vec<f32>>,
+    /// Senders whose values are in the average (empty when `average` is `None`).
+    pub contributors: PeerSet,
+    /// The decoded inputs of senders that asked to keep them (to compute their deltas).
+    pub inputs: Vec<(usize, Vec<f32>)>,
+}
+
+#[derive(Debug, Default)]
+struct PartAcc {
+    acc: Option<Vec<f32>>,
+    denominator: f64,
+    contributors: PeerSet,
+    inputs: Vec<(usize, Vec<f32>)>,
+    done: bool,
+}
+
+/// Accumulates one span of parts from many senders.
+#[derive(Debug)]
+pub struct Reducer {
+    span: Range<usize>,
+    lens: Vec<usize>,
+    senders: PeerSet,
+    excluded: PeerSet,
+    parts: Vec<PartAcc>,
+    completed: VecDeque<usize>,
+    remaining: usize,
+    pool: Vec<Vec<f32>>,
+}
+
+impl Reducer {
+    /// A reducer for the global parts `span` (with element counts `lens`), expecting a
+    /// contribution from every member of `senders`.
+    pub fn new(span: Range<usize>, lens: Vec<usize>, senders: PeerSet) -> Self {
+        assert_eq!(span.len(), lens.len(), "one length per part of the span");
+        let mut r = Self {
+            parts: (0..lens.len()).map(|_| PartAcc::default()).collect(),
+            remaining: lens.len(),
+            span,
+            lens,
+            senders,
+            excluded: PeerSet::new(),
+            completed: VecDeque::new(),
+            pool: Vec::new(),
+        };
+        if r.senders.is_empty() {
+            for i in 0..r.parts.len() {
+                r.try_complete(i);
+            }
+        }
+        r
+    }
+
+    /// The global part indices this reducer handles.
+    pub fn span(&self) -> Range<usize> {
+        self.span.clone()
+    }
+
+    /// Element count of global part `part` (which must be in the span).
+    pub fn part_len(&self, part: usize) -> usize {
+        self.lens[part - self.span.start]
+    }
+
+    /// Whether every part has completed.
+    pub fn is_finished(&self) -> bool {
+        self.remaining == 0
+    }
+
+    /// Whether `sender` has been excluded.
+    pub fn is_excluded(&self, sender: usize) -> bool {
+        self.excluded.contains(sender)
+    }
+
+    /// A zeroed-or-garbage buffer of `len` elements from the pool (contents unspecified).
+    pub fn take_buffer(&mut self, len: usize) -> Vec<f32> {
+        let mut v = self.pool.pop().unwrap_or_default();
+        v.resize(len, 0.0);
+        v
+    }
+
+    /// Returns a buffer to the pool.
+    pub fn recycle(&mut self, mut buf: Vec<f32>) {
+        if self.pool.len() < 64 {
+            buf.clear();
+            self.pool.push(buf);
+        }
+    }
+
+    /// Adds `weight · values` from `sender` to global part `part`. With `keep_input`, the
+    /// values are handed back in [`CompletedPart::inputs`]; otherwise the buffer is recycled.
+    pub fn accumulate(
+        &mut self,
+        sender: usize,
+        part: usize,
+        values: Vec<f32>,
+        weight: f64,
+        keep_input: bool,
+    ) -> Result<(), ReduceError> {
+        let res = self.check(sender, part, &values, weight);
+        if let Err(e) = res {
+            self.recycle(values);
+            return Err(e);
+        }
+        let i = part - self.span.start;
+        let mut acc = match self.parts[i].acc.take() {
+            Some(acc) => acc,
+            None => {
+                let mut acc = self.take_buffer(values.len());
+                acc.fill(0.0);
+                acc
+            }
+        };
+        ops::add_scaled(&mut acc, &values, weight as f32);
+        let p = &mut self.parts[i];
+        p.acc = Some(acc);
+        p.denominator += weight;
+        p.contributors.insert(sender);
+        if keep_input {
+            p.inputs.push((sender, values));
+        } else {
+            self.recycle(values);
+        }
+        self.try_complete(i);
+        Ok(())
+    }
+
+    fn check(
+        &self,
+        sender: usize,
+        part: usize,
+        values: &[f32],
+        weight: f64,
+    ) -> Result<(), ReduceError> {
+        if !self.senders.contains(sender) {
+            return Err(ReduceError::NotASender(sender));
+        }
+        if self.excluded.contains(sender) {
+            return Err(ReduceError::Excluded(sender));
+        }
+        if !self.span.contains(&part) {
+            return Err(ReduceError::OutsideSpan {
+                part,
+                span: self.span.clone(),
+            });
+        }
+        let i = part - self.span.start;
+        if self.parts[i].contributors.contains(sender) {
+            return Err(ReduceError::Duplicate { sender, part });
+        }
+        if values.len() != self.lens[i] {
+            return Err(ReduceError::Length {
+                part,
+                expected: self.lens[i],
+                actual: values.len(),
+            });
+        }
+        if !weight.is_finite() || weight < 0.0 {
+            return Err(ReduceError::BadWeight(weight));
+        }
+        if !ops::all_finite(values) {
+            return Err(ReduceError::NonFinite(part));
+        }
+        Ok(())
+    }
+
+    /// Excludes `sender` from every part it has not contributed yet. Returns whether it was
+    /// newly excluded.
+    pub fn exclude(&mut self, sender: usize) -> bool {
+        if !self.senders.contains(sender) || !self.excluded.insert(sender) {
+            return false;
+        }
+        for i in 0..self.parts.len() {
+            self.try_complete(i);
+        }
+        true
+    }
+
+    /// Whether `sender` has contributed every part already (or the span is empty).
+    pub fn has_all_from(&self, sender: usize) -> bool {
+        self.parts
+            .iter()
+            .all(|p| p.done || p.contributors.contains(sender))
+    }
+
+    fn try_complete(&mut self, i: usize) {
+        let p = &self.parts[i];
+        if p.done {
+            return;
+        }
+        let complete = self
+            .senders
+            .iter()
+            .all(|s| self.excluded.contains(s) || p.contributors.contains(s));
+        if complete {
+            self.parts[i].done = true;
+            self.remaining -= 1;
+            self.completed.push_back(i);
+        }
+    }
+
+    /// The next completed part, if any (in completion order).
+    pub fn poll_completed(&mut self) -> Option<CompletedPart> {
+        let i = self.completed.pop_front()?;
+        let p = &mut self.parts[i];
+        let acc = p.acc.take();
+        let inputs = std::mem::take(&mut p.inputs);
+        let denominator = p.denominator;
+        let contributors = std::mem::take(&mut p.contributors);
+        let (average, contributors) = match acc {
+            Some(mut acc) if denominator > 0.0 => {
+                ops::scale(&mut acc, (1.0 / denominator) as f32);
+                (Some(acc), contributors)
+            }
+            other => {
+                if let Some(buf) = other {
+                    self.recycle(buf);
+                }
+                (None, PeerSet::new())
+            }
+        };
+        Some(CompletedPart {
+            part: self.span.start + i,
+            average,
+            contributors,
+            inputs,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{RngExt, SeedableRng};
+
+    /// hivemind's `test_reducer`: senders submit parts in random interleavings (sometimes far
+    /// ahead of the others); every part ends as the plain mean.
+    #[test]
+    fn reducer_like_hivemind() {
+        for num_senders in [1usize, 2, 4, 10] {
+            for num_parts in [0usize, 1, 100] {
+                for sync_prob in [1.0, 0.1, 0.0] {
+                    let mut rng = StdRng::seed_from_u64((num_senders * 1000 + num_parts) as u64);
+                    let lens: Vec<usize> = (0..num_parts).collect();
+                    let inputs: Vec<Vec<Vec<f32>>> = (0..num_senders)
+                        .map(|_| {
+                            lens.iter()
+                                .map(|&n| (0..n).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect())
+                                .collect()
+                        })
+                        .collect();
+                    let mut r = Reducer::new(
+                        10..10 + num_parts,
+                        lens.clone(),
+                        PeerSet::from_indices(0..num_senders),
+                    );
+                    let mut next = vec![0usize; num_senders];
+                    let mut done = Vec::new();
+                    loop {
+                        let active: Vec<usize> =
+                            (0..num_senders).filter(|&s| next[s] < num_parts).collect();
+                        if active.is_empty() {
+                            break;
+                        }
+                        let s = active[rng.random_range(0..active.len())];
+                        // With probability sync_prob a sender waits until its previous part
+                        // completed; otherwise it runs ahead.
+                        let min_next = *next.iter().min().unwrap();
+                        if next[s] > min_next && rng.random::<f64>() < sync_prob {
+                            continue;
+                        }
+                        let k = next[s];
+                        r.accumulate(s, 10 + k, inputs[s][k].clone(), 1.0, true)
+                            .unwrap();
+                        next[s] += 1;
+                        while let Some(c) = r.poll_completed() {
+                            done.push(c);
+                        }
+                    }
+                    assert!(r.is_finished());
+                    assert_eq!(done.len(), num_parts);
+                    for c in done {
+                        let k = c.part - 10;
+                        let avg = c.average.clone().unwrap_or_default();
+                        assert_eq!(c.inputs.len(), num_senders);
+                        for (i, a) in avg.iter().enumerate() {
+                            let want: f32 = (0..num_senders).map(|s| inputs[s][k][i]).sum::<f32>()
+                                / num_senders as f32;
+                            assert!((a - want).abs() <= 1e-5 + 1e-3 * want.abs());
+                        }
+                        assert_eq!(c.contributors.len(), num_senders);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weighted_and_excluded() {
+        let mut r = Reducer::new(0..2, vec![2, 2], PeerSet::from_indices([0, 1, 2]));
+        r.accumulate(0, 0, vec![1.0, 2.0], 1.0, false).unwrap();
+        r.accumulate(1, 0, vec![3.0, 4.0], 3.0, false).unwrap();
+        r.accumulate(0, 1, vec![1.0, 1.0], 1.0, false).unwrap();
+        r.accumulate(2, 1, vec![5.0, 5.0], 1.0, false).unwrap();
+        assert!(r.poll_completed().is_none());
+        // Sender 1 banned: stays in part 0 (contributed), excluded from part 1.
+        // Sender 2 never sent part 0: ban it too.
+        assert!(r.exclude(1));
+        assert!(!r.exclude(1));
+        let c1 = r.poll_completed().unwrap();
+        assert_eq!(c1.part, 1);
+        assert_eq!(c1.average.unwrap(), vec![3.0, 3.0]);
+        assert_eq!(c1.contributors, PeerSet::from_indices([0, 2]));
+        assert!(r.exclude(2));
+        let c0 = r.poll_completed().unwrap();
+        assert_eq!(c0.average.unwrap(), vec![2.5, 3.5]);
+        assert_eq!(c0.contributors, PeerSet::from_indices([0, 1]));
+        assert!(r.is_finished());
+        assert_eq!(
+            r.accumulate(1, 1, vec![0.0, 0.0], 1.0, false),
+            Err(ReduceError::Excluded(1))
+        );
+    }
+
+    #[test]
+    fn rejects_bad_contributions() {
+        let mut r = Reducer::new(4..6, vec![2, 3], PeerSet::from_indices([0, 1]));
+        assert_eq!(
+            r.accumulate(5, 4, vec![0.0; 2], 1.0, false),
+            Err(ReduceError::NotASender(5))
+        );
+        assert!(matches!(
+            r.accumulate(0, 6, vec![0.0; 2], 1.0, false),
+            Err(ReduceError::OutsideSpan { .. })
+        ));
+        assert!(matches!(
+            r.accumulate(0, 4, vec![0.0; 3], 1.0, false),
+            Err(ReduceError::Length {
+                expected: 2,
+                actual: 3,
+                ..
+            })
+        ));
+        assert_eq!(
+            r.accumulate(0, 4, vec![0.0; 2], -1.0, false),
+            Err(ReduceError::BadWeight(-1.0))
+        );
+        assert_eq!(
+            r.accumulate(0, 4, vec![f32::NAN, 0.0], 1.0, false),
+            Err(ReduceError::NonFinite(4))
+        );
+        r.accumulate(0, 4, vec![0.0; 2], 1.0, false).unwrap();
+        assert!(matches!(
+            r.accumulate(0, 4, vec![0.0; 2], 1.0, false),
+            Err(ReduceError::Duplicate { .. })
+        ));
+    }
+
+    #[test]
+    fn zero_weight_and_no_senders_have_no_average() {
+        let mut r = Reducer::new(0..1, vec![1], PeerSet::from_indices([0, 1]));
+        r.accumulate(0, 0, vec![1.0], 0.0, false).unwrap();
+        r.accumulate(1, 0, vec![2.0], 0.0, false).unwrap();
+        let c = r.poll_completed().unwrap();
+        assert!(c.average.is_none() && c.contributors.is_empty());
+        let mut empty = Reducer::new(0..3, vec![1, 2, 3], PeerSet::new());
+        assert!(empty.is_finished());
+        assert!(empty.poll_completed().unwrap().average.is_none());
+    }
+}

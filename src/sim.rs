@@ -1,0 +1,769 @@
+//! A deterministic simulator: `N` peers run [`Butterfly`] rounds in virtual time.
+//!
+//! Each peer has an uplink of fixed bandwidth that serialises its outgoing messages in order,
+//! with a bounded backlog (a full backlog makes [`Butterfly::poll_transmit`] hold its parts
+//! back, as a full socket would); every message then takes the link latency (plus seeded
+//! jitter, never reordering one link) to arrive. Timers fire exactly at the machines'
+//! deadlines. Nothing reads the wall clock, so a run is a pure function of its [`SimConfig`].
+//!
+//! Faults ([`Fault`]) mirror hivemind's `test_fault_tolerance` injections; `R` is the last peer
+//! (other than the faulty one) with a non-empty span:
+//!
+//! | fault | effect |
+//! |---|---|
+//! | `fail-before` | the peer never starts |
+//! | `fail-sending` | after its first part to `R`, its stream to `R` breaks (both ends see it) |
+//! | `slow-sending` | after its first part to `R`, its further parts to `R` wait `slow_pause` |
+//! | `fail-reducing` | after 3 replies to a sender, it aborts that sender with an internal error |
+//! | `slow-reducing` | after 3 replies to a sender, its further replies to it wait `slow_pause` |
+//! | `cancel` | the peer cancels its round at the start |
+//!
+//! [`SimResult::check`] compares every finished sender's values with the weighted mean over
+//! exactly the contributors that its round report names, part by part.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+use crate::allreduce::{
+    Butterfly, Member, Message, Mode, Outcome, Partition, PeerSet, Role, RoundConfig, RoundError,
+    RoundEvent, TensorDescriptor, Transmit,
+};
+use crate::tensor::{Tensor, TensorError};
+
+/// Fault injected into one peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// Never starts.
+    FailBefore,
+    /// Its stream to the last reducer breaks after the first part.
+    FailSending,
+    /// Its parts to the last reducer stall after the first one.
+    SlowSending,
+    /// Aborts each sender after 3 replies.
+    FailReducing,
+    /// Stalls each sender's replies after 3.
+    SlowReducing,
+    /// Cancels its round at the start.
+    Cancel,
+}
+
+impl Fault {
+    /// All faults.
+    pub const ALL: [Self; 6] = [
+        Self::FailBefore,
+        Self::FailSending,
+        Self::SlowSending,
+        Self::FailReducing,
+        Self::SlowReducing,
+        Self::Cancel,
+    ];
+
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::FailBefore => "fail-before",
+            Self::FailSending => "fail-sending",
+            Self::SlowSending => "slow-sending",
+            Self::FailReducing => "fail-reducing",
+            Self::SlowReducing => "slow-reducing",
+            Self::Cancel => "cancel",
+        }
+    }
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
+                format!(
+                    "unknown fault '{s}' (expected one of: {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// One simulated peer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimPeer {
+    /// Mode.
+    pub mode: Mode,
+    /// Averaging weight.
+    pub weight: f64,
+    /// Share of the reduction (forced to 0 for clients).
+    pub fraction: f64,
+    /// Injected fault.
+    pub fault: Option<Fault>,
+}
+
+impl SimPeer {
+    /// A healthy node with weight 1 and fraction 1.
+    pub fn node() -> Self {
+        Self {
+            mode: Mode::Node,
+            weight: 1.0,
+            fraction: 1.0,
+            fault: None,
+        }
+    }
+}
+
+/// A simulation scenario.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// The group, in order.
+    pub peers: Vec<SimPeer>,
+    /// Round parameters (members, `me` and `weight` are filled in per peer).
+    pub round: RoundConfig,
+    /// One-way latency of every link.
+    pub latency: Duration,
+    /// Extra latency drawn uniformly from `[0, jitter)` per message (links stay FIFO).
+    pub jitter: Duration,
+    /// Uplink bandwidth of every peer, bytes per second.
+    pub bandwidth: f64,
+    /// Uplink backlog, in bytes, beyond which a peer's machine is not asked for more.
+    pub uplink_buffer_bytes: usize,
+    /// How long the slow faults stall.
+    pub slow_pause: Duration,
+    /// Virtual time after which the run stops (peers still running count as unfinished).
+    pub time_limit: Duration,
+    /// Seed for data and jitter.
+    pub seed: u64,
+}
+
+impl SimConfig {
+    /// `peers` healthy nodes with defaults: 5 ms latency, 1 ms jitter, 1 GB/s uplinks,
+    /// 0.5 s sender and 1 s reducer timeouts, slow faults stalling 10 s, a 10-minute limit.
+    pub fn new(peers: Vec<SimPeer>, seed: u64) -> Self {
+        let members = peers
+            .iter()
+            .map(|p| Member {
+                mode: p.mode,
+                fraction: p.fraction,
+            })
+            .collect();
+        let mut round = RoundConfig::new(members, 0);
+        round.sender_timeout = Duration::from_millis(500);
+        round.reducer_timeout = Duration::from_millis(1000);
+        Self {
+            peers,
+            round,
+            latency: Duration::from_millis(5),
+            jitter: Duration::from_millis(1),
+            bandwidth: 1e9,
+            uplink_buffer_bytes: 4 << 20,
+            slow_pause: Duration::from_secs(10),
+            time_limit: Duration::from_secs(600),
+            seed,
+        }
+    }
+}
+
+/// How a peer's round ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PeerStatus {
+    /// Finished at this virtual time after the start.
+    Finished(Duration),
+    /// Cancelled (fault `cancel`).
+    Cancelled,
+    /// Never started (fault `fail-before`).
+    NotStarted,
+    /// Still running when the simulation stopped.
+    Unfinished,
+    /// Its round could not start.
+    Rejected(RoundError),
+}
+
+/// One peer after the run.
+#[derive(Debug)]
+pub struct PeerResult {
+    /// How its round ended.
+    pub status: PeerStatus,
+    /// Its values at the start.
+    pub tensors: Vec<Tensor>,
+    /// Its outcome, if it finished.
+    pub outcome: Option<Outcome>,
+}
+
+/// The result of a simulation.
+#[derive(Debug)]
+pub struct SimResult {
+    /// Per peer, in group order.
+    pub peers: Vec<PeerResult>,
+    /// Virtual time when the last event was processed.
+    pub elapsed: Duration,
+    /// Weights used.
+    pub weights: Vec<f64>,
+    /// The partition every peer used.
+    pub partition: Partition,
+}
+
+/// Deviation of one peer from what its report promises.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerCheck {
+    /// Largest `|result − expected|` over all elements (0 for aux peers).
+    pub max_abs_err: f32,
+    /// Elements whose value is the average of at least one other peer.
+    pub averaged_elements: usize,
+    /// All elements.
+    pub total_elements: usize,
+}
+
+impl SimResult {
+    /// Peers whose round finished.
+    pub fn finished(&self) -> usize {
+        self.peers
+            .iter()
+            .filter(|p| matches!(p.status, PeerStatus::Finished(_)))
+            .count()
+    }
+
+    /// For every finished peer, its deviation from the weighted mean over the contributors its
+    /// report names (or from its own start values where the report says "local").
+    pub fn check(&self) -> Vec<Option<PeerCheck>> {
+        // expected values, cached per (part, contributor set)
+        let mut cache: BTreeMap<(usize, Vec<u64>), Vec<f32>> = BTreeMap::new();
+        let mut checks = Vec::with_capacity(self.peers.len());
+        for p in &self.peers {
+            let (PeerStatus::Finished(_), Some(outcome)) = (&p.status, &p.outcome) else {
+                checks.push(None);
+                continue;
+            };
+            let Some(deltas) = &outcome.deltas else {
+                checks.push(Some(PeerCheck {
+                    max_abs_err: 0.0,
+                    averaged_elements: 0,
+                    total_elements: 0,
+                }));
+                continue;
+            };
+            let mut max_err = 0.0f32;
+            let mut averaged = 0;
+            let mut total = 0;
+            for span in &outcome.report.spans {
+                for seg in &span.segments {
+                    for g in seg.parts.clone() {
+                        let spec = *self.partition.part(g);
+                        let own = p.tensors[spec.tensor].part(spec.range());
+                        let delta = &deltas[spec.tensor][spec.range()];
+                        total += spec.len;
+                        let expected: Option<&Vec<f32>> = match &seg.contributors {
+                            None => None,
+                            Some(c) => {
+                                if c.len() > 1 {
+                                    averaged += spec.len;
+                                }
+                                let key = (g, c.words().to_vec());
+                                if !cache.contains_key(&key) {
+                                    let v = self.weighted_mean(g, c);
+                                    cache.insert(key.clone(), v);
+                                }
+                                cache.get(&key)
+                            }
+                        };
+                        let own_f32;
+                        let own: &[f32] = match own {
+                            crate::tensor::PartView::F32(x) => x,
+                            other => {
+                                let mut v = vec![0.0; other.len()];
+                                other.copy_to_f32(&mut v);
+                                own_f32 = v;
+                                &own_f32
+                            }
+                        };
+                        // max with f32::max (vectorises) plus a sum that turns NaN into NaN.
+                        let (err, poison) = match expected {
+                            None => delta
+                                .iter()
+                                .fold((0.0f32, 0.0f32), |(m, s), d| (m.max(d.abs()), s + d * 0.0)),
+                            Some(e) => own.iter().zip(delta).zip(e.iter()).fold(
+                                (0.0f32, 0.0f32),
+                                |(m, s), ((x, d), w)| {
+                                    let diff = x + d - w;
+                                    (m.max(diff.abs()), s + diff * 0.0)
+                                },
+                            ),
+                        };
+                        let err = if poison.is_nan() { f32::NAN } else { err };
+                        max_err = max_nan(max_err, err);
+                    }
+                }
+            }
+            checks.push(Some(PeerCheck {
+                max_abs_err: max_err,
+                averaged_elements: averaged,
+                total_elements: total,
+            }));
+        }
+        checks
+    }
+
+    /// The largest deviation over all finished peers (0 if none finished).
+    pub fn max_abs_err(&self) -> f32 {
+        self.check()
+            .into_iter()
+            .flatten()
+            .map(|c| c.max_abs_err)
+            .fold(0.0, f32::max)
+    }
+
+    fn weighted_mean(&self, g: usize, contributors: &PeerSet) -> Vec<f32> {
+        let spec = *self.partition.part(g);
+        let mut acc = vec![0.0f64; spec.len];
+        let mut den = 0.0f64;
+        let mut scratch = vec![0.0f32; spec.len];
+        for c in contributors.iter() {
+            let w = self.weights[c];
+            den += w;
+            let x = self.peers[c].tensors[spec.tensor].part(spec.range());
+            let x: &[f32] = match x {
+                crate::tensor::PartView::F32(x) => x,
+                other => {
+                    other.copy_to_f32(&mut scratch);
+                    &scratch
+                }
+            };
+            for (a, &v) in acc.iter_mut().zip(x) {
+                *a += w * v as f64;
+            }
+        }
+        acc.into_iter().map(|a| (a / den) as f32).collect()
+    }
+}
+
+/// `max` that propagates NaN (as infinity, so that it is never "below" a bound).
+fn max_nan(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::INFINITY
+    } else {
+        a.max(b)
+    }
+}
+
+/// Deterministic pseudo-random tensors for peer `peer`: values uniform in `[-1, 1)` plus a
+/// per-peer offset, so that means differ visibly between peers.
+pub fn make_tensors(
+    descriptors: &[TensorDescriptor],
+    seed: u64,
+    peer: usize,
+) -> Result<Vec<Tensor>, TensorError> {
+    let mut state =
+        seed ^ (peer as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let offset = peer as f32 * 0.25;
+    descriptors
+        .iter()
+        .map(|d| {
+            let n = d.numel();
+            let mut values = Vec::with_capacity(n);
+            while values.len() < n {
+                // SplitMix64: fast, good enough for test data.
+                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = state;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                for half in [z as u32, (z >> 32) as u32] {
+                    if values.len() < n {
+                        let unit = (half >> 8) as f32 / (1u32 << 24) as f32;
+                        values.push(unit * 2.0 - 1.0 + offset);
+                    }
+                }
+            }
+            match d.dtype {
+                crate::tensor::DType::F32 => Tensor::from_f32(&d.shape, values),
+                other => Tensor::from_f32_as(&d.shape, &values, other),
+            }
+        })
+        .collect()
+}
+
+enum Ev {
+    Deliver {
+        to: usize,
+        from: usize,
+        message: Message,
+    },
+    LinkFailed {
+        at: usize,
+        peer: usize,
+        role: Role,
+    },
+    Timer {
+        peer: usize,
+    },
+    Wake {
+        peer: usize,
+    },
+    Release {
+        from: usize,
+        transmit: Transmit,
+    },
+}
+
+struct Uplink {
+    free_at: Instant,
+    last_arrival: Vec<Instant>,
+    wake_at: Option<Instant>,
+}
+
+/// Per-peer fault bookkeeping.
+#[derive(Default)]
+struct FaultState {
+    parts_to_target: usize,
+    replies_to: Vec<usize>,
+    aborted: Vec<bool>,
+}
+
+/// Message overhead on the wire beyond the payload (framing, headers), for bandwidth.
+const MESSAGE_OVERHEAD_BYTES: usize = 64;
+
+struct World<'a> {
+    cfg: &'a SimConfig,
+    start: Instant,
+    now: Instant,
+    seq: u64,
+    queue: BTreeMap<(Instant, u64), Ev>,
+    machines: Vec<Option<Butterfly>>,
+    uplinks: Vec<Uplink>,
+    timers: Vec<Option<Instant>>,
+    status: Vec<PeerStatus>,
+    faults: Vec<FaultState>,
+    target: Vec<Option<usize>>,
+    rng: StdRng,
+}
+
+impl World<'_> {
+    fn push(&mut self, at: Instant, ev: Ev) {
+        self.seq += 1;
+        self.queue.insert((at, self.seq), ev);
+    }
+
+    fn fault(&self, p: usize) -> Option<Fault> {
+        self.cfg.peers[p].fault
+    }
+
+    /// Puts a message on `from`'s uplink.
+    fn send(&mut self, from: usize, t: Transmit) {
+        let bytes = t.message.payload_len() + MESSAGE_OVERHEAD_BYTES;
+        let up = &mut self.uplinks[from];
+        let start = up.free_at.max(self.now);
+        let done = start + Duration::from_secs_f64(bytes as f64 / self.cfg.bandwidth);
+        up.free_at = done;
+        let jitter = if self.cfg.jitter.is_zero() {
+            Duration::ZERO
+        } else {
+            self.cfg.jitter.mul_f64(self.rng.random::<f64>())
+        };
+        let arrive = (done + self.cfg.latency + jitter).max(up.last_arrival[t.to]);
+        up.last_arrival[t.to] = arrive;
+        self.push(
+            arrive,
+            Ev::Deliver {
+                to: t.to,
+                from,
+                message: t.message,
+            },
+        );
+    }
+
+    fn backlog_limit(&self) -> Duration {
+        Duration::from_secs_f64(self.cfg.uplink_buffer_bytes as f64 / self.cfg.bandwidth)
+    }
+
+    /// Applies peer `p`'s fault to an outgoing message: send it now, later, or not at all.
+    fn route(&mut self, p: usize, t: Transmit) {
+        let pause = self.cfg.slow_pause;
+        match (self.fault(p), &t.message) {
+            (Some(Fault::FailSending | Fault::SlowSending), Message::Part(_))
+                if Some(t.to) == self.target[p] =>
+            {
+                let n = self.faults[p].parts_to_target;
+                self.faults[p].parts_to_target += 1;
+                if n == 0 {
+                    let to = t.to;
+                    self.send(p, t);
+                    if self.fault(p) == Some(Fault::FailSending) {
+                        // The stream breaks right after the first part: both ends notice.
+                        let arrive = self.uplinks[p].last_arrival[to];
+                        self.push(
+                            arrive,
+                            Ev::LinkFailed {
+                                at: to,
+                                peer: p,
+                                role: Role::Sender,
+                            },
+                        );
+                        let now = self.now;
+                        if let Some(m) = self.machines[p].as_mut() {
+                            m.handle_link_failed(now, to, Some(Role::Reducer));
+                        }
+                    }
+                } else if self.fault(p) == Some(Fault::SlowSending) {
+                    let at = self.now + pause;
+                    self.push(
+                        at,
+                        Ev::Release {
+                            from: p,
+                            transmit: t,
+                        },
+                    );
+                }
+            }
+            (Some(Fault::FailReducing | Fault::SlowReducing), Message::Averaged(_)) => {
+                let n = self.faults[p].replies_to[t.to];
+                self.faults[p].replies_to[t.to] += 1;
+                if n < 3 {
+                    self.send(p, t);
+                } else if self.fault(p) == Some(Fault::SlowReducing) {
+                    let at = self.now + pause;
+                    self.push(
+                        at,
+                        Ev::Release {
+                            from: p,
+                            transmit: t,
+                        },
+                    );
+                } else if !self.faults[p].aborted[t.to] {
+                    self.faults[p].aborted[t.to] = true;
+                    self.send(
+                        p,
+                        Transmit {
+                            to: t.to,
+                            message: Message::Abort {
+                                role: Role::Reducer,
+                                reason: crate::allreduce::AbortReason::Internal,
+                            },
+                        },
+                    );
+                }
+            }
+            _ => self.send(p, t),
+        }
+    }
+
+    /// Lets peer `p` transmit while its uplink has room, then records events and timers.
+    fn pump(&mut self, p: usize) {
+        let limit = self.backlog_limit();
+        loop {
+            let now = self.now;
+            let ready = self.uplinks[p].free_at.saturating_duration_since(now) <= limit;
+            if !ready {
+                let at = self.uplinks[p].free_at - limit;
+                if self.uplinks[p].wake_at != Some(at) {
+                    self.uplinks[p].wake_at = Some(at);
+                    self.push(at, Ev::Wake { peer: p });
+                }
+                break;
+            }
+            let Some(m) = self.machines[p].as_mut() else {
+                return;
+            };
+            match m.poll_transmit(now, |_| true) {
+                Some(t) => self.route(p, t),
+                None => break,
+            }
+        }
+        let Some(m) = self.machines[p].as_mut() else {
+            return;
+        };
+        while let Some(ev) = m.poll_event() {
+            if ev == RoundEvent::Finished {
+                self.status[p] = PeerStatus::Finished(self.now - self.start);
+            }
+        }
+        let deadline = m.poll_timeout();
+        if deadline.is_some() && deadline != self.timers[p] {
+            self.timers[p] = deadline;
+            if let Some(at) = deadline {
+                self.push(at.max(self.now), Ev::Timer { peer: p });
+            }
+        }
+    }
+}
+
+/// Runs one round among `cfg.peers` over `descriptors`-shaped data.
+pub fn run(cfg: &SimConfig, descriptors: &[TensorDescriptor]) -> Result<SimResult, TensorError> {
+    let n = cfg.peers.len();
+    let start = Instant::now();
+    let members: Vec<Member> = cfg
+        .peers
+        .iter()
+        .map(|p| Member {
+            mode: p.mode,
+            fraction: p.fraction,
+        })
+        .collect();
+    let weights: Vec<f64> = cfg
+        .peers
+        .iter()
+        .map(|p| if p.mode == Mode::Aux { 0.0 } else { p.weight })
+        .collect();
+    let mut round = cfg.round.clone();
+    round.members = members;
+    let fractions = round.fractions();
+    let partition = Partition::new(
+        descriptors,
+        &fractions,
+        round.part_size_bytes,
+        &round.compression,
+    )
+    .unwrap_or_else(|_| {
+        // Every machine rejects this group; any partition serves the bookkeeping.
+        Partition::new(
+            descriptors,
+            &vec![1.0; n.max(1)],
+            round.part_size_bytes,
+            &round.compression,
+        )
+        .expect("positive fractions always partition")
+    });
+    let mut world = World {
+        cfg,
+        start,
+        now: start,
+        seq: 0,
+        queue: BTreeMap::new(),
+        machines: Vec::with_capacity(n),
+        uplinks: (0..n)
+            .map(|_| Uplink {
+                free_at: start,
+                last_arrival: vec![start; n],
+                wake_at: None,
+            })
+            .collect(),
+        timers: vec![None; n],
+        status: vec![PeerStatus::Unfinished; n],
+        faults: (0..n)
+            .map(|_| FaultState {
+                parts_to_target: 0,
+                replies_to: vec![0; n],
+                aborted: vec![false; n],
+            })
+            .collect(),
+        target: (0..n)
+            .map(|p| {
+                (0..n)
+                    .rev()
+                    .find(|&r| r != p && !partition.span(r).is_empty())
+            })
+            .collect(),
+        rng: StdRng::seed_from_u64(cfg.seed ^ 0x5EED),
+    };
+    let mut initial = Vec::with_capacity(n);
+    let t0 = std::time::Instant::now();
+    for (p, peer) in cfg.peers.iter().enumerate() {
+        let tensors = make_tensors(descriptors, cfg.seed, p)?;
+        if peer.fault == Some(Fault::FailBefore) {
+            world.status[p] = PeerStatus::NotStarted;
+            world.machines.push(None);
+            initial.push(Some(tensors));
+            continue;
+        }
+        let mut rc = round.clone();
+        rc.me = p;
+        rc.weight = weights[p];
+        match Butterfly::new(rc, tensors, start) {
+            Ok(mut m) => {
+                if peer.fault == Some(Fault::Cancel) {
+                    m.cancel(start);
+                    world.status[p] = PeerStatus::Cancelled;
+                }
+                world.machines.push(Some(m));
+                initial.push(None);
+            }
+            Err(e) => {
+                world.status[p] = PeerStatus::Rejected(e);
+                world.machines.push(None);
+                initial.push(Some(make_tensors(descriptors, cfg.seed, p)?));
+            }
+        }
+    }
+    tracing::info!(elapsed = ?t0.elapsed(), "sim: peers started");
+    let t1 = std::time::Instant::now();
+    for p in 0..n {
+        world.pump(p);
+    }
+    let limit = start + cfg.time_limit;
+    while let Some(((at, _), ev)) = world.queue.pop_first() {
+        if at > limit {
+            break;
+        }
+        world.now = at;
+        let touched = match ev {
+            Ev::Deliver { to, from, message } => {
+                if let Some(m) = world.machines[to].as_mut() {
+                    m.handle_message(at, from, message)
+                        .expect("simulated senders are group members");
+                }
+                to
+            }
+            Ev::LinkFailed { at: p, peer, role } => {
+                if let Some(m) = world.machines[p].as_mut() {
+                    m.handle_link_failed(world.now, peer, Some(role));
+                }
+                p
+            }
+            Ev::Timer { peer } => {
+                if world.timers[peer].is_some_and(|d| d <= at) {
+                    world.timers[peer] = None;
+                    if let Some(m) = world.machines[peer].as_mut() {
+                        m.handle_timeout(at);
+                    }
+                }
+                peer
+            }
+            Ev::Wake { peer } => {
+                world.uplinks[peer].wake_at = None;
+                peer
+            }
+            Ev::Release { from, transmit } => {
+                world.send(from, transmit);
+                from
+            }
+        };
+        world.pump(touched);
+    }
+    let elapsed = world.now - start;
+    tracing::info!(wall = ?t1.elapsed(), virtual_time = ?elapsed, "sim: round done");
+    let peers = world
+        .machines
+        .into_iter()
+        .zip(world.status)
+        .zip(initial)
+        .map(|((m, status), init)| match m {
+            Some(m) if matches!(status, PeerStatus::Finished(_)) => {
+                let (tensors, outcome) =
+                    m.into_outcome().expect("a finished machine has an outcome");
+                PeerResult {
+                    status,
+                    tensors,
+                    outcome: Some(outcome),
+                }
+            }
+            Some(m) => PeerResult {
+                status,
+                tensors: m.tensors().to_vec(),
+                outcome: None,
+            },
+            None => PeerResult {
+                status,
+                tensors: init.unwrap_or_default(),
+                outcome: None,
+            },
+        })
+        .collect();
+    Ok(SimResult {
+        peers,
+        elapsed,
+        weights,
+        partition,
+    })
+}

@@ -1,0 +1,305 @@
+//! Butterfly all-reduce scenarios in the deterministic simulator: hivemind's
+//! `test_allreduce_protocol` table, its `test_fault_tolerance` pairs, and a property test over
+//! random groups, modes, weights, fractions, part sizes and faults.
+
+use std::time::Duration;
+
+use hivemesh::allreduce::{Mode, RoundError, TensorDescriptor};
+use hivemesh::compression::{Compression, CompressionType};
+use hivemesh::sim::{self, Fault, PeerStatus, SimConfig, SimPeer};
+use hivemesh::tensor::DType;
+use proptest::prelude::*;
+
+fn desc(shape: &[usize]) -> TensorDescriptor {
+    TensorDescriptor {
+        shape: shape.to_vec(),
+        dtype: DType::F32,
+    }
+}
+
+fn peers(modes: &[Mode], weights: &[f64], fractions: &[f64]) -> Vec<SimPeer> {
+    modes
+        .iter()
+        .zip(weights)
+        .zip(fractions)
+        .map(|((&mode, &weight), &fraction)| SimPeer {
+            mode,
+            weight,
+            fraction,
+            fault: None,
+        })
+        .collect()
+}
+
+/// hivemind `test_allreduce_protocol`: tensors [randn(3,128), rand(32), scalar], explicit
+/// modes/weights/fractions/part sizes. Non-aux peers end with the weighted mean (1e-6 there;
+/// we hold 1e-5 absolute on values around 1); aux peers apply nothing.
+#[test]
+fn allreduce_protocol_table() {
+    use Mode::{Aux as A, Client as C, Node as N};
+    let tensors = [desc(&[3, 128]), desc(&[32]), desc(&[])];
+    type Case = (Vec<Mode>, Vec<f64>, Vec<f64>, usize);
+    let cases: Vec<Case> = vec![
+        (vec![N, N, N, N], vec![1.0; 4], vec![1.0; 4], 1 << 20),
+        (
+            vec![N, N, N, N],
+            vec![0.1, 0.2, 0.3, 0.4],
+            vec![1.0; 4],
+            1 << 20,
+        ),
+        (
+            vec![N, N, N, N],
+            vec![1.0; 4],
+            vec![1.0, 2.0, 3.0, 0.0],
+            1 << 20,
+        ),
+        (
+            vec![N, N, N, C],
+            vec![1.0; 4],
+            vec![1.0, 2.0, 3.0, 0.0],
+            1 << 20,
+        ),
+        (
+            vec![N, N, N, A],
+            vec![1.0, 1.0, 1.0, 0.0],
+            vec![1.0, 2.0, 3.0, 4.0],
+            1 << 20,
+        ),
+        (
+            vec![N, N, N, N],
+            vec![0.15, 0.0, 0.35, 0.45],
+            vec![1.0; 4],
+            1 << 20,
+        ),
+        (
+            vec![N, A, N, C],
+            vec![0.15, 0.0, 0.35, 0.45],
+            vec![150.0, 200.0, 67.0, 0.0],
+            1 << 20,
+        ),
+        (
+            vec![N, A, N, C],
+            vec![0.15, 0.0, 0.35, 0.45],
+            vec![150.0, 200.0, 67.0, 0.0],
+            256,
+        ),
+        (
+            vec![N, A, N, C],
+            vec![0.15, 0.0, 0.35, 0.45],
+            vec![150.0, 200.0, 67.0, 0.0],
+            19,
+        ),
+    ];
+    for (i, (modes, weights, fractions, part_size)) in cases.into_iter().enumerate() {
+        let mut cfg = SimConfig::new(peers(&modes, &weights, &fractions), 100 + i as u64);
+        cfg.round.part_size_bytes = part_size;
+        let res = sim::run(&cfg, &tensors).unwrap();
+        assert_eq!(res.finished(), 4, "case {i}: every peer finishes");
+        // The exact weighted mean over all senders, computed independently.
+        let senders: Vec<usize> = (0..4).filter(|&p| modes[p] != A).collect();
+        let wsum: f64 = senders.iter().map(|&p| weights[p]).sum();
+        for (p, peer) in res.peers.iter().enumerate() {
+            let outcome = peer.outcome.as_ref().unwrap();
+            if modes[p] == A {
+                assert!(outcome.deltas.is_none(), "case {i}: aux applies nothing");
+                continue;
+            }
+            assert!(
+                outcome.report.local_parts().next().is_none(),
+                "case {i}: nothing local"
+            );
+            let deltas = outcome.deltas.as_ref().unwrap();
+            for t in 0..tensors.len() {
+                let own = peer.tensors[t].to_f32_vec();
+                for (k, (x, d)) in own.iter().zip(&deltas[t]).enumerate() {
+                    let want: f64 = senders
+                        .iter()
+                        .map(|&s| weights[s] * res.peers[s].tensors[t].to_f32_vec()[k] as f64)
+                        .sum::<f64>()
+                        / wsum;
+                    assert!(
+                        ((x + d) as f64 - want).abs() < 1e-5,
+                        "case {i} peer {p} tensor {t}[{k}]: {} vs {want}",
+                        x + d
+                    );
+                }
+            }
+        }
+        assert!(res.max_abs_err() < 1e-5);
+    }
+}
+
+#[test]
+fn all_aux_group_is_rejected_not_nan() {
+    let cfg = SimConfig::new(peers(&[Mode::Aux; 4], &[0.0; 4], &[1.0, 2.0, 3.0, 4.0]), 7);
+    let res = sim::run(&cfg, &[desc(&[100])]).unwrap();
+    for p in &res.peers {
+        assert_eq!(p.status, PeerStatus::Rejected(RoundError::NoSenders));
+    }
+}
+
+#[test]
+fn timeouts_are_validated() {
+    let mut cfg = SimConfig::new(vec![SimPeer::node(); 2], 1);
+    cfg.round.reducer_timeout = cfg.round.sender_timeout;
+    let res = sim::run(&cfg, &[desc(&[10])]).unwrap();
+    assert!(matches!(
+        res.peers[0].status,
+        PeerStatus::Rejected(RoundError::Timeouts { .. })
+    ));
+}
+
+/// hivemind `test_fault_tolerance`: 5 peers (peer 1 a client), tensors [rand(16,1024),
+/// -rand(3,8192), 2·randn(4,4,4), randn(1024,1024)] (the last scaled down 4x here for test
+/// time), sender timeout 0.5 s, reducer timeout 1 s, part size 64 KiB; faults in peers 0 and 1.
+/// Peers 2-4 must finish; hivemind's acceptance checks, plus the exact per-part check against
+/// the contributors each report names.
+#[test]
+fn fault_tolerance_pairs() {
+    use Fault::*;
+    let tensors = [
+        desc(&[16, 1024]),
+        desc(&[3, 8192]),
+        desc(&[4, 4, 4]),
+        desc(&[512, 512]),
+    ];
+    let pairs: [(Option<Fault>, Option<Fault>); 7] = [
+        (None, Some(FailBefore)),
+        (Some(FailBefore), Some(FailBefore)),
+        (Some(SlowSending), Some(FailSending)),
+        (Some(FailSending), Some(FailBefore)),
+        (Some(SlowReducing), Some(FailSending)),
+        (Some(FailReducing), Some(FailReducing)),
+        (None, Some(Cancel)),
+    ];
+    for (i, (f0, f1)) in pairs.into_iter().enumerate() {
+        let mut ps = vec![SimPeer::node(); 5];
+        ps[1].mode = Mode::Client;
+        ps[1].fraction = 0.0;
+        ps[0].fault = f0;
+        ps[1].fault = f1;
+        let mut cfg = SimConfig::new(ps, 40 + i as u64);
+        cfg.round.part_size_bytes = 1 << 16;
+        let res = sim::run(&cfg, &tensors).unwrap();
+        let checks = res.check();
+        // Reference: mean over peers without FAIL_BEFORE / CANCEL.
+        let healthy: Vec<usize> = (0..5)
+            .filter(|&p| ![Some(FailBefore), Some(Cancel)].contains(&cfg.peers[p].fault))
+            .collect();
+        for p in 2..5 {
+            let PeerStatus::Finished(at) = res.peers[p].status else {
+                panic!(
+                    "pair {i}: peer {p} did not finish: {:?}",
+                    res.peers[p].status
+                );
+            };
+            assert!(
+                at < Duration::from_secs(5),
+                "pair {i}: peer {p} took {at:?}"
+            );
+            let check = checks[p].as_ref().unwrap();
+            assert!(check.max_abs_err < 1e-5, "pair {i} peer {p}: {check:?}");
+            // hivemind's checks against the reference mean.
+            let (mut near_ref, mut near_ref_or_own, mut total) = (0usize, 0usize, 0usize);
+            let deltas = res.peers[p]
+                .outcome
+                .as_ref()
+                .unwrap()
+                .deltas
+                .as_ref()
+                .unwrap();
+            for t in 0..tensors.len() {
+                let own = res.peers[p].tensors[t].to_f32_vec();
+                let all: Vec<Vec<f32>> = healthy
+                    .iter()
+                    .map(|&h| res.peers[h].tensors[t].to_f32_vec())
+                    .collect();
+                for k in 0..own.len() {
+                    let reference =
+                        all.iter().map(|v| v[k] as f64).sum::<f64>() / healthy.len() as f64;
+                    let got = (own[k] + deltas[t][k]) as f64;
+                    let ok_ref = (got - reference).abs() < 1e-5;
+                    near_ref += ok_ref as usize;
+                    near_ref_or_own += (ok_ref || (got - own[k] as f64).abs() < 1e-5) as usize;
+                    total += 1;
+                }
+            }
+            let both_reducing = f0 == Some(FailReducing) && f1 == Some(FailReducing);
+            if f0.is_none() && f1 != Some(Cancel) {
+                assert_eq!(near_ref, total, "pair {i} peer {p}: exact reference");
+            } else if both_reducing {
+                assert_eq!(near_ref_or_own, total, "pair {i} peer {p}");
+                assert!(
+                    near_ref * 2 > total,
+                    "pair {i} peer {p}: {near_ref}/{total}"
+                );
+            } else if f1 != Some(Cancel) {
+                assert!(
+                    near_ref * 2 > total,
+                    "pair {i} peer {p}: {near_ref}/{total}"
+                );
+            }
+        }
+    }
+}
+
+fn mode_strategy() -> impl Strategy<Value = Mode> {
+    prop_oneof![6 => Just(Mode::Node), 2 => Just(Mode::Client), 1 => Just(Mode::Aux)]
+}
+
+fn fault_strategy() -> impl Strategy<Value = Option<Fault>> {
+    prop_oneof![
+        8 => Just(None),
+        1 => proptest::sample::select(Fault::ALL.to_vec()).prop_map(Some),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, .. ProptestConfig::default() })]
+
+    /// For random groups (1..=16 peers), modes, weights, fractions, part sizes, codecs and
+    /// faults: every surviving peer finishes by its deadline and holds exactly the weighted mean
+    /// over the contributors its report names.
+    #[test]
+    fn survivors_hold_the_mean_of_their_contributors(
+        group in proptest::collection::vec(
+            (mode_strategy(), 0.0f64..4.0, prop_oneof![Just(0.0), 0.1f64..5.0], fault_strategy()),
+            1..=16,
+        ),
+        sizes in proptest::collection::vec(0usize..3000, 1..4),
+        part_size in prop_oneof![Just(16usize), 64usize..4096, Just(1 << 19)],
+        seed in any::<u64>(),
+    ) {
+        let ps: Vec<SimPeer> = group
+            .iter()
+            .map(|&(mode, weight, fraction, fault)| SimPeer { mode, weight, fraction, fault })
+            .collect();
+        let mut cfg = SimConfig::new(ps, seed);
+        cfg.round.part_size_bytes = part_size;
+        cfg.round.compression = Compression::Fixed(CompressionType::None);
+        cfg.round.max_in_flight_parts = 1 + (seed % 4) as usize;
+        let descs: Vec<_> = sizes.iter().map(|&n| desc(&[n])).collect();
+        let res = sim::run(&cfg, &descs).unwrap();
+        // The slowest legitimate finish: the slow faults stall for slow_pause, and a chain of
+        // timeouts costs at most a few reducer timeouts on top of transfer time.
+        let deadline = cfg.slow_pause + cfg.round.reducer_timeout * 4 + Duration::from_secs(1);
+        let checks = res.check();
+        for (p, peer) in res.peers.iter().enumerate() {
+            match &peer.status {
+                PeerStatus::Finished(at) => {
+                    prop_assert!(*at <= deadline, "peer {} finished at {:?}", p, at);
+                    let c = checks[p].as_ref().unwrap();
+                    prop_assert!(c.max_abs_err < 1e-5, "peer {}: {:?}", p, c);
+                }
+                PeerStatus::Rejected(e) => {
+                    // Only configuration-level rejections are allowed, and then for everyone.
+                    prop_assert!(matches!(e, RoundError::NoSenders | RoundError::NoReducers(_)),
+                        "peer {} rejected: {}", p, e);
+                }
+                PeerStatus::NotStarted => prop_assert_eq!(cfg.peers[p].fault, Some(Fault::FailBefore)),
+                PeerStatus::Cancelled => prop_assert_eq!(cfg.peers[p].fault, Some(Fault::Cancel)),
+                PeerStatus::Unfinished => prop_assert!(false, "peer {} never finished", p),
+            }
+        }
+    }
+}
