@@ -6,3 +6,4 @@ pub mod allreduce;
 pub mod compression;
 pub mod sim;
 pub mod tensor;
+pub mod wire;

@@ -17,6 +17,8 @@
 //! | `fail-reducing` | after 3 replies to a sender, it aborts that sender with an internal error |
 //! | `slow-reducing` | after 3 replies to a sender, its further replies to it wait `slow_pause` |
 //! | `cancel` | the peer cancels its round at the start |
+//! | `corrupt-sending` | after its first part to `R`, its parts to `R` arrive truncated |
+//! | `corrupt-reducing` | after 3 replies to a sender, its replies arrive truncated |
 //!
 //! [`SimResult::check`] compares every finished sender's values with the weighted mean over
 //! exactly the contributors that its round report names, part by part.
@@ -48,17 +50,23 @@ pub enum Fault {
     SlowReducing,
     /// Cancels its round at the start.
     Cancel,
+    /// After its first part to the last reducer, sends it truncated payloads.
+    CorruptSending,
+    /// After 3 replies to a sender, sends it replies with truncated payloads.
+    CorruptReducing,
 }
 
 impl Fault {
     /// All faults.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 8] = [
         Self::FailBefore,
         Self::FailSending,
         Self::SlowSending,
         Self::FailReducing,
         Self::SlowReducing,
         Self::Cancel,
+        Self::CorruptSending,
+        Self::CorruptReducing,
     ];
 
     /// The CLI name.
@@ -70,6 +78,8 @@ impl Fault {
             Self::FailReducing => "fail-reducing",
             Self::SlowReducing => "slow-reducing",
             Self::Cancel => "cancel",
+            Self::CorruptSending => "corrupt-sending",
+            Self::CorruptReducing => "corrupt-reducing",
         }
     }
 }
@@ -385,6 +395,23 @@ pub fn make_tensors(
         .collect()
 }
 
+/// The message with its payload cut short by one byte (or one junk byte if it was empty).
+fn truncated(mut t: Transmit) -> Transmit {
+    let cut = |b: &bytes::Bytes| {
+        if b.is_empty() {
+            bytes::Bytes::from_static(&[0xAB])
+        } else {
+            b.slice(..b.len() - 1)
+        }
+    };
+    match &mut t.message {
+        Message::Part(p) => p.payload = cut(&p.payload),
+        Message::Averaged(a) => a.payload = cut(&a.payload),
+        Message::Abort { .. } => {}
+    }
+    t
+}
+
 enum Ev {
     Deliver {
         to: usize,
@@ -544,6 +571,16 @@ impl World<'_> {
                         },
                     );
                 }
+            }
+            (Some(Fault::CorruptSending), Message::Part(_)) if Some(t.to) == self.target[p] => {
+                let n = self.faults[p].parts_to_target;
+                self.faults[p].parts_to_target += 1;
+                self.send(p, if n == 0 { t } else { truncated(t) });
+            }
+            (Some(Fault::CorruptReducing), Message::Averaged(_)) => {
+                let n = self.faults[p].replies_to[t.to];
+                self.faults[p].replies_to[t.to] += 1;
+                self.send(p, if n < 3 { t } else { truncated(t) });
             }
             _ => self.send(p, t),
         }

@@ -66,7 +66,7 @@ struct SimArgs {
     #[arg(long, default_value = "none")]
     compression: Compression,
     /// Inject a fault, KIND@PEER (repeatable). Kinds: fail-before, fail-sending, slow-sending,
-    /// fail-reducing, slow-reducing, cancel.
+    /// fail-reducing, slow-reducing, cancel, corrupt-sending, corrupt-reducing.
     #[arg(long = "fault", value_name = "KIND@PEER")]
     faults: Vec<FaultSpec>,
     /// Number of client-mode peers (taken from the end of the group).

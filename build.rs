@@ -1,0 +1,11 @@
+//! Compiles `proto/` with prost-build through protox, so no system `protoc` is needed.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protos = ["proto/hivemesh/averaging.proto"];
+    for p in protos {
+        println!("cargo:rerun-if-changed={p}");
+    }
+    let fds = protox::compile(protos, ["proto"])?;
+    prost_build::Config::new().bytes(["."]).compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,411 @@
+//! Wire encoding of round messages: prost types from `proto/hivemesh/averaging.proto`,
+//! length-delimited framing with a maximum frame size, and validated conversion into the
+//! domain types of [`crate::allreduce`].
+//!
+//! Prost types stay in [`proto`]; everything past [`decode_frame`] / [`FrameDecoder`] sees only
+//! [`Frame`]s whose enums, sizes and fields were checked ("parse, don't validate"). A frame
+//! whose declared length exceeds the limit is rejected from its length prefix alone, before any
+//! allocation, so a peer claiming a 4 GiB frame costs the receiver nothing.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use prost::Message as _;
+
+use crate::allreduce::{AbortReason, AveragedMessage, Message, PartMessage, PeerSet, Role};
+use crate::compression::CompressionType;
+use crate::tensor::DType;
+
+/// Generated prost types (do not use outside the network boundary).
+#[allow(missing_docs, clippy::all)]
+pub mod proto {
+    include!(concat!(env!("OUT_DIR"), "/hivemesh.averaging.v1.rs"));
+}
+
+/// Default maximum encoded frame size: 16 MiB (parts default to 512 KiB).
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 16 << 20;
+/// Longest accepted group id.
+pub const MAX_GROUP_ID_BYTES: usize = 64;
+/// Most contributor words in a reply (64 peers each): groups of up to 4096 peers.
+pub const MAX_CONTRIBUTOR_WORDS: usize = 64;
+
+/// A malformed or oversized frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// The length prefix announces more than the limit.
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// Announced length.
+        len: u64,
+        /// Limit.
+        max: usize,
+    },
+    /// The length prefix is not a valid varint.
+    #[error("bad length prefix")]
+    BadLength,
+    /// The bytes are not a valid protobuf message.
+    #[error("undecodable frame: {0}")]
+    Decode(String),
+    /// A required field is missing.
+    #[error("frame lacks {0}")]
+    Missing(&'static str),
+    /// An enum field has a value we do not know.
+    #[error("unknown {field} value {value}")]
+    UnknownEnum {
+        /// Field name.
+        field: &'static str,
+        /// Value received.
+        value: i32,
+    },
+    /// The group id is empty or too long.
+    #[error("group id of {0} bytes (must be 1..={MAX_GROUP_ID_BYTES})")]
+    GroupId(usize),
+    /// The contributor set is too large.
+    #[error("contributor set of {0} words (at most {MAX_CONTRIBUTOR_WORDS})")]
+    Contributors(usize),
+}
+
+/// A validated frame: which round, and what.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Frame {
+    /// The group (round) id.
+    pub group_id: Bytes,
+    /// The message.
+    pub message: Message,
+}
+
+fn compression_to_wire(c: CompressionType) -> proto::CompressionType {
+    match c {
+        CompressionType::None => proto::CompressionType::CompressionNone,
+        CompressionType::Float16 => proto::CompressionType::CompressionFloat16,
+        CompressionType::Quantile8Bit => proto::CompressionType::CompressionQuantile8bit,
+        CompressionType::Uniform8Bit => proto::CompressionType::CompressionUniform8bit,
+        CompressionType::Blockwise8Bit => proto::CompressionType::CompressionBlockwise8bit,
+        CompressionType::BFloat16 => proto::CompressionType::CompressionBfloat16,
+    }
+}
+
+fn dtype_to_wire(d: DType) -> proto::DType {
+    match d {
+        DType::F32 => proto::DType::DtypeFloat32,
+        DType::F16 => proto::DType::DtypeFloat16,
+        DType::BF16 => proto::DType::DtypeBfloat16,
+    }
+}
+
+fn tensor_part(
+    part: u32,
+    codec: CompressionType,
+    dtype: DType,
+    payload: &Bytes,
+) -> proto::TensorPart {
+    proto::TensorPart {
+        part_index: part,
+        compression: compression_to_wire(codec) as i32,
+        dtype: dtype_to_wire(dtype) as i32,
+        payload: payload.clone(),
+    }
+}
+
+impl From<&Frame> for proto::RoundFrame {
+    fn from(f: &Frame) -> Self {
+        use proto::round_frame::Body;
+        let body = match &f.message {
+            Message::Part(p) => Body::Part(proto::Part {
+                tensor: Some(tensor_part(p.part, p.codec, p.dtype, &p.payload)),
+                weight: p.weight,
+            }),
+            Message::Averaged(a) => Body::Averaged(proto::AveragedPart {
+                delta: Some(tensor_part(a.part, a.codec, a.dtype, &a.payload)),
+                contributors: a.contributors.words().to_vec(),
+            }),
+            Message::Abort { role, reason } => Body::Abort(proto::Abort {
+                role: match role {
+                    Role::Sender => proto::Role::Sender,
+                    Role::Reducer => proto::Role::Reducer,
+                } as i32,
+                reason: match reason {
+                    AbortReason::Cancelled => proto::AbortReason::AbortCancelled,
+                    AbortReason::Banned => proto::AbortReason::AbortBanned,
+                    AbortReason::Internal => proto::AbortReason::AbortInternal,
+                } as i32,
+            }),
+        };
+        Self {
+            group_id: f.group_id.clone(),
+            body: Some(body),
+        }
+    }
+}
+
+fn parse_tensor(
+    t: Option<proto::TensorPart>,
+) -> Result<(u32, CompressionType, DType, Bytes), WireError> {
+    let t = t.ok_or(WireError::Missing("tensor part"))?;
+    let codec = CompressionType::from_code(t.compression as u32)
+        .filter(|_| t.compression >= 0)
+        .ok_or(WireError::UnknownEnum {
+            field: "compression",
+            value: t.compression,
+        })?;
+    let dtype = DType::from_code(t.dtype as u32)
+        .filter(|_| t.dtype >= 0)
+        .ok_or(WireError::UnknownEnum {
+            field: "dtype",
+            value: t.dtype,
+        })?;
+    Ok((t.part_index, codec, dtype, t.payload))
+}
+
+impl TryFrom<proto::RoundFrame> for Frame {
+    type Error = WireError;
+
+    fn try_from(f: proto::RoundFrame) -> Result<Self, Self::Error> {
+        use proto::round_frame::Body;
+        if f.group_id.is_empty() || f.group_id.len() > MAX_GROUP_ID_BYTES {
+            return Err(WireError::GroupId(f.group_id.len()));
+        }
+        let message = match f.body.ok_or(WireError::Missing("body"))? {
+            Body::Part(p) => {
+                let (part, codec, dtype, payload) = parse_tensor(p.tensor)?;
+                Message::Part(PartMessage {
+                    part,
+                    weight: p.weight,
+                    codec,
+                    dtype,
+                    payload,
+                })
+            }
+            Body::Averaged(a) => {
+                let (part, codec, dtype, payload) = parse_tensor(a.delta)?;
+                if a.contributors.len() > MAX_CONTRIBUTOR_WORDS {
+                    return Err(WireError::Contributors(a.contributors.len()));
+                }
+                Message::Averaged(AveragedMessage {
+                    part,
+                    codec,
+                    dtype,
+                    contributors: PeerSet::from_words(a.contributors),
+                    payload,
+                })
+            }
+            Body::Abort(a) => Message::Abort {
+                role: match proto::Role::try_from(a.role) {
+                    Ok(proto::Role::Sender) => Role::Sender,
+                    Ok(proto::Role::Reducer) => Role::Reducer,
+                    Err(_) => {
+                        return Err(WireError::UnknownEnum {
+                            field: "role",
+                            value: a.role,
+                        });
+                    }
+                },
+                reason: match proto::AbortReason::try_from(a.reason) {
+                    Ok(proto::AbortReason::AbortCancelled) => AbortReason::Cancelled,
+                    Ok(proto::AbortReason::AbortBanned) => AbortReason::Banned,
+                    Ok(proto::AbortReason::AbortInternal) => AbortReason::Internal,
+                    Err(_) => {
+                        return Err(WireError::UnknownEnum {
+                            field: "abort reason",
+                            value: a.reason,
+                        });
+                    }
+                },
+            },
+        };
+        Ok(Self {
+            group_id: f.group_id,
+            message,
+        })
+    }
+}
+
+/// Appends `frame`, length-delimited, to `out`.
+pub fn encode_frame(frame: &Frame, out: &mut BytesMut) {
+    let msg = proto::RoundFrame::from(frame);
+    out.reserve(msg.encoded_len() + 10);
+    msg.encode_length_delimited(out)
+        .expect("BytesMut grows as needed, so encoding cannot run out of space");
+}
+
+/// Decodes one frame body (without length prefix).
+pub fn decode_frame(body: Bytes) -> Result<Frame, WireError> {
+    let msg = proto::RoundFrame::decode(body).map_err(|e| WireError::Decode(e.to_string()))?;
+    Frame::try_from(msg)
+}
+
+/// Incremental decoder of length-delimited frames from a byte stream.
+#[derive(Debug)]
+pub struct FrameDecoder {
+    max_frame_bytes: usize,
+}
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_FRAME_BYTES)
+    }
+}
+
+impl FrameDecoder {
+    /// A decoder that rejects frames longer than `max_frame_bytes`.
+    pub fn new(max_frame_bytes: usize) -> Self {
+        Self { max_frame_bytes }
+    }
+
+    /// Takes one complete frame off the front of `buf`, if there is one. `Ok(None)` means
+    /// "need more bytes"; an error means the stream is broken and must be dropped.
+    pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<Frame>, WireError> {
+        let mut peek = &buf[..];
+        let len = match prost::encoding::decode_varint(&mut peek) {
+            Ok(len) => len,
+            // A varint is at most 10 bytes; fewer than that may just be incomplete.
+            Err(_) if buf.len() < 10 && !buf.iter().take(10).any(|b| b & 0x80 == 0) => {
+                return Ok(None);
+            }
+            Err(_) => return Err(WireError::BadLength),
+        };
+        if len > self.max_frame_bytes as u64 {
+            return Err(WireError::TooLarge {
+                len,
+                max: self.max_frame_bytes,
+            });
+        }
+        let prefix = buf.len() - peek.len();
+        let len = len as usize;
+        if buf.len() < prefix + len {
+            buf.reserve(prefix + len - buf.len());
+            return Ok(None);
+        }
+        buf.advance(prefix);
+        let body = buf.split_to(len).freeze();
+        decode_frame(body).map(Some)
+    }
+}
+
+/// Writes a varint length prefix for a frame of `len` bytes (for writers that stream the body).
+pub fn put_length_prefix(len: usize, out: &mut impl BufMut) {
+    prost::encoding::encode_varint(len as u64, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample_frames() -> Vec<Frame> {
+        let g = Bytes::from_static(b"group-1");
+        vec![
+            Frame {
+                group_id: g.clone(),
+                message: Message::Part(PartMessage {
+                    part: 7,
+                    weight: 0.5,
+                    codec: CompressionType::Uniform8Bit,
+                    dtype: DType::F32,
+                    payload: Bytes::from(vec![1u8, 2, 3]),
+                }),
+            },
+            Frame {
+                group_id: g.clone(),
+                message: Message::Averaged(AveragedMessage {
+                    part: 0,
+                    codec: CompressionType::None,
+                    dtype: DType::BF16,
+                    contributors: PeerSet::from_indices([0, 3, 70]),
+                    payload: Bytes::new(),
+                }),
+            },
+            Frame {
+                group_id: g,
+                message: Message::Abort {
+                    role: Role::Reducer,
+                    reason: AbortReason::Banned,
+                },
+            },
+        ]
+    }
+
+    #[test]
+    fn round_trip_through_a_stream() {
+        let mut buf = BytesMut::new();
+        for f in sample_frames() {
+            encode_frame(&f, &mut buf);
+        }
+        let dec = FrameDecoder::default();
+        let mut out = Vec::new();
+        // Feed byte by byte: partial input is never an error.
+        let all = buf.freeze();
+        let mut stream = BytesMut::new();
+        for b in all.iter() {
+            stream.put_u8(*b);
+            while let Some(f) = dec.decode(&mut stream).unwrap() {
+                out.push(f);
+            }
+        }
+        assert_eq!(out, sample_frames());
+        assert!(stream.is_empty());
+    }
+
+    #[test]
+    fn oversized_frame_rejected_from_its_prefix() {
+        let mut buf = BytesMut::new();
+        put_length_prefix(4 << 30, &mut buf);
+        assert_eq!(
+            FrameDecoder::new(1 << 20).decode(&mut buf),
+            Err(WireError::TooLarge {
+                len: 4 << 30,
+                max: 1 << 20
+            })
+        );
+        let mut bad = BytesMut::from(&[0xffu8; 11][..]);
+        assert_eq!(
+            FrameDecoder::default().decode(&mut bad),
+            Err(WireError::BadLength)
+        );
+    }
+
+    #[test]
+    fn invalid_fields_are_typed_errors() {
+        let mut f = proto::RoundFrame::from(&sample_frames()[0]);
+        f.group_id = Bytes::new();
+        assert_eq!(Frame::try_from(f), Err(WireError::GroupId(0)));
+        let mut f = proto::RoundFrame::from(&sample_frames()[0]);
+        if let Some(proto::round_frame::Body::Part(p)) = f.body.as_mut() {
+            p.tensor.as_mut().unwrap().compression = 1;
+        }
+        assert!(matches!(
+            Frame::try_from(f),
+            Err(WireError::UnknownEnum {
+                field: "compression",
+                value: 1
+            })
+        ));
+        let mut f = proto::RoundFrame::from(&sample_frames()[1]);
+        if let Some(proto::round_frame::Body::Averaged(a)) = f.body.as_mut() {
+            a.contributors = vec![1; MAX_CONTRIBUTOR_WORDS + 1];
+        }
+        assert!(matches!(
+            Frame::try_from(f),
+            Err(WireError::Contributors(_))
+        ));
+        let f = proto::RoundFrame {
+            group_id: Bytes::from_static(b"g"),
+            body: None,
+        };
+        assert_eq!(Frame::try_from(f), Err(WireError::Missing("body")));
+    }
+
+    proptest! {
+        #[test]
+        fn random_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let mut buf = BytesMut::from(&data[..]);
+            let dec = FrameDecoder::new(1 << 16);
+            for _ in 0..8 {
+                match dec.decode(&mut buf) {
+                    Ok(Some(_)) => continue,
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            let _ = decode_frame(Bytes::from(data));
+        }
+    }
+}
