@@ -197,7 +197,7 @@ pub enum PeerStatus {
 pub struct PeerResult {
     /// How its round ended.
     pub status: PeerStatus,
-    /// Its values at the start.
+    /// Its values at the start (empty if its round was rejected).
     pub tensors: Vec<Tensor>,
     /// Its outcome, if it finished.
     pub outcome: Option<Outcome>,
@@ -626,9 +626,60 @@ impl World<'_> {
     }
 }
 
-/// Runs one round among `cfg.peers` over `descriptors`-shaped data.
+/// Runs one round among `cfg.peers` over `descriptors`-shaped data from [`make_tensors`]
+/// (generated on both cores).
 pub fn run(cfg: &SimConfig, descriptors: &[TensorDescriptor]) -> Result<SimResult, TensorError> {
     let n = cfg.peers.len();
+    let t0 = std::time::Instant::now();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |c| c.get())
+        .min(n.max(1));
+    let mut tensors: Vec<Option<Result<Vec<Tensor>, TensorError>>> = (0..n).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        for (t, chunk) in tensors.chunks_mut(n.div_ceil(threads).max(1)).enumerate() {
+            let first = t * n.div_ceil(threads).max(1);
+            scope.spawn(move || {
+                for (i, slot) in chunk.iter_mut().enumerate() {
+                    *slot = Some(make_tensors(descriptors, cfg.seed, first + i));
+                }
+            });
+        }
+    });
+    let tensors = tensors
+        .into_iter()
+        .map(|t| t.expect("every slot is filled by its thread"))
+        .collect::<Result<Vec<_>, _>>()?;
+    tracing::info!(elapsed = ?t0.elapsed(), "sim: data generated");
+    run_with_tensors(cfg, tensors)
+}
+
+/// Runs one round among `cfg.peers`, peer `i` starting from `tensors[i]` (all peers must have
+/// the same shapes and dtypes).
+pub fn run_with_tensors(
+    cfg: &SimConfig,
+    tensors: Vec<Vec<Tensor>>,
+) -> Result<SimResult, TensorError> {
+    let n = cfg.peers.len();
+    if tensors.len() != n {
+        return Err(TensorError::Mismatch(format!(
+            "{} tensor sets for {n} peers",
+            tensors.len()
+        )));
+    }
+    let descriptors: Vec<TensorDescriptor> = tensors
+        .first()
+        .map(|ts| ts.iter().map(TensorDescriptor::of).collect())
+        .unwrap_or_default();
+    if tensors.iter().any(|ts| {
+        ts.iter()
+            .map(TensorDescriptor::of)
+            .ne(descriptors.iter().cloned())
+    }) {
+        return Err(TensorError::Mismatch(
+            "peers hold different tensor shapes".into(),
+        ));
+    }
+    let descriptors = &descriptors[..];
     let start = Instant::now();
     let members: Vec<Member> = cfg
         .peers
@@ -695,9 +746,7 @@ pub fn run(cfg: &SimConfig, descriptors: &[TensorDescriptor]) -> Result<SimResul
         rng: StdRng::seed_from_u64(cfg.seed ^ 0x5EED),
     };
     let mut initial = Vec::with_capacity(n);
-    let t0 = std::time::Instant::now();
-    for (p, peer) in cfg.peers.iter().enumerate() {
-        let tensors = make_tensors(descriptors, cfg.seed, p)?;
+    for ((p, peer), tensors) in cfg.peers.iter().enumerate().zip(tensors) {
         if peer.fault == Some(Fault::FailBefore) {
             world.status[p] = PeerStatus::NotStarted;
             world.machines.push(None);
@@ -719,11 +768,10 @@ pub fn run(cfg: &SimConfig, descriptors: &[TensorDescriptor]) -> Result<SimResul
             Err(e) => {
                 world.status[p] = PeerStatus::Rejected(e);
                 world.machines.push(None);
-                initial.push(Some(make_tensors(descriptors, cfg.seed, p)?));
+                initial.push(Some(Vec::new()));
             }
         }
     }
-    tracing::info!(elapsed = ?t0.elapsed(), "sim: peers started");
     let t1 = std::time::Instant::now();
     for p in 0..n {
         world.pump(p);

@@ -280,9 +280,12 @@ proptest! {
         cfg.round.max_in_flight_parts = 1 + (seed % 4) as usize;
         let descs: Vec<_> = sizes.iter().map(|&n| desc(&[n])).collect();
         let res = sim::run(&cfg, &descs).unwrap();
-        // The slowest legitimate finish: the slow faults stall for slow_pause, and a chain of
-        // timeouts costs at most a few reducer timeouts on top of transfer time.
-        let deadline = cfg.slow_pause + cfg.round.reducer_timeout * 4 + Duration::from_secs(1);
+        // The slowest legitimate finish: the slow faults stall for slow_pause, a chain of
+        // timeouts costs at most a few reducer timeouts, and with a window of W parts a link
+        // needs one round trip per W parts (tiny parts make that latency-bound).
+        let rtt = (cfg.latency + cfg.jitter) * 2;
+        let round_trips = (res.partition.num_parts() / cfg.round.max_in_flight_parts + 2) as u32;
+        let deadline = cfg.slow_pause + cfg.round.reducer_timeout * 4 + rtt * round_trips;
         let checks = res.check();
         for (p, peer) in res.peers.iter().enumerate() {
             match &peer.status {
@@ -299,6 +302,81 @@ proptest! {
                 PeerStatus::NotStarted => prop_assert_eq!(cfg.peers[p].fault, Some(Fault::FailBefore)),
                 PeerStatus::Cancelled => prop_assert_eq!(cfg.peers[p].fault, Some(Fault::Cancel)),
                 PeerStatus::Unfinished => prop_assert!(false, "peer {} never finished", p),
+            }
+        }
+    }
+}
+
+/// hivemind `test_allreduce_compression`: 2 peers (peer 1 a client), tensors
+/// [linspace(0,500,1000)^0.5, randn(1000)] vs [linspace(300,800,1000)^0.5, randn(1000)].
+/// float16 ends within (0, 1e-5] MSE of the exact mean, 8-bit codecs within (1e-5, 1e-2].
+#[test]
+fn allreduce_compression_error_bounds() {
+    use hivemesh::tensor::Tensor;
+    let linspace = |a: f32, b: f32| -> Vec<f32> {
+        (0..1000)
+            .map(|i| (a + (b - a) * i as f32 / 999.0).sqrt())
+            .collect()
+    };
+    // A deterministic N(0,1)-like sample (sum of uniforms).
+    let randn = |seed: u64| -> Vec<f32> {
+        let mut s = seed;
+        (0..1000)
+            .map(|_| {
+                (0..12)
+                    .map(|_| {
+                        s = s
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        (s >> 40) as f32 / (1u64 << 24) as f32
+                    })
+                    .sum::<f32>()
+                    - 6.0
+            })
+            .collect()
+    };
+    let data = [
+        vec![linspace(0.0, 500.0), randn(1)],
+        vec![linspace(300.0, 800.0), randn(2)],
+    ];
+    let tensors = || -> Vec<Vec<Tensor>> {
+        data.iter()
+            .map(|ts| {
+                ts.iter()
+                    .map(|v| Tensor::from_f32(&[1000], v.clone()).unwrap())
+                    .collect()
+            })
+            .collect()
+    };
+    for (codec, lo, hi) in [
+        (CompressionType::Float16, 0.0, 1e-5),
+        (CompressionType::Uniform8Bit, 1e-5, 1e-2),
+        (CompressionType::Quantile8Bit, 1e-5, 1e-2),
+        (CompressionType::Blockwise8Bit, 1e-5, 1e-2),
+        (CompressionType::None, -1.0, 1e-12),
+    ] {
+        let mut ps = vec![SimPeer::node(); 2];
+        ps[1].mode = Mode::Client;
+        ps[1].fraction = 0.0;
+        let mut cfg = SimConfig::new(ps, 5);
+        cfg.round.compression = Compression::Fixed(codec);
+        let res = sim::run_with_tensors(&cfg, tensors()).unwrap();
+        assert_eq!(res.finished(), 2, "{codec:?}");
+        for (p, peer) in res.peers.iter().enumerate() {
+            let deltas = peer.outcome.as_ref().unwrap().deltas.as_ref().unwrap();
+            for t in 0..2 {
+                let mse: f64 = (0..1000)
+                    .map(|k| {
+                        let mean = (data[0][t][k] as f64 + data[1][t][k] as f64) / 2.0;
+                        let got = (data[p][t][k] + deltas[t][k]) as f64;
+                        (got - mean).powi(2)
+                    })
+                    .sum::<f64>()
+                    / 1000.0;
+                assert!(
+                    mse > lo && mse <= hi,
+                    "{codec:?} peer {p} tensor {t}: mse {mse:e}"
+                );
             }
         }
     }
