@@ -4,6 +4,7 @@
 
 pub mod allreduce;
 pub mod compression;
+pub mod p2p;
 pub mod sim;
 pub mod tensor;
 pub mod wire;

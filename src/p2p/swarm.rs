@@ -1,0 +1,410 @@
+//! The task that owns the Swarm.
+//!
+//! Message flow: handles send [`Command`]s (bounded channel); the loop `select!`s between the
+//! next command and the next swarm event. Long operations (DHT queries, waiting for the first
+//! connection or for listen addresses) park their reply sender in a pending map keyed by the
+//! Kademlia `QueryId` (or in a waiter list) and answer it when the matching event arrives.
+//! When every handle is gone the channel closes and the loop ends, dropping the swarm.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::StreamExt;
+use libp2p::kad::{self, store::MemoryStore, store::RecordStore};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
+use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, identify, identity::Keypair, noise, ping};
+use libp2p::{tcp, yamux};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{IDENTIFY_PROTOCOL, KAD_PROTOCOL, P2pConfig, P2pError, RecordPolicy};
+
+#[derive(NetworkBehaviour)]
+pub(super) struct Behaviour {
+    kad: kad::Behaviour<MemoryStore>,
+    identify: identify::Behaviour,
+    ping: ping::Behaviour,
+}
+
+/// Requests from handles to the event loop.
+#[derive(Debug)]
+pub(super) enum Command {
+    ListenAddrs {
+        reply: oneshot::Sender<Vec<Multiaddr>>,
+    },
+    ConnectedPeers {
+        reply: oneshot::Sender<Vec<PeerId>>,
+    },
+    WaitConnected {
+        reply: oneshot::Sender<Result<(), P2pError>>,
+    },
+    Bootstrap {
+        reply: oneshot::Sender<()>,
+    },
+    Put {
+        key: Vec<u8>,
+        value: Vec<u8>,
+        reply: oneshot::Sender<Result<usize, P2pError>>,
+    },
+    Get {
+        key: Vec<u8>,
+        reply: oneshot::Sender<Result<Vec<Vec<u8>>, P2pError>>,
+    },
+    Shutdown {
+        reply: oneshot::Sender<()>,
+    },
+}
+
+enum Pending {
+    Put(oneshot::Sender<Result<usize, P2pError>>),
+    Get {
+        reply: oneshot::Sender<Result<Vec<Vec<u8>>, P2pError>>,
+        values: Vec<Vec<u8>>,
+    },
+}
+
+pub(super) struct EventLoop {
+    swarm: Swarm<Behaviour>,
+    commands: mpsc::Receiver<Command>,
+    policy: Box<dyn RecordPolicy>,
+    pending: HashMap<kad::QueryId, Pending>,
+    listeners_without_addr: HashSet<libp2p::core::transport::ListenerId>,
+    listen_addrs: Vec<Multiaddr>,
+    addr_waiters: Vec<oneshot::Sender<Vec<Multiaddr>>>,
+    initial_peers: HashSet<PeerId>,
+    connect_waiters: Vec<oneshot::Sender<Result<(), P2pError>>>,
+}
+
+fn kad_protocol() -> StreamProtocol {
+    StreamProtocol::new(KAD_PROTOCOL)
+}
+
+impl EventLoop {
+    pub(super) fn new(
+        config: &P2pConfig,
+        keypair: Keypair,
+        policy: Box<dyn RecordPolicy>,
+        commands: mpsc::Receiver<Command>,
+        initial_peers: &[(PeerId, Multiaddr)],
+    ) -> Result<Self, P2pError> {
+        let build = |e: &dyn std::fmt::Display| P2pError::Build(e.to_string());
+        let max_record = config.max_record_bytes;
+        let request_timeout = config.request_timeout;
+        let client_mode = config.client_mode;
+        let mut swarm = libp2p::SwarmBuilder::with_existing_identity(keypair)
+            .with_tokio()
+            .with_tcp(
+                tcp::Config::default().nodelay(true),
+                noise::Config::new,
+                yamux::Config::default,
+            )
+            .map_err(|e| build(&e))?
+            .with_quic()
+            .with_dns()
+            .map_err(|e| build(&e))?
+            .with_behaviour(|key| {
+                let peer_id = key.public().to_peer_id();
+                let mut kcfg = kad::Config::new(kad_protocol());
+                kcfg.set_record_filtering(kad::StoreInserts::FilterBoth)
+                    .set_max_packet_size(max_record + (64 << 10))
+                    .set_query_timeout(request_timeout)
+                    .set_publication_interval(None)
+                    .set_record_ttl(Some(Duration::from_secs(3600)))
+                    .set_periodic_bootstrap_interval(Some(Duration::from_secs(60)));
+                let store = MemoryStore::with_config(
+                    peer_id,
+                    kad::store::MemoryStoreConfig {
+                        max_records: 1 << 16,
+                        max_value_bytes: max_record,
+                        ..Default::default()
+                    },
+                );
+                let mut kad = kad::Behaviour::with_config(peer_id, store, kcfg);
+                kad.set_mode(Some(if client_mode {
+                    kad::Mode::Client
+                } else {
+                    kad::Mode::Server
+                }));
+                Behaviour {
+                    kad,
+                    identify: identify::Behaviour::new(identify::Config::new(
+                        IDENTIFY_PROTOCOL.to_owned(),
+                        key.public(),
+                    )),
+                    ping: ping::Behaviour::default(),
+                }
+            })
+            .map_err(|e| build(&e))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(config.idle_connection_timeout))
+            .build();
+        let mut listeners = HashSet::new();
+        for addr in &config.listen {
+            let id = swarm
+                .listen_on(addr.clone())
+                .map_err(|e| P2pError::Listen {
+                    addr: addr.clone(),
+                    detail: e.to_string(),
+                })?;
+            listeners.insert(id);
+        }
+        for (peer, addr) in initial_peers {
+            swarm.behaviour_mut().kad.add_address(peer, addr.clone());
+            swarm.dial(addr.clone()).map_err(|e| P2pError::Dial {
+                addr: addr.clone(),
+                detail: e.to_string(),
+            })?;
+        }
+        Ok(Self {
+            swarm,
+            commands,
+            policy,
+            pending: HashMap::new(),
+            listeners_without_addr: listeners,
+            listen_addrs: Vec::new(),
+            addr_waiters: Vec::new(),
+            initial_peers: initial_peers.iter().map(|(p, _)| *p).collect(),
+            connect_waiters: Vec::new(),
+        })
+    }
+
+    pub(super) async fn run(mut self) {
+        loop {
+            tokio::select! {
+                command = self.commands.recv() => match command {
+                    Some(Command::Shutdown { reply }) => {
+                        let _ = reply.send(());
+                        break;
+                    }
+                    Some(command) => self.on_command(command),
+                    None => break, // every handle dropped
+                },
+                event = self.swarm.select_next_some() => self.on_event(event),
+            }
+        }
+        // Dropping the swarm closes listeners and connections; tell waiters we are gone.
+        for (_, p) in self.pending.drain() {
+            match p {
+                Pending::Put(reply) => drop(reply.send(Err(P2pError::Shutdown))),
+                Pending::Get { reply, .. } => drop(reply.send(Err(P2pError::Shutdown))),
+            }
+        }
+        tracing::debug!(peer = %self.swarm.local_peer_id(), "p2p event loop stopped");
+    }
+
+    fn local_addrs(&self) -> Vec<Multiaddr> {
+        let me = *self.swarm.local_peer_id();
+        self.listen_addrs
+            .iter()
+            .map(|a| a.clone().with(Protocol::P2p(me)))
+            .collect()
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::ListenAddrs { reply } => {
+                if self.listeners_without_addr.is_empty() {
+                    let _ = reply.send(self.local_addrs());
+                } else {
+                    self.addr_waiters.push(reply);
+                }
+            }
+            Command::ConnectedPeers { reply } => {
+                let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::WaitConnected { reply } => {
+                if self
+                    .initial_peers
+                    .iter()
+                    .any(|p| self.swarm.is_connected(p))
+                {
+                    let _ = reply.send(Ok(()));
+                } else {
+                    self.connect_waiters.push(reply);
+                }
+            }
+            Command::Bootstrap { reply } => {
+                // No known peers is not an error for a lone bootstrap node.
+                let _ = self.swarm.behaviour_mut().kad.bootstrap();
+                let _ = reply.send(());
+            }
+            Command::Put { key, value, reply } => self.put(key, value, reply),
+            Command::Get { key, reply } => {
+                let key = kad::RecordKey::new(&key);
+                let local = self
+                    .swarm
+                    .behaviour_mut()
+                    .kad
+                    .store_mut()
+                    .get(&key)
+                    .map(|r| r.value.clone());
+                let id = self.swarm.behaviour_mut().kad.get_record(key);
+                self.pending.insert(
+                    id,
+                    Pending::Get {
+                        reply,
+                        values: local.into_iter().collect(),
+                    },
+                );
+            }
+            Command::Shutdown { .. } => unreachable!("handled in run()"),
+        }
+    }
+
+    /// Merges `value` into the local record (through the policy) and replicates the result.
+    fn put(
+        &mut self,
+        key: Vec<u8>,
+        value: Vec<u8>,
+        reply: oneshot::Sender<Result<usize, P2pError>>,
+    ) {
+        let record = match self.merge_into_store(&key, &value, None) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = reply.send(Err(P2pError::Rejected(e)));
+                return;
+            }
+        };
+        match self
+            .swarm
+            .behaviour_mut()
+            .kad
+            .put_record(record, kad::Quorum::One)
+        {
+            Ok(id) => {
+                self.pending.insert(id, Pending::Put(reply));
+            }
+            Err(e) => {
+                let _ = reply.send(Err(P2pError::Rejected(e.to_string())));
+            }
+        }
+    }
+
+    /// Merges `incoming` with the stored value under `key` and stores the result.
+    fn merge_into_store(
+        &mut self,
+        key: &[u8],
+        incoming: &[u8],
+        source: Option<PeerId>,
+    ) -> Result<kad::Record, String> {
+        let rkey = kad::RecordKey::new(&key);
+        let store = self.swarm.behaviour_mut().kad.store_mut();
+        let existing = store.get(&rkey).map(|r| r.value.clone());
+        let now = SystemTime::now();
+        let (merged, expires_at) =
+            self.policy
+                .merge(key, existing.as_deref(), incoming, source, now)?;
+        let ttl = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
+        let mut record = kad::Record::new(rkey, merged);
+        record.expires = Some(Instant::now() + ttl);
+        record.publisher = Some(*self.swarm.local_peer_id());
+        self.swarm
+            .behaviour_mut()
+            .kad
+            .store_mut()
+            .put(record.clone())
+            .map_err(|e| e.to_string())?;
+        Ok(record)
+    }
+
+    fn on_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            } => {
+                tracing::debug!(%address, "listening");
+                if !self.listen_addrs.contains(&address) {
+                    self.listen_addrs.push(address);
+                }
+                self.listeners_without_addr.remove(&listener_id);
+                if self.listeners_without_addr.is_empty() {
+                    let addrs = self.local_addrs();
+                    for w in self.addr_waiters.drain(..) {
+                        let _ = w.send(addrs.clone());
+                    }
+                }
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.listen_addrs.retain(|a| a != &address);
+            }
+            SwarmEvent::ConnectionEstablished { peer_id, .. } => {
+                if self.initial_peers.contains(&peer_id) {
+                    for w in self.connect_waiters.drain(..) {
+                        let _ = w.send(Ok(()));
+                    }
+                }
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                tracing::debug!(?peer_id, %error, "outgoing connection failed");
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) => {
+                if info.protocols.contains(&kad_protocol()) {
+                    for addr in info.listen_addrs {
+                        self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => self.on_kad(event),
+            _ => {}
+        }
+    }
+
+    fn on_kad(&mut self, event: kad::Event) {
+        match event {
+            kad::Event::InboundRequest {
+                request:
+                    kad::InboundRequest::PutRecord {
+                        source,
+                        record: Some(record),
+                        ..
+                    },
+            } => {
+                let key = record.key.to_vec();
+                if let Err(reason) = self.merge_into_store(&key, &record.value, Some(source)) {
+                    tracing::debug!(%source, %reason, "rejected inbound record");
+                }
+            }
+            kad::Event::OutboundQueryProgressed {
+                id, result, step, ..
+            } => match result {
+                kad::QueryResult::PutRecord(res) => {
+                    if let Some(Pending::Put(reply)) = self.pending.remove(&id) {
+                        let stored = match res {
+                            Ok(_) => 1,
+                            Err(kad::PutRecordError::QuorumFailed { success, .. })
+                            | Err(kad::PutRecordError::Timeout { success, .. }) => success.len(),
+                        };
+                        let _ = reply.send(Ok(stored));
+                    }
+                }
+                kad::QueryResult::GetRecord(res) => {
+                    if let Some(Pending::Get { values, .. }) = self.pending.get_mut(&id)
+                        && let Ok(kad::GetRecordOk::FoundRecord(found)) = &res
+                    {
+                        values.push(found.record.value.clone());
+                    }
+                    let finished = step.last
+                        || matches!(
+                            res,
+                            Ok(kad::GetRecordOk::FinishedWithNoAdditionalRecord { .. }) | Err(_)
+                        );
+                    if finished
+                        && let Some(Pending::Get { reply, values }) = self.pending.remove(&id)
+                    {
+                        // NotFound or a timeout after some answers still returns what we have.
+                        let _ = reply.send(Ok(values));
+                    }
+                }
+                kad::QueryResult::Bootstrap(Err(e)) => {
+                    tracing::debug!(error = %e, "bootstrap step failed");
+                }
+                _ => {}
+            },
+            _ => {}
+        }
+    }
+}

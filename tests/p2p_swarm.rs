@@ -1,0 +1,151 @@
+//! In-process libp2p swarms on loopback: bootstrap, merged puts from many peers, gets that
+//! merge replicas, client-mode peers, identity persistence, startup errors.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, SystemTime};
+
+use hivemesh::p2p::{P2p, P2pConfig, P2pError, RecordPolicy};
+use libp2p::{PeerId, identity::Keypair};
+
+/// Values are sets of lines; merging is set union (enough to test the plumbing).
+struct UnionPolicy;
+
+impl RecordPolicy for UnionPolicy {
+    fn merge(
+        &self,
+        _key: &[u8],
+        existing: Option<&[u8]>,
+        incoming: &[u8],
+        _source: Option<PeerId>,
+        now: SystemTime,
+    ) -> Result<(Vec<u8>, SystemTime), String> {
+        if incoming.starts_with(b"reject") {
+            return Err("policy says no".into());
+        }
+        let mut set: BTreeSet<&[u8]> = incoming.split(|&b| b == b'\n').collect();
+        set.extend(existing.unwrap_or_default().split(|&b| b == b'\n'));
+        set.remove(&b""[..]);
+        Ok((
+            set.into_iter().collect::<Vec<_>>().join(&b'\n'),
+            now + Duration::from_secs(60),
+        ))
+    }
+}
+
+fn union(values: &[Vec<u8>]) -> BTreeSet<String> {
+    values
+        .iter()
+        .flat_map(|v| v.split(|&b| b == b'\n'))
+        .filter(|l| !l.is_empty())
+        .map(|l| String::from_utf8_lossy(l).into_owned())
+        .collect()
+}
+
+async fn node(initial: Vec<libp2p::Multiaddr>, client: bool) -> P2p {
+    let cfg = P2pConfig {
+        initial_peers: initial,
+        client_mode: client,
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    };
+    P2p::spawn(cfg, Keypair::generate_ed25519(), Box::new(UnionPolicy))
+        .await
+        .expect("node starts")
+        .0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_peers_store_and_read_all_subkeys() {
+    let boot = node(vec![], false).await;
+    let addrs = boot.listen_addrs().await.unwrap();
+    assert!(
+        addrs
+            .iter()
+            .all(|a| a.to_string().ends_with(&format!("/p2p/{}", boot.peer_id())))
+    );
+    let mut peers = vec![boot];
+    for i in 1..8 {
+        // The last one is a client-mode DHT peer.
+        peers.push(node(addrs.clone(), i == 7).await);
+    }
+    let puts = peers.iter().enumerate().map(|(i, p)| {
+        let p = p.clone();
+        async move {
+            p.put_record(b"shared".to_vec(), format!("peer-{i}").into_bytes())
+                .await
+        }
+    });
+    for r in futures::future::join_all(puts).await {
+        r.unwrap();
+    }
+    let want: BTreeSet<String> = (0..8).map(|i| format!("peer-{i}")).collect();
+    for (i, p) in peers.iter().enumerate() {
+        let got = union(&p.get_record(b"shared".to_vec()).await.unwrap());
+        assert_eq!(got, want, "peer {i}");
+    }
+    // A missing key is an empty answer, not an error.
+    assert!(
+        peers[3]
+            .get_record(b"missing".to_vec())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // The policy can refuse a write.
+    assert!(matches!(
+        peers[2]
+            .put_record(b"shared".to_vec(), b"reject me".to_vec())
+            .await,
+        Err(P2pError::Rejected(_))
+    ));
+    for p in peers {
+        p.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_initial_peer_is_a_clear_error() {
+    // A peer id nobody listens for, on a port nobody listens on.
+    let dead: libp2p::Multiaddr = format!(
+        "/ip4/127.0.0.1/tcp/9/p2p/{}",
+        Keypair::generate_ed25519().public().to_peer_id()
+    )
+    .parse()
+    .unwrap();
+    let cfg = P2pConfig {
+        initial_peers: vec![dead],
+        bootstrap_timeout: Duration::from_secs(3),
+        ..P2pConfig::loopback()
+    };
+    let err = P2p::spawn(cfg, Keypair::generate_ed25519(), Box::new(UnionPolicy))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, P2pError::Bootstrap(_)), "{err}");
+    let no_id = P2pConfig {
+        initial_peers: vec!["/ip4/127.0.0.1/tcp/9".parse().unwrap()],
+        ..P2pConfig::loopback()
+    };
+    let err = P2p::spawn(no_id, Keypair::generate_ed25519(), Box::new(UnionPolicy))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, P2pError::BadInitialPeer(_)), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_last_handle_stops_the_node() {
+    let (p2p, task) = P2p::spawn(
+        P2pConfig::loopback(),
+        Keypair::generate_ed25519(),
+        Box::new(UnionPolicy),
+    )
+    .await
+    .unwrap();
+    let other = p2p.clone();
+    drop(p2p);
+    assert!(!task.is_finished() || other.peer_id() == other.peer_id());
+    drop(other);
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("event loop ends once every handle is gone")
+        .unwrap();
+}
