@@ -4,6 +4,7 @@
 
 pub mod allreduce;
 pub mod compression;
+pub mod dht;
 pub mod sim;
 pub mod tensor;
 pub mod wire;
