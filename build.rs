@@ -1,7 +1,7 @@
 //! Compiles `proto/` with prost-build through protox, so no system `protoc` is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["proto/hivemesh/averaging.proto"];
+    let protos = ["proto/hivemesh/averaging.proto", "proto/hivemesh/dht.proto"];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }

@@ -1,9 +1,27 @@
-//! hivemesh: peer-to-peer decentralized averaging.
+//! hivemesh: peer-to-peer decentralized averaging, in the style of hivemind.
+//!
+//! # One averaging round
+//!
+//! 1. A group of peers has agreed on an order, each member's mode (node, client or aux) and
+//!    its share of the reduction (matchmaking; planned).
+//! 2. Each peer builds an [`allreduce::Butterfly`] over its tensors. Tensors are flattened and
+//!    cut into parts ([`allreduce::Partition`]); peer `i` reduces the `i`-th span.
+//! 3. Senders stream their parts, encoded by a [`compression`] codec, to each span's reducer;
+//!    reducers accumulate weighted sums ([`allreduce::Reducer`]) and answer each sender with
+//!    the delta `average − its input`, naming the contributors.
+//! 4. Sender and reducer timeouts ban silent or misbehaving peers; the round still finishes,
+//!    and [`allreduce::Outcome`] says part by part whose values were averaged.
+//! 5. The peer adds the deltas to its tensors ([`allreduce::Outcome::apply`]).
+//!
+//! The protocol cores are sans-IO: [`sim`] drives them in virtual time with simulated links
+//! and faults; [`p2p`] is the libp2p layer (swarm, Kademlia with merged records) and [`dht`]
+//! the typed values stored in it; [`wire`] holds the prost messages of a round.
 #![warn(missing_docs)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod allreduce;
 pub mod compression;
+pub mod dht;
 pub mod p2p;
 pub mod sim;
 pub mod tensor;

@@ -327,11 +327,11 @@ impl EventLoop {
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 self.listen_addrs.retain(|a| a != &address);
             }
-            SwarmEvent::ConnectionEstablished { peer_id, .. } => {
-                if self.initial_peers.contains(&peer_id) {
-                    for w in self.connect_waiters.drain(..) {
-                        let _ = w.send(Ok(()));
-                    }
+            SwarmEvent::ConnectionEstablished { peer_id, .. }
+                if self.initial_peers.contains(&peer_id) =>
+            {
+                for w in self.connect_waiters.drain(..) {
+                    let _ = w.send(Ok(()));
                 }
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
@@ -341,11 +341,9 @@ impl EventLoop {
                 peer_id,
                 info,
                 ..
-            })) => {
-                if info.protocols.contains(&kad_protocol()) {
-                    for addr in info.listen_addrs {
-                        self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
-                    }
+            })) if info.protocols.contains(&kad_protocol()) => {
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => self.on_kad(event),

@@ -1,0 +1,175 @@
+//! The typed DHT's value model, sans-IO: what one key holds, how copies of it merge, when
+//! entries expire, and which inbound records are accepted.
+//!
+//! # The model
+//!
+//! Every write to a key carries an absolute wall-clock expiration ([`DhtTime`], seconds since
+//! the UNIX epoch), and that expiration is also the write's *version*: the later one wins (as in
+//! hivemind, where a peer re-declares with a later expiration and leaves by writing the same
+//! subkey again with an expiration nudged up by one ulp, [`DhtTime::next_up`]). A write is
+//! either *plain* (the key as a whole) or a *subkey* write (one entry of the key's dictionary,
+//! each subkey expiring on its own).
+//!
+//! A [`DhtValue`] holds the newest plain write, if any, and the newest write of every subkey.
+//! What a reader sees ([`DhtValue::view`], a [`DhtView`]) follows hivemind's storage rules
+//! (`DHTLocalStorage` / `DictionaryDHTValue`, digest §5.4): the **plain value** if its
+//! expiration is strictly later than every subkey's, otherwise the **dictionary** of all
+//! subkeys. So:
+//!
+//! * plain over plain: the later expiration wins;
+//! * subkey over subkey: per subkey, the later expiration wins; different subkeys never
+//!   conflict; the dictionary's expiration is its latest entry's ([`DhtValue::expiration`]);
+//! * a plain write over a dictionary replaces it only if it is newer than the dictionary's latest
+//!   entry; otherwise the whole dictionary, older entries included, stays visible;
+//! * a subkey write over a plain value replaces it (with a dictionary) only if it is newer.
+//!
+//! # Merge rules
+//!
+//! Kademlia keeps one record per key and a later write overwrites an earlier one, replicas can
+//! hold different subsets of the writes, and a GET returns one record per replica. The record
+//! store therefore merges every inbound record into its copy and a reader merges all the
+//! replicas' answers, and the result must not depend on the order or grouping of those merges
+//! nor on seeing a record twice. [`merge`] is a join: the plain part takes the newer of the two
+//! plain writes and the dictionary part the newer entry per subkey, where "newer" is the total
+//! order of [`Entry`]: by expiration, then, on equal expirations, by value bytes (larger wins),
+//! so that two different writes with the same expiration merge the same way everywhere. It is
+//! commutative, associative and idempotent (property-tested), and equal to the value holding
+//! all the writes ever merged in, whatever the order. [`merge_all`] folds a GET's answers.
+//!
+//! Both parts are kept, even the one the view hides, because hivemind's rules are
+//! order-dependent and no value that keeps only what is visible can make them
+//! order-independent: stored one after the
+//! other, `{a: t1}`, then a plain value at `t2 > t1`, then `{b: t3 > t2}` leave hivemind with
+//! `{b}`, while the same writes in the order `{a}`, `{b}`, plain leave `{a, b}`. Keeping the hidden
+//! part gives `{a, b}` in every order: a newer plain value *hides* older entries but does not
+//! delete them, and they show again (until they expire) once a subkey write newer than the plain
+//! value arrives. This is exactly hivemind's answer for every single write onto an existing
+//! value (the tests replay `test_dht_storage.py::test_localstorage_nested` assertion by
+//! assertion), and differs only in such sequences. Where hivemind is order-dependent on ties (a plain write and a subkey
+//! write with the *same* expiration: each keeps the one stored first), we show the dictionary.
+//!
+//! # Expiry
+//!
+//! An entry is live while `now <= expiration` and expired once `expiration < now` (hivemind's
+//! `TimedStorage` drops `expiration_time < get_dht_time()`). [`DhtValue::without_expired`] drops
+//! expired writes, visible or hidden; a value with nothing left vanishes (`None`). Dropping
+//! expired writes commutes with merging (property-tested), and never switches the view to an
+//! older write: the write the view shows expires last.
+//!
+//! # Inbound records
+//!
+//! [`DhtValue::from_bytes`] checks the length before decoding and the subkey count before
+//! building the map, and rejects non-finite expirations, empty subkeys (hivemind reserves `b""`
+//! for "the whole dictionary"), duplicate subkeys and values holding nothing with typed
+//! [`DhtValueError`]s; it never panics on arbitrary bytes. [`DhtValue::validate`] then checks a
+//! value against [`ValidationLimits`] at `now`, including that no expiration lies more than
+//! `max_expiration_ahead` past `now`: a write's expiration is its version, so an unbounded one
+//! would win every merge forever. Expired writes are not an error (a replica may answer before
+//! it pruned them); callers drop them with [`DhtValue::without_expired`]. Merging two valid
+//! values can exceed the limits (the union of two full dictionaries); the record store validates
+//! the merge result as well and keeps its current value when an inbound record would push it
+//! over.
+//!
+//! Not here: record signing. hivemind's `RSASignatureValidator` lets only the owner of a
+//! `[owner:<public key>]` key or subkey write it; the equivalent rule (subkeys and keys bound to
+//! a libp2p identity, writes signed by it) comes with the libp2p record store that calls this
+//! module. Until then any peer can override any entry by writing it with a later expiration, or
+//! hide a whole dictionary behind a plain value, for at most `max_expiration_ahead`.
+//!
+//! Every function here is pure: time comes in as a `now` argument ([`DhtTime::now`] is only a
+//! convenience for callers).
+
+mod value;
+mod wire;
+
+#[cfg(test)]
+mod tests;
+
+use std::time::Duration;
+
+pub use value::{DhtTime, DhtValue, DhtView, Entry, merge, merge_all};
+
+/// Default [`ValidationLimits::max_value_bytes`]: 512 KiB.
+pub const DEFAULT_MAX_VALUE_BYTES: usize = 512 << 10;
+/// Default [`ValidationLimits::max_subkeys`].
+pub const DEFAULT_MAX_SUBKEYS: usize = 4096;
+/// Default [`ValidationLimits::max_expiration_ahead`]: one hour.
+pub const DEFAULT_MAX_EXPIRATION_AHEAD: Duration = Duration::from_secs(3600);
+
+/// Limits an inbound value must respect.
+///
+/// The defaults: **512 KiB** of encoded value, half the 1 MiB Kademlia packet size the p2p
+/// layer configures (`rust-stack.md` §5), so that a record plus its key, the kad envelope and a
+/// GET answer's list of closer peers always fits in one packet; that is room for the largest
+/// dictionary hivemind's averaging writes (one entry of a ~40-byte peer id, a small value and
+/// a 9-byte expiration per averager) at the default subkey limit. **4096 subkeys**: a
+/// matchmaking key holds one entry per peer looking for a group in that bucket and the
+/// state-sharing registry one per averager, so 4096 covers swarms of thousands of peers while
+/// bounding the work of a merge. **One hour ahead**: hivemind's writes expire seconds to minutes
+/// ahead (matchmaking declarations, `declare_state_period` = 30 s), one hour leaves room for
+/// every such use and for clock skew (hivemind tolerates 3 s), matches the planned kad
+/// `record_ttl`, and bounds how long one bogus far-future write can win every merge.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidationLimits {
+    /// Largest accepted encoded value, in bytes.
+    pub max_value_bytes: usize,
+    /// Most subkeys a value may hold (hidden ones included).
+    pub max_subkeys: usize,
+    /// How far past `now` an expiration may lie.
+    pub max_expiration_ahead: Duration,
+}
+
+impl Default for ValidationLimits {
+    fn default() -> Self {
+        Self {
+            max_value_bytes: DEFAULT_MAX_VALUE_BYTES,
+            max_subkeys: DEFAULT_MAX_SUBKEYS,
+            max_expiration_ahead: DEFAULT_MAX_EXPIRATION_AHEAD,
+        }
+    }
+}
+
+/// A malformed or unacceptable DHT value.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DhtValueError {
+    /// The encoded value is longer than the limit.
+    #[error("value of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// Encoded length.
+        len: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// The value holds more subkeys than the limit.
+    #[error("{count} subkeys exceed the limit of {max}")]
+    TooManySubkeys {
+        /// Subkeys in the value.
+        count: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// A subkey is empty.
+    #[error("empty subkey")]
+    EmptySubkey,
+    /// A subkey appears twice in an encoded value.
+    #[error("duplicate subkey")]
+    DuplicateSubkey,
+    /// An encoded value has neither a plain value nor entries.
+    #[error("value holds neither a plain value nor entries")]
+    Empty,
+    /// An expiration is NaN or infinite.
+    #[error("expiration {0} is not a finite time")]
+    NonFiniteExpiration(f64),
+    /// An expiration lies further ahead than the limit allows.
+    #[error("expiration {expiration} is past the horizon {horizon}")]
+    ExpirationTooFar {
+        /// The offending expiration.
+        expiration: DhtTime,
+        /// `now + max_expiration_ahead`.
+        horizon: DhtTime,
+    },
+    /// The bytes are not a valid encoding.
+    #[error("undecodable value: {0}")]
+    Malformed(String),
+}

@@ -1,0 +1,553 @@
+//! Tests of the DHT value model: hivemind's storage semantics (`test_dht_storage.py`, the
+//! subkey rules of `test_dht_node.py` / `test_dht.py`), validation and decoding of hostile
+//! input, and property tests of the merge laws.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use proptest::prelude::*;
+
+use super::wire::test_support::raw;
+use super::*;
+
+fn t(secs: f64) -> DhtTime {
+    DhtTime::from_secs(secs).unwrap()
+}
+
+fn b(s: &str) -> Bytes {
+    Bytes::copy_from_slice(s.as_bytes())
+}
+
+/// hivemind's `store`: merges `write` into `state` and says whether the write is visible
+/// afterwards (hivemind's `True`: accepted; `False`: the current value is newer).
+fn store(state: &mut Option<DhtValue>, write: DhtValue) -> bool {
+    let merged = match state.take() {
+        Some(s) => merge(s, write.clone()),
+        None => write.clone(),
+    };
+    let visible = match (merged.view(), write.view()) {
+        (DhtView::Plain(p), DhtView::Plain(w)) => p == w,
+        (DhtView::Dictionary(d), DhtView::Dictionary(w)) => {
+            w.iter().all(|(k, e)| d.get(k) == Some(e))
+        }
+        _ => false,
+    };
+    *state = Some(merged);
+    visible
+}
+
+fn get(state: &Option<DhtValue>) -> DhtView<'_> {
+    state.as_ref().unwrap().view()
+}
+
+fn dict<'a>(view: DhtView<'a>) -> &'a std::collections::BTreeMap<Bytes, Entry> {
+    match view {
+        DhtView::Dictionary(d) => d,
+        DhtView::Plain(p) => panic!("expected a dictionary, got plain {p:?}"),
+    }
+}
+
+#[test]
+fn dht_time_is_finite_and_totally_ordered() {
+    assert!(DhtTime::from_secs(f64::NAN).is_none());
+    assert!(DhtTime::from_secs(f64::INFINITY).is_none());
+    assert!(DhtTime::from_secs(f64::NEG_INFINITY).is_none());
+    assert_eq!(t(-0.0), t(0.0));
+    assert_eq!(t(-0.0).as_secs().to_bits(), 0.0f64.to_bits());
+    assert!(t(1.0) < t(2.0) && t(-5.0) < DhtTime::EPOCH);
+    assert!(t(1.0).next_up() > t(1.0));
+    assert_eq!(t(f64::MAX).next_up(), t(f64::MAX));
+    assert_eq!(
+        t(f64::MAX).saturating_add(Duration::MAX).as_secs(),
+        f64::MAX
+    );
+    assert_eq!(t(10.0).saturating_add(Duration::from_millis(500)), t(10.5));
+    assert!(DhtTime::now() > t(1.7e9));
+}
+
+/// `test_store`, `test_get_expired`, `test_get_empty`.
+#[test]
+fn expired_writes_vanish() {
+    let now = 1000.0;
+    let v = DhtValue::plain(b("val"), t(now + 0.1));
+    assert_eq!(v.clone().without_expired(t(now)), Some(v.clone()));
+    // Live up to and including its expiration, gone after it.
+    assert_eq!(v.clone().without_expired(t(now + 0.1)), Some(v.clone()));
+    assert_eq!(v.without_expired(t(now + 0.5)), None);
+    assert_eq!(merge_all([]), None);
+
+    let d = DhtValue::from_parts(
+        None,
+        [
+            (b("a"), Entry::new(b("1"), t(now + 1.0))),
+            (b("b"), Entry::new(b("2"), t(now + 3.0))),
+        ],
+    )
+    .unwrap();
+    let live = d.clone().without_expired(t(now + 2.0)).unwrap();
+    assert_eq!(dict(live.view()).keys().collect::<Vec<_>>(), [&b("b")]);
+    assert_eq!(d.without_expired(t(now + 3.5)), None);
+}
+
+/// `test_change_expiration_time`, and an older write never replaces a newer one.
+#[test]
+fn newer_write_wins_and_older_write_does_not_replace_it() {
+    let now = 1000.0;
+    let old = DhtValue::plain(b("val1"), t(now + 1.0));
+    let new = DhtValue::plain(b("val2"), t(now + 200.0));
+    for m in [merge(old.clone(), new.clone()), merge(new.clone(), old)] {
+        assert_eq!(m, new);
+        let m = m.without_expired(t(now + 1.5)).unwrap();
+        assert_eq!(
+            m.view(),
+            DhtView::Plain(&Entry::new(b("val2"), t(now + 200.0)))
+        );
+    }
+    let mut state = Some(new.clone());
+    assert!(!store(
+        &mut state,
+        DhtValue::plain(b("stale"), t(now + 100.0))
+    ));
+    assert_eq!(state, Some(new));
+}
+
+#[test]
+fn equal_expirations_break_ties_by_value_bytes() {
+    let x = DhtValue::plain(b("x"), t(5.0));
+    let y = DhtValue::plain(b("y"), t(5.0));
+    assert_eq!(merge(x.clone(), y.clone()), y);
+    assert_eq!(merge(y.clone(), x), y);
+    let sx = DhtValue::subkey(b("k"), b("x"), t(5.0));
+    let sy = DhtValue::subkey(b("k"), b("y"), t(5.0));
+    assert_eq!(merge(sx.clone(), sy.clone()), sy);
+    assert_eq!(merge(sy.clone(), sx.clone()), sy);
+    // A plain write and a subkey write with the same expiration: the dictionary shows.
+    let p = DhtValue::plain(b("p"), t(5.0));
+    for m in [merge(p.clone(), sx.clone()), merge(sx, p)] {
+        assert!(matches!(m.view(), DhtView::Dictionary(_)));
+    }
+}
+
+/// `test_dht_storage.py::test_localstorage_nested`, assertion by assertion.
+#[test]
+fn nested_values_follow_hivemind_local_storage() {
+    let time = 1000.0;
+    let d2 = DhtValue::from_parts(
+        None,
+        [
+            (b("subkey1"), Entry::new(b("value1"), t(time + 2.0))),
+            (b("subkey2"), Entry::new(b("value2"), t(time + 3.0))),
+            (b("subkey3"), Entry::new(b("value3"), t(time + 1.0))),
+        ],
+    )
+    .unwrap();
+    assert_eq!(d2.expiration(), t(time + 3.0));
+
+    let (mut foo, mut bar) = (None, None);
+    for (k, e) in d2.subkeys() {
+        assert!(store(
+            &mut foo,
+            DhtValue::subkey(k.clone(), e.value.clone(), e.expiration)
+        ));
+    }
+    assert!(store(&mut bar, DhtValue::plain(b("456"), t(time + 2.0))));
+    assert_eq!(dict(get(&foo)), d2.subkeys());
+    assert_eq!(foo.as_ref().unwrap().expiration(), d2.expiration());
+    assert_eq!(
+        dict(get(&foo)).get(&b("subkey1")[..]),
+        Some(&Entry::new(b("value1"), t(time + 2.0)))
+    );
+    assert_eq!(dict(get(&foo)).len(), 3);
+    assert!(store(
+        &mut foo,
+        DhtValue::subkey(b("subkey4"), b("value4"), t(time + 4.0))
+    ));
+    assert_eq!(dict(get(&foo)).len(), 4);
+
+    // A subkey write onto a plain value replaces it only if newer.
+    assert!(!store(
+        &mut bar,
+        DhtValue::subkey(b("subkeyA"), b("valueA"), t(time + 1.0))
+    ));
+    assert!(store(
+        &mut bar,
+        DhtValue::subkey(b("subkeyA"), b("valueA"), t(time + 3.0))
+    ));
+    assert!(store(
+        &mut bar,
+        DhtValue::subkey(b("subkeyB"), b("valueB"), t(time + 4.0))
+    ));
+    assert!(store(
+        &mut bar,
+        DhtValue::subkey(b("subkeyA"), b("valueA+"), t(time + 5.0))
+    ));
+    let bar_dict = dict(get(&bar));
+    assert!(bar_dict.contains_key(&b("subkeyA")[..]) && bar_dict.contains_key(&b("subkeyB")[..]));
+    assert_eq!(bar_dict.len(), 2);
+    assert_eq!(bar.as_ref().unwrap().expiration(), t(time + 5.0));
+
+    // A plain write onto a dictionary replaces it only if newer than its latest entry.
+    assert!(!store(
+        &mut foo,
+        DhtValue::plain(b("nothing"), t(time + 3.5))
+    ));
+    assert_eq!(
+        dict(get(&foo)).get(&b("subkey2")[..]),
+        Some(&Entry::new(b("value2"), t(time + 3.0)))
+    );
+    assert!(store(
+        &mut foo,
+        DhtValue::plain(b("nothing"), t(time + 5.0))
+    ));
+    assert_eq!(
+        get(&foo),
+        DhtView::Plain(&Entry::new(b("nothing"), t(time + 5.0)))
+    );
+}
+
+/// The one place where we differ from hivemind's sequential storage: hidden writes are kept.
+#[test]
+fn newer_plain_value_hides_older_subkeys_without_deleting_them() {
+    let a = DhtValue::subkey(b("a"), b("1"), t(10.0));
+    let p = DhtValue::plain(b("p"), t(20.0));
+    let bk = DhtValue::subkey(b("b"), b("2"), t(30.0));
+    let hidden = merge(a.clone(), p.clone());
+    assert_eq!(hidden.view(), DhtView::Plain(&Entry::new(b("p"), t(20.0))));
+    assert_eq!(hidden.subkeys().len(), 1);
+    // In every order the three writes leave {a, b}.
+    let orders = [
+        merge(hidden, bk.clone()),
+        merge(merge(a.clone(), bk.clone()), p.clone()),
+        merge(merge(p.clone(), bk.clone()), a.clone()),
+    ];
+    for m in &orders {
+        assert_eq!(m, &orders[0]);
+        assert_eq!(dict(m.view()).len(), 2);
+        assert_eq!(m.plain_entry(), Some(&Entry::new(b("p"), t(20.0))));
+    }
+    // Once the hidden entry expires, the dictionary only shows b.
+    let later = orders[0].clone().without_expired(t(15.0)).unwrap();
+    assert_eq!(dict(later.view()).keys().collect::<Vec<_>>(), [&b("b")]);
+}
+
+/// `test_dht.py::test_get_store` and `test_dht_node`: subkeys stored by different peers at
+/// different replicas merge into one dictionary on a `latest` read.
+#[test]
+fn subkeys_from_several_peers_merge_across_replicas() {
+    let now = 1000.0;
+    let peer1 = DhtValue::subkey(b("peer1"), b("1"), t(now + 10.0));
+    let peer2 = DhtValue::subkey(b("peer2"), b("1"), t(now + 12.0));
+    let peer2_old = DhtValue::subkey(b("peer2"), b("0"), t(now + 5.0));
+    // Replicas hold partial, differently stale copies.
+    let replicas = [
+        peer1.clone(),
+        merge(peer2_old.clone(), peer1.clone()),
+        peer2.clone(),
+        peer2_old,
+    ];
+    let merged = merge_all(replicas).unwrap();
+    assert_eq!(merged, merge(peer1, peer2));
+    let d = dict(merged.view());
+    assert_eq!(d.len(), 2);
+    assert_eq!(d[&b("peer2")[..]], Entry::new(b("1"), t(now + 12.0)));
+    assert_eq!(merged.expiration(), t(now + 12.0));
+}
+
+/// Matchmaking's leave (digest §3.2): the same subkey, value False, expiration nudged up.
+#[test]
+fn leave_overrides_declaration() {
+    let declared = t(1000.0 + 15.0);
+    let join = DhtValue::subkey(b("peer"), b("\x01"), declared);
+    let leave = DhtValue::subkey(b("peer"), Bytes::new(), declared.next_up());
+    for m in [
+        merge(join.clone(), leave.clone()),
+        merge(leave.clone(), join.clone()),
+    ] {
+        let active: Vec<_> = dict(m.view())
+            .iter()
+            .filter(|(_, e)| !e.value.is_empty())
+            .collect();
+        assert!(active.is_empty());
+    }
+    // Without the nudge the tie-break on value bytes would keep the declaration.
+    let same_time = DhtValue::subkey(b("peer"), Bytes::new(), declared);
+    assert_eq!(merge(same_time, join.clone()), join);
+}
+
+#[test]
+fn validate_bounds_expirations_subkeys_and_size() {
+    let now = t(1000.0);
+    let limits = ValidationLimits::default();
+    let horizon = now.saturating_add(DEFAULT_MAX_EXPIRATION_AHEAD);
+    assert_eq!(
+        DhtValue::plain(b("v"), horizon).validate(now, &limits),
+        Ok(())
+    );
+    // Expired writes are not an error.
+    assert_eq!(
+        DhtValue::plain(b("v"), t(1.0)).validate(now, &limits),
+        Ok(())
+    );
+    let far = horizon.next_up();
+    let hidden_far = DhtValue::from_parts(
+        Some(Entry::new(b("p"), far)),
+        [(b("k"), Entry::new(b("v"), t(1001.0)))],
+    )
+    .unwrap();
+    assert_eq!(
+        hidden_far.validate(now, &limits),
+        Err(DhtValueError::ExpirationTooFar {
+            expiration: far,
+            horizon
+        })
+    );
+
+    let small = ValidationLimits {
+        max_value_bytes: 64,
+        max_subkeys: 3,
+        ..ValidationLimits::default()
+    };
+    let four = DhtValue::from_parts(
+        None,
+        (0..4u8).map(|i| (Bytes::from(vec![b'k', i]), Entry::new(b(""), t(1001.0)))),
+    )
+    .unwrap();
+    let err = DhtValueError::TooManySubkeys { count: 4, max: 3 };
+    assert_eq!(four.validate(now, &small), Err(err.clone()));
+    assert_eq!(DhtValue::from_bytes(&four.to_bytes(), &small), Err(err));
+
+    let big = DhtValue::plain(Bytes::from(vec![7u8; 100]), t(1001.0));
+    let len = big.encoded_len();
+    assert_eq!(len, big.to_bytes().len());
+    let err = DhtValueError::TooLarge { len, max: 64 };
+    assert_eq!(big.validate(now, &small), Err(err.clone()));
+    assert_eq!(DhtValue::from_bytes(&big.to_bytes(), &small), Err(err));
+
+    let empty_subkey = DhtValue::subkey(Bytes::new(), b("v"), t(1001.0));
+    assert_eq!(
+        empty_subkey.validate(now, &limits),
+        Err(DhtValueError::EmptySubkey)
+    );
+}
+
+/// The default size limit holds a full dictionary of hivemind-style declarations.
+#[test]
+fn default_limits_fit_a_full_averaging_dictionary() {
+    let now = t(1.7e9);
+    let exp = now.saturating_add(Duration::from_secs(30));
+    let full = DhtValue::from_parts(
+        None,
+        (0..DEFAULT_MAX_SUBKEYS as u32).map(|i| {
+            let mut peer_id = vec![0u8; 38];
+            peer_id[..4].copy_from_slice(&i.to_be_bytes());
+            (Bytes::from(peer_id), Entry::new(b("\x01"), exp))
+        }),
+    )
+    .unwrap();
+    let limits = ValidationLimits::default();
+    assert_eq!(full.validate(now, &limits), Ok(()));
+    assert!(full.encoded_len() < DEFAULT_MAX_VALUE_BYTES / 2);
+    assert_eq!(DhtValue::from_bytes(&full.to_bytes(), &limits), Ok(full));
+}
+
+#[test]
+fn from_bytes_rejects_malformed_values() {
+    let limits = ValidationLimits::default();
+    let dec = |bytes: &[u8]| DhtValue::from_bytes(bytes, &limits);
+    // The length is checked before anything is decoded.
+    let junk = vec![0xffu8; 65];
+    let small = ValidationLimits {
+        max_value_bytes: 64,
+        ..ValidationLimits::default()
+    };
+    assert_eq!(
+        DhtValue::from_bytes(&junk, &small),
+        Err(DhtValueError::TooLarge { len: 65, max: 64 })
+    );
+    assert!(matches!(dec(&junk), Err(DhtValueError::Malformed(_))));
+    assert_eq!(dec(&[]), Err(DhtValueError::Empty));
+    assert_eq!(dec(&raw(None, &[])), Err(DhtValueError::Empty));
+    for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        assert!(matches!(
+            dec(&raw(Some((b"v", bad)), &[])),
+            Err(DhtValueError::NonFiniteExpiration(_))
+        ));
+        assert!(matches!(
+            dec(&raw(None, &[(b"k", b"v", bad)])),
+            Err(DhtValueError::NonFiniteExpiration(_))
+        ));
+    }
+    assert_eq!(
+        dec(&raw(None, &[(b"", b"v", 1.0)])),
+        Err(DhtValueError::EmptySubkey)
+    );
+    assert_eq!(
+        dec(&raw(None, &[(b"k", b"v", 1.0), (b"k", b"w", 2.0)])),
+        Err(DhtValueError::DuplicateSubkey)
+    );
+    // Entries in any order decode; the encoding is canonical (sorted by subkey).
+    let unsorted = raw(Some((b"p", 3.0)), &[(b"z", b"1", 1.0), (b"a", b"2", 2.0)]);
+    let v = dec(&unsorted).unwrap();
+    let sorted = raw(Some((b"p", 3.0)), &[(b"a", b"2", 2.0), (b"z", b"1", 1.0)]);
+    assert_eq!(v.to_bytes(), sorted);
+}
+
+fn arb_time() -> impl Strategy<Value = DhtTime> {
+    prop_oneof![
+        // A small grid, so equal expirations (ties) are frequent.
+        4 => (0u8..6).prop_map(|i| t(f64::from(i) * 0.5)),
+        1 => (-1e10f64..1e10).prop_map(t),
+    ]
+}
+
+fn arb_bytes(max: usize) -> impl Strategy<Value = Bytes> {
+    prop_oneof![
+        Just(Bytes::new()),
+        Just(b("x")),
+        Just(b("y")),
+        proptest::collection::vec(any::<u8>(), 0..max).prop_map(Bytes::from),
+    ]
+}
+
+fn arb_subkey() -> impl Strategy<Value = Bytes> {
+    prop_oneof![
+        Just(b("a")),
+        Just(b("b")),
+        Just(b("c")),
+        proptest::collection::vec(any::<u8>(), 1..3).prop_map(Bytes::from),
+    ]
+}
+
+fn arb_entry() -> impl Strategy<Value = Entry> {
+    (arb_bytes(4), arb_time()).prop_map(|(v, e)| Entry::new(v, e))
+}
+
+/// One write: plain (no subkey) or to a subkey.
+fn arb_write() -> impl Strategy<Value = (Option<Bytes>, Entry)> {
+    (proptest::option::of(arb_subkey()), arb_entry())
+}
+
+fn arb_value() -> impl Strategy<Value = DhtValue> {
+    (
+        proptest::option::of(arb_entry()),
+        proptest::collection::vec((arb_subkey(), arb_entry()), 0..6),
+    )
+        .prop_filter_map("a value holds something", |(p, s)| {
+            DhtValue::from_parts(p, s)
+        })
+}
+
+fn single(write: (Option<Bytes>, Entry)) -> DhtValue {
+    match write {
+        (None, e) => DhtValue::plain(e.value, e.expiration),
+        (Some(k), e) => DhtValue::subkey(k, e.value, e.expiration),
+    }
+}
+
+proptest! {
+    #[test]
+    fn merge_is_commutative(a in arb_value(), b in arb_value()) {
+        prop_assert_eq!(merge(a.clone(), b.clone()), merge(b, a));
+    }
+
+    #[test]
+    fn merge_is_associative(a in arb_value(), b in arb_value(), c in arb_value()) {
+        prop_assert_eq!(
+            merge(merge(a.clone(), b.clone()), c.clone()),
+            merge(a, merge(b, c))
+        );
+    }
+
+    #[test]
+    fn merge_is_idempotent(a in arb_value(), b in arb_value()) {
+        prop_assert_eq!(merge(a.clone(), a.clone()), a.clone());
+        let ab = merge(a.clone(), b);
+        prop_assert_eq!(merge(ab.clone(), a), ab);
+    }
+
+    /// Folding writes in any order gives the value holding the newest plain write and the
+    /// newest write of every subkey.
+    #[test]
+    fn merge_all_equals_the_newest_writes_in_any_order(
+        (writes, shuffled) in proptest::collection::vec(arb_write(), 1..12)
+            .prop_flat_map(|w| (Just(w.clone()), Just(w).prop_shuffle()))
+    ) {
+        let plain = writes.iter().filter(|(k, _)| k.is_none()).map(|(_, e)| e.clone()).max();
+        let mut model = std::collections::BTreeMap::<Bytes, Entry>::new();
+        for (k, e) in &writes {
+            if let Some(k) = k {
+                let cur = model.entry(k.clone()).or_insert_with(|| e.clone());
+                if e > cur {
+                    *cur = e.clone();
+                }
+            }
+        }
+        let expected = DhtValue::from_parts(plain, model);
+        prop_assert_eq!(merge_all(writes.into_iter().map(single)), expected.clone());
+        prop_assert_eq!(merge_all(shuffled.into_iter().map(single)), expected);
+    }
+
+    #[test]
+    fn without_expired_commutes_with_merge(a in arb_value(), b in arb_value(), now in arb_time()) {
+        let merged_then_dropped = merge(a.clone(), b.clone()).without_expired(now);
+        let dropped_then_merged =
+            merge_all([a.without_expired(now), b.without_expired(now)].into_iter().flatten());
+        prop_assert_eq!(merged_then_dropped, dropped_then_merged);
+    }
+
+    /// Expiry never switches the view to an older write: what remains visible is the live part
+    /// of what was visible.
+    #[test]
+    fn expiry_keeps_the_live_part_of_the_view(v in arb_value(), now in arb_time()) {
+        let live = v.clone().without_expired(now);
+        match (v.view(), live.as_ref().map(DhtValue::view)) {
+            (DhtView::Plain(p), Some(DhtView::Plain(q))) => prop_assert_eq!(p, q),
+            (DhtView::Plain(p), None) => prop_assert!(p.is_expired(now)),
+            (DhtView::Dictionary(d), Some(DhtView::Dictionary(e))) => {
+                let expected: std::collections::BTreeMap<_, _> = d
+                    .iter()
+                    .filter(|(_, x)| !x.is_expired(now))
+                    .map(|(k, x)| (k.clone(), x.clone()))
+                    .collect();
+                prop_assert_eq!(&expected, e);
+            }
+            (DhtView::Dictionary(d), None) => prop_assert!(d.values().all(|x| x.is_expired(now))),
+            (before, after) => prop_assert!(false, "view changed kind: {:?} -> {:?}", before, after),
+        }
+    }
+
+    #[test]
+    fn encode_decode_round_trip(v in arb_value()) {
+        let bytes = v.to_bytes();
+        prop_assert_eq!(bytes.len(), v.encoded_len());
+        prop_assert_eq!(DhtValue::from_bytes(&bytes, &ValidationLimits::default()), Ok(v));
+    }
+
+    #[test]
+    fn random_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let limits = ValidationLimits { max_subkeys: 4, ..ValidationLimits::default() };
+        if let Ok(v) = DhtValue::from_bytes(&data, &limits) {
+            let again = DhtValue::from_bytes(&v.to_bytes(), &limits);
+            prop_assert_eq!(again, Ok(v));
+        }
+    }
+
+    #[test]
+    fn mutated_encodings_never_panic(
+        v in arb_value(),
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4),
+    ) {
+        let mut bytes = v.to_bytes();
+        for (at, byte) in edits {
+            if !bytes.is_empty() {
+                let i = at % bytes.len();
+                bytes[i] = byte;
+            }
+        }
+        let limits = ValidationLimits::default();
+        if let Ok(d) = DhtValue::from_bytes(&bytes, &limits) {
+            let _ = d.validate(t(0.0), &limits);
+            prop_assert_eq!(DhtValue::from_bytes(&d.to_bytes(), &limits), Ok(d));
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! [`DhtTime`], [`Entry`], [`DhtValue`] and the pure functions on them: [`merge`],
+//! [`merge_all`], [`DhtValue::without_expired`] and [`DhtValue::validate`].
+
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+use std::collections::btree_map;
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+
+use super::{DhtValueError, ValidationLimits};
+
+/// A wall-clock time in seconds since the UNIX epoch: always finite, totally ordered.
+///
+/// `-0.0` is stored as `0.0`, so equality, order and hashing agree with the numeric value.
+#[derive(Clone, Copy, Debug)]
+pub struct DhtTime(f64);
+
+impl DhtTime {
+    /// The UNIX epoch.
+    pub const EPOCH: Self = Self(0.0);
+
+    /// `secs` seconds since the UNIX epoch, or `None` if `secs` is NaN or infinite.
+    pub fn from_secs(secs: f64) -> Option<Self> {
+        // Adding +0.0 turns -0.0 into +0.0 and leaves every other finite value unchanged.
+        secs.is_finite().then_some(Self(secs + 0.0))
+    }
+
+    /// The current wall-clock time (a convenience for callers; nothing in this module reads the
+    /// clock). Times before the epoch come out negative.
+    pub fn now() -> Self {
+        let secs = match SystemTime::now().duration_since(UNIX_EPOCH) {
+            Ok(d) => d.as_secs_f64(),
+            Err(e) => -e.duration().as_secs_f64(),
+        };
+        Self(secs + 0.0)
+    }
+
+    /// Seconds since the UNIX epoch.
+    pub fn as_secs(self) -> f64 {
+        self.0
+    }
+
+    /// `self + d`, saturating at the largest finite time.
+    pub fn saturating_add(self, d: Duration) -> Self {
+        let t = self.0 + d.as_secs_f64();
+        Self(if t.is_finite() { t } else { f64::MAX })
+    }
+
+    /// The next representable time after `self` (the largest finite time stays as it is):
+    /// hivemind's `nextafter(expiration, inf)`, the expiration of a write that must supersede
+    /// one at `self`, such as leaving a group.
+    pub fn next_up(self) -> Self {
+        let t = self.0.next_up();
+        Self(if t.is_finite() { t } else { self.0 })
+    }
+}
+
+impl PartialEq for DhtTime {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for DhtTime {}
+
+impl PartialOrd for DhtTime {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for DhtTime {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Both are finite and neither is -0.0, so this is the numeric order.
+        self.0.total_cmp(&other.0)
+    }
+}
+
+impl Hash for DhtTime {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.to_bits().hash(state);
+    }
+}
+
+impl fmt::Display for DhtTime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}s", self.0)
+    }
+}
+
+/// One write: a value and its expiration.
+///
+/// Entries are ordered by expiration, then by value bytes: the order in which [`merge`] picks
+/// the newer of two writes (the larger wins).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Entry {
+    /// When the write expires; also its version.
+    pub expiration: DhtTime,
+    /// The value bytes (opaque to the DHT).
+    pub value: Bytes,
+}
+
+impl Entry {
+    /// An entry.
+    pub fn new(value: impl Into<Bytes>, expiration: DhtTime) -> Self {
+        Self {
+            expiration,
+            value: value.into(),
+        }
+    }
+
+    /// Whether the entry has expired at `now` (`expiration < now`).
+    pub fn is_expired(&self, now: DhtTime) -> bool {
+        self.expiration < now
+    }
+}
+
+/// What one key holds: the newest plain write, if any, and the newest write of every subkey
+/// (never neither). See the [module docs](super) for what a reader sees and how values merge.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DhtValue {
+    plain: Option<Entry>,
+    subkeys: BTreeMap<Bytes, Entry>,
+}
+
+/// What a reader of a key sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DhtView<'a> {
+    /// A plain value: its expiration is later than every subkey's.
+    Plain(&'a Entry),
+    /// A dictionary of subkeys (never empty); its expiration is its latest entry's.
+    Dictionary(&'a BTreeMap<Bytes, Entry>),
+}
+
+impl DhtValue {
+    /// A plain write.
+    pub fn plain(value: impl Into<Bytes>, expiration: DhtTime) -> Self {
+        Self {
+            plain: Some(Entry::new(value, expiration)),
+            subkeys: BTreeMap::new(),
+        }
+    }
+
+    /// A write of one subkey.
+    pub fn subkey(subkey: impl Into<Bytes>, value: impl Into<Bytes>, expiration: DhtTime) -> Self {
+        Self {
+            plain: None,
+            subkeys: BTreeMap::from([(subkey.into(), Entry::new(value, expiration))]),
+        }
+    }
+
+    /// The value holding `plain` and the given subkey writes (a subkey given twice keeps its
+    /// newer write), or `None` if there are none.
+    pub fn from_parts(
+        plain: Option<Entry>,
+        subkeys: impl IntoIterator<Item = (Bytes, Entry)>,
+    ) -> Option<Self> {
+        let mut map = BTreeMap::new();
+        for (k, e) in subkeys {
+            insert_newer(&mut map, k, e);
+        }
+        (plain.is_some() || !map.is_empty()).then_some(Self {
+            plain,
+            subkeys: map,
+        })
+    }
+
+    /// What a reader sees: the plain value if its expiration is strictly later than every
+    /// subkey's, else the dictionary.
+    pub fn view(&self) -> DhtView<'_> {
+        match (&self.plain, self.latest_subkey_expiration()) {
+            (Some(p), Some(latest)) if p.expiration <= latest => DhtView::Dictionary(&self.subkeys),
+            (Some(p), _) => DhtView::Plain(p),
+            (None, _) => DhtView::Dictionary(&self.subkeys),
+        }
+    }
+
+    /// The expiration of what [`view`](Self::view) shows (for a dictionary, its latest entry's),
+    /// which is also the latest expiration the value holds.
+    pub fn expiration(&self) -> DhtTime {
+        let plain = self.plain.as_ref().map(|p| p.expiration);
+        // One of the two is present by construction; EPOCH only keeps this total.
+        plain
+            .max(self.latest_subkey_expiration())
+            .unwrap_or(DhtTime::EPOCH)
+    }
+
+    /// The newest plain write, visible or hidden.
+    pub fn plain_entry(&self) -> Option<&Entry> {
+        self.plain.as_ref()
+    }
+
+    /// The newest write of every subkey, visible or hidden.
+    pub fn subkeys(&self) -> &BTreeMap<Bytes, Entry> {
+        &self.subkeys
+    }
+
+    fn latest_subkey_expiration(&self) -> Option<DhtTime> {
+        self.subkeys.values().map(|e| e.expiration).max()
+    }
+
+    /// The value without the writes expired at `now`; `None` if nothing is left.
+    pub fn without_expired(mut self, now: DhtTime) -> Option<Self> {
+        self.plain = self.plain.filter(|p| !p.is_expired(now));
+        self.subkeys.retain(|_, e| !e.is_expired(now));
+        (self.plain.is_some() || !self.subkeys.is_empty()).then_some(self)
+    }
+
+    /// Checks the value against `limits` at `now`: at most `max_subkeys` subkeys, none empty,
+    /// no expiration past `now + max_expiration_ahead`, at most `max_value_bytes` encoded.
+    /// Expired writes are not an error (see [`without_expired`](Self::without_expired)).
+    pub fn validate(&self, now: DhtTime, limits: &ValidationLimits) -> Result<(), DhtValueError> {
+        if self.subkeys.len() > limits.max_subkeys {
+            return Err(DhtValueError::TooManySubkeys {
+                count: self.subkeys.len(),
+                max: limits.max_subkeys,
+            });
+        }
+        if self.subkeys.contains_key(&b""[..]) {
+            return Err(DhtValueError::EmptySubkey);
+        }
+        let horizon = now.saturating_add(limits.max_expiration_ahead);
+        if let Some(e) = self
+            .plain
+            .iter()
+            .chain(self.subkeys.values())
+            .find(|e| e.expiration > horizon)
+        {
+            return Err(DhtValueError::ExpirationTooFar {
+                expiration: e.expiration,
+                horizon,
+            });
+        }
+        let len = self.encoded_len();
+        if len > limits.max_value_bytes {
+            return Err(DhtValueError::TooLarge {
+                len,
+                max: limits.max_value_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Inserts `e` under `k` unless `map` already holds a newer (or the same) entry there.
+pub(super) fn insert_newer(map: &mut BTreeMap<Bytes, Entry>, k: Bytes, e: Entry) {
+    match map.entry(k) {
+        btree_map::Entry::Vacant(v) => {
+            v.insert(e);
+        }
+        btree_map::Entry::Occupied(mut o) => {
+            if e > *o.get() {
+                o.insert(e);
+            }
+        }
+    }
+}
+
+/// Merges two copies of a key: the newer plain write and, per subkey, the newer write, in the
+/// order of [`Entry`] (expiration, then value bytes). Commutative, associative, idempotent.
+pub fn merge(a: DhtValue, b: DhtValue) -> DhtValue {
+    // Insert the smaller dictionary into the larger one.
+    let (mut into, from) = if a.subkeys.len() >= b.subkeys.len() {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    into.plain = into.plain.max(from.plain);
+    for (k, e) in from.subkeys {
+        insert_newer(&mut into.subkeys, k, e);
+    }
+    into
+}
+
+/// Merges any number of copies of a key (the answers of several replicas to a GET); `None` if
+/// there are none. The result does not depend on their order.
+pub fn merge_all(values: impl IntoIterator<Item = DhtValue>) -> Option<DhtValue> {
+    values.into_iter().reduce(merge)
+}

@@ -1,0 +1,127 @@
+//! Encoding of a [`DhtValue`] as a Kademlia record value: prost types from
+//! `proto/hivemesh/dht.proto`, translated at this boundary ("parse, don't validate").
+//!
+//! Encoding is canonical: entries go out sorted by subkey, so equal values encode to equal
+//! bytes. Decoding checks the length before touching the bytes and the entry count before
+//! building the map, and turns every structural fault into a [`DhtValueError`].
+
+use prost::Message as _;
+
+use super::value::{DhtTime, DhtValue, Entry, insert_newer};
+use super::{DhtValueError, ValidationLimits};
+
+/// Generated prost types (do not use outside this boundary).
+#[allow(missing_docs, clippy::all)]
+mod proto {
+    include!(concat!(env!("OUT_DIR"), "/hivemesh.dht.v1.rs"));
+}
+
+impl From<&DhtValue> for proto::DhtValue {
+    fn from(v: &DhtValue) -> Self {
+        Self {
+            plain: v.plain_entry().map(|p| proto::PlainValue {
+                value: p.value.clone(),
+                expiration: p.expiration.as_secs(),
+            }),
+            entries: v
+                .subkeys()
+                .iter()
+                .map(|(k, e)| proto::DictionaryEntry {
+                    subkey: k.clone(),
+                    value: e.value.clone(),
+                    expiration: e.expiration.as_secs(),
+                })
+                .collect(),
+        }
+    }
+}
+
+fn time(secs: f64) -> Result<DhtTime, DhtValueError> {
+    DhtTime::from_secs(secs).ok_or(DhtValueError::NonFiniteExpiration(secs))
+}
+
+impl TryFrom<proto::DhtValue> for DhtValue {
+    type Error = DhtValueError;
+
+    fn try_from(v: proto::DhtValue) -> Result<Self, Self::Error> {
+        let plain = match v.plain {
+            Some(p) => Some(Entry::new(p.value, time(p.expiration)?)),
+            None => None,
+        };
+        let mut subkeys = std::collections::BTreeMap::new();
+        for e in v.entries {
+            if e.subkey.is_empty() {
+                return Err(DhtValueError::EmptySubkey);
+            }
+            let entry = Entry::new(e.value, time(e.expiration)?);
+            if subkeys.contains_key(&e.subkey) {
+                return Err(DhtValueError::DuplicateSubkey);
+            }
+            insert_newer(&mut subkeys, e.subkey, entry);
+        }
+        DhtValue::from_parts(plain, subkeys).ok_or(DhtValueError::Empty)
+    }
+}
+
+impl DhtValue {
+    /// The length of [`to_bytes`](Self::to_bytes), without encoding.
+    pub fn encoded_len(&self) -> usize {
+        proto::DhtValue::from(self).encoded_len()
+    }
+
+    /// The canonical encoding (a Kademlia record value).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        proto::DhtValue::from(self).encode_to_vec()
+    }
+
+    /// Decodes a record value, enforcing `limits.max_value_bytes` (before decoding) and
+    /// `limits.max_subkeys`. Expirations are checked against `now` by
+    /// [`validate`](Self::validate), which an inbound record must pass as well.
+    pub fn from_bytes(bytes: &[u8], limits: &ValidationLimits) -> Result<Self, DhtValueError> {
+        if bytes.len() > limits.max_value_bytes {
+            return Err(DhtValueError::TooLarge {
+                len: bytes.len(),
+                max: limits.max_value_bytes,
+            });
+        }
+        let msg =
+            proto::DhtValue::decode(bytes).map_err(|e| DhtValueError::Malformed(e.to_string()))?;
+        if msg.entries.len() > limits.max_subkeys {
+            return Err(DhtValueError::TooManySubkeys {
+                count: msg.entries.len(),
+                max: limits.max_subkeys,
+            });
+        }
+        Self::try_from(msg)
+    }
+}
+
+#[cfg(test)]
+pub(super) mod test_support {
+    //! Raw encodings for tests of malformed input.
+    use super::proto;
+    use prost::Message as _;
+
+    /// Encodes a value from raw parts: `(subkey, value, expiration)` entries and an optional
+    /// plain `(value, expiration)`, with no checks at all.
+    pub(in crate::dht) fn raw(
+        plain: Option<(&[u8], f64)>,
+        entries: &[(&[u8], &[u8], f64)],
+    ) -> Vec<u8> {
+        proto::DhtValue {
+            plain: plain.map(|(v, t)| proto::PlainValue {
+                value: bytes::Bytes::copy_from_slice(v),
+                expiration: t,
+            }),
+            entries: entries
+                .iter()
+                .map(|(k, v, t)| proto::DictionaryEntry {
+                    subkey: bytes::Bytes::copy_from_slice(k),
+                    value: bytes::Bytes::copy_from_slice(v),
+                    expiration: *t,
+                })
+                .collect(),
+        }
+        .encode_to_vec()
+    }
+}
