@@ -79,6 +79,7 @@
 //! Every function here is pure: time comes in as a `now` argument ([`DhtTime::now`] is only a
 //! convenience for callers).
 
+mod client;
 mod value;
 mod wire;
 
@@ -87,6 +88,7 @@ mod tests;
 
 use std::time::Duration;
 
+pub use client::{Dht, DhtError, DhtPolicy, StoreRequest};
 pub use value::{DhtTime, DhtValue, DhtView, Entry, merge, merge_all};
 
 /// Default [`ValidationLimits::max_value_bytes`]: 512 KiB.

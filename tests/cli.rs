@@ -119,3 +119,82 @@ fn bad_arguments_fail_with_a_clear_message() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+mod dht {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Child, Command, Stdio};
+
+    /// Starts `hivemesh dht` and returns it with its first printed address.
+    fn start(args: &[&str]) -> (Child, String) {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+            .arg("dht")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("hivemesh dht starts");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        // Blocks until the node prints its first address (it does so once it is listening and,
+        // with --initial-peer, connected).
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("reads an address");
+        (child, line.trim().to_owned())
+    }
+
+    fn interrupt(child: &mut Child) -> bool {
+        let status = Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success());
+        child.wait().expect("child exits").success()
+    }
+
+    #[test]
+    fn second_node_joins_the_first_and_both_stop_on_ctrl_c() {
+        let (mut first, addr) = start(&["--listen", "/ip4/127.0.0.1/tcp/0"]);
+        assert!(
+            addr.starts_with("/ip4/127.0.0.1/tcp/") && addr.contains("/p2p/12D3"),
+            "{addr}"
+        );
+        let key = std::env::temp_dir().join(format!("hivemesh-cli-{}.key", std::process::id()));
+        let _ = std::fs::remove_file(&key);
+        let id = key.to_str().unwrap();
+        let args = [
+            "--listen",
+            "/ip4/127.0.0.1/udp/0/quic-v1",
+            "--initial-peer",
+            &addr,
+            "--identity",
+            id,
+        ];
+        let (mut second, addr2) = start(&args);
+        assert!(addr2.contains("/quic-v1/p2p/"), "{addr2}");
+        assert!(interrupt(&mut second), "clean exit on Ctrl-C");
+        // Restarted with the same identity file: same peer id.
+        let (mut again, addr3) = start(&args);
+        let peer = |a: &str| a.rsplit('/').next().unwrap().to_owned();
+        assert_eq!(peer(&addr2), peer(&addr3));
+        assert!(interrupt(&mut again));
+        assert!(interrupt(&mut first));
+        let _ = std::fs::remove_file(&key);
+    }
+
+    #[test]
+    fn bad_initial_peer_is_an_error() {
+        let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+            .args([
+                "dht",
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--initial-peer",
+                "/ip4/127.0.0.1/tcp/9",
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("must end with /p2p/<peer id>"));
+    }
+}

@@ -1,4 +1,5 @@
-//! The `hivemesh` command line: `hivemesh sim` runs one simulated all-reduce round.
+//! The `hivemesh` command line: `hivemesh sim` runs one simulated all-reduce round;
+//! `hivemesh dht` runs a bootstrap/DHT peer.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -25,6 +26,25 @@ struct Cli {
 enum Command {
     /// Run one butterfly all-reduce round among simulated peers in virtual time.
     Sim(SimArgs),
+    /// Run a bootstrap/DHT peer; prints one dialable address per line, then serves until
+    /// Ctrl-C.
+    Dht(DhtArgs),
+}
+
+#[derive(Args, Debug)]
+struct DhtArgs {
+    /// Address to listen on (repeatable). Default: TCP and QUIC on all interfaces.
+    #[arg(long, value_name = "MADDR")]
+    listen: Vec<libp2p::Multiaddr>,
+    /// Peer to join through, ending with /p2p/<peer id> (repeatable).
+    #[arg(long = "initial-peer", value_name = "MADDR")]
+    initial_peers: Vec<libp2p::Multiaddr>,
+    /// Ed25519 identity file; created (mode 0600) if missing, so the peer id survives restarts.
+    #[arg(long, value_name = "FILE")]
+    identity: Option<std::path::PathBuf>,
+    /// Run the DHT in client mode (for peers that cannot accept connections).
+    #[arg(long)]
+    client: bool,
 }
 
 /// A fault injected into one peer: `KIND@PEER`.
@@ -92,14 +112,16 @@ struct SimArgs {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,libp2p_kad::behaviour=error")
+            }),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Sim(args) => run_sim(args),
+        Command::Dht(args) => run_dht(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -108,6 +130,46 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
+    use hivemesh::dht::Dht;
+    use hivemesh::p2p::{P2pConfig, load_or_create_identity};
+
+    let keypair = match &args.identity {
+        Some(path) => load_or_create_identity(path)?,
+        None => libp2p::identity::Keypair::generate_ed25519(),
+    };
+    let mut config = P2pConfig {
+        initial_peers: args.initial_peers,
+        client_mode: args.client,
+        ..P2pConfig::default()
+    };
+    if !args.listen.is_empty() {
+        config.listen = args.listen;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let (dht, task) = Dht::start(config, keypair).await?;
+        for addr in dht.p2p().listen_addrs().await? {
+            println!("{addr}");
+        }
+        eprintln!("dht peer {} running; Ctrl-C to stop", dht.p2p().peer_id());
+        tokio::signal::ctrl_c()
+            .await
+            .context("waiting for Ctrl-C")?;
+        eprintln!("shutting down");
+        dht.p2p().clone().shutdown().await?;
+        drop(dht);
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .context("the p2p task did not stop in time")?
+            .context("the p2p task failed")?;
+        Ok(())
+    })
 }
 
 fn run_sim(args: SimArgs) -> anyhow::Result<()> {
