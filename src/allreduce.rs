@@ -25,10 +25,14 @@
 //!   counted from the round start, the sender's last part, or the reducer's last reply to it.
 //!   A sender that misses it is **banned**: excluded from every part it has not contributed;
 //!   parts it already contributed keep it.
-//! * `reducer_timeout` (must be larger than `sender_timeout`, so an honest reducer waiting out
-//!   a slow sender is not mistaken for a dead one): the longest a sender waits for the next
-//!   reply of a reducer while it has parts outstanding there. A reducer that misses it has
-//!   **failed**: its remaining parts keep the local values.
+//! * `reducer_timeout`: the longest a sender waits for the next reply of a reducer while it
+//!   has parts outstanding there. A reducer that misses it has **failed**: its remaining parts
+//!   keep the local values. It is validated to be larger than `sender_timeout`, but an honest
+//!   reducer that waits out a silent sender replies up to `sender_timeout` plus one-way latency
+//!   and queueing after the sender's last reply, so `reducer_timeout − sender_timeout` must
+//!   exceed that network slack; the defaults (and hivemind's) use `2 × sender_timeout`.
+//! * `round_timeout` (optional): a bound on the whole round; a sender that trickles parts just
+//!   under `sender_timeout` cannot stretch the round past it.
 //! * Malformed or inconsistent messages (wrong part, size, codec, weight, non-finite values,
 //!   duplicates, a reply naming impossible contributors) ban the sender or fail the reducer
 //!   with a typed [`Violation`]. An [`Message::Abort`] (cancel, ban) does the same at once.
@@ -57,7 +61,7 @@ pub use partition::{
     DEFAULT_PART_SIZE_BYTES, PartSpec, Partition, PartitionError, TensorDescriptor,
 };
 pub use peer_set::PeerSet;
-pub use reducer::{CompletedPart, ReduceError, Reducer};
+pub use reducer::{CompletedPart, MAX_WEIGHT, ReduceError, Reducer, valid_weight};
 
 /// Default `sender_timeout`.
 pub const DEFAULT_SENDER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -138,8 +142,13 @@ pub struct RoundConfig {
     pub sender_timeout: Duration,
     /// See the module docs; must be larger than `sender_timeout`.
     pub reducer_timeout: Duration,
-    /// Parts a node may have outstanding at one reducer before it waits for replies.
+    /// Parts a node may have outstanding at one reducer before it waits for replies (a
+    /// reducer bans a node sender that exceeds it).
     pub max_in_flight_parts: usize,
+    /// Bound on the whole round: when it passes, every sender still sending is banned and
+    /// every reducer still owing replies is failed, and the round ends with what it has.
+    /// `None` (the default) leaves the bound to the caller (e.g. the averager's step timeout).
+    pub round_timeout: Option<Duration>,
 }
 
 impl RoundConfig {
@@ -154,6 +163,7 @@ impl RoundConfig {
             sender_timeout: DEFAULT_SENDER_TIMEOUT,
             reducer_timeout: DEFAULT_REDUCER_TIMEOUT,
             max_in_flight_parts: DEFAULT_MAX_IN_FLIGHT_PARTS,
+            round_timeout: None,
         }
     }
 
@@ -306,6 +316,20 @@ pub enum Violation {
     /// A reply with non-finite deltas.
     #[error("reply for part {0} carries non-finite values")]
     NonFiniteDelta(u32),
+    /// A node sender has more parts outstanding than the window allows.
+    #[error("more than {0} parts in flight")]
+    WindowExceeded(usize),
+    /// A sender changed its weight during the round.
+    #[error("weight changed from {first} to {now}")]
+    WeightChanged {
+        /// The weight of its first part.
+        first: f64,
+        /// The weight now.
+        now: f64,
+    },
+    /// The whole round ran past `round_timeout`.
+    #[error("round timed out")]
+    RoundTimeout,
 }
 
 /// Errors that stop a round from starting or finishing.
@@ -337,8 +361,8 @@ pub enum RoundError {
     /// Bad partition parameters.
     #[error(transparent)]
     Partition(#[from] PartitionError),
-    /// Own weight is negative, NaN or infinite.
-    #[error("weight {0} is not a finite non-negative number")]
+    /// Own weight is not 0 or a normal number up to [`MAX_WEIGHT`].
+    #[error("weight {0} is not 0 or a normal number up to {MAX_WEIGHT:e}")]
     BadWeight(f64),
     /// `max_in_flight_parts` is zero.
     #[error("max_in_flight_parts must be at least 1")]
@@ -369,6 +393,14 @@ pub enum RoundEvent {
     },
     /// A reducer failed for this peer; its remaining parts stay local.
     ReducerFailed {
+        /// Peer index.
+        peer: usize,
+        /// Why.
+        reason: Violation,
+    },
+    /// A message was refused from a peer that has no role it could be banned from here (a
+    /// part sent to a peer that reduces nothing, a reply from a peer that is not our reducer).
+    Rejected {
         /// Peer index.
         peer: usize,
         /// Why.

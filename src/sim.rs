@@ -447,6 +447,7 @@ struct FaultState {
     parts_to_target: usize,
     replies_to: Vec<usize>,
     aborted: Vec<bool>,
+    stalled: Vec<bool>,
 }
 
 /// Message overhead on the wire beyond the payload (framing, headers), for bandwidth.
@@ -544,12 +545,32 @@ impl World<'_> {
                     );
                 }
             }
+            // A stalled reducer is silent towards that sender: its replies and its abort (when
+            // its own timers give up on the sender) arrive only after the pause, so the
+            // sender has to notice through its reducer timeout.
+            (
+                Some(Fault::SlowReducing),
+                Message::Abort {
+                    role: Role::Reducer,
+                    ..
+                },
+            ) if self.faults[p].stalled[t.to] => {
+                let at = self.now + pause;
+                self.push(
+                    at,
+                    Ev::Release {
+                        from: p,
+                        transmit: t,
+                    },
+                );
+            }
             (Some(Fault::FailReducing | Fault::SlowReducing), Message::Averaged(_)) => {
                 let n = self.faults[p].replies_to[t.to];
                 self.faults[p].replies_to[t.to] += 1;
                 if n < 3 {
                     self.send(p, t);
                 } else if self.fault(p) == Some(Fault::SlowReducing) {
+                    self.faults[p].stalled[t.to] = true;
                     let at = self.now + pause;
                     self.push(
                         at,
@@ -734,6 +755,7 @@ pub fn run_with_tensors(
                 parts_to_target: 0,
                 replies_to: vec![0; n],
                 aborted: vec![false; n],
+                stalled: vec![false; n],
             })
             .collect(),
         target: (0..n)

@@ -4,8 +4,9 @@
 //!
 //! Prost types stay in [`proto`]; everything past [`decode_frame`] / [`FrameDecoder`] sees only
 //! [`Frame`]s whose enums, sizes and fields were checked ("parse, don't validate"). A frame
-//! whose declared length exceeds the limit is rejected from its length prefix alone, before any
-//! allocation, so a peer claiming a 4 GiB frame costs the receiver nothing.
+//! whose declared length exceeds the limit is rejected from its length prefix alone, and a frame
+//! under the limit grows the buffer only as its bytes arrive, so a peer claiming a 4 GiB frame
+//! costs the receiver nothing.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message as _;
@@ -272,7 +273,8 @@ impl FrameDecoder {
         let prefix = buf.len() - peek.len();
         let len = len as usize;
         if buf.len() < prefix + len {
-            buf.reserve(prefix + len - buf.len());
+            // Grow with the bytes that actually arrive, not with what the prefix promises.
+            buf.reserve((prefix + len - buf.len()).min(64 << 10));
             return Ok(None);
         }
         buf.advance(prefix);

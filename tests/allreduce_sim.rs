@@ -293,6 +293,21 @@ proptest! {
                     prop_assert!(*at <= deadline, "peer {} finished at {:?}", p, at);
                     let c = checks[p].as_ref().unwrap();
                     prop_assert!(c.max_abs_err < 1e-5, "peer {}: {:?}", p, c);
+                    // A healthy peer never bans or fails a healthy peer.
+                    let report = &peer.outcome.as_ref().unwrap().report;
+                    if cfg.peers[p].fault.is_none() {
+                        for q in report.banned.iter().chain(report.failed_reducers.iter()) {
+                            prop_assert!(cfg.peers[q].fault.is_some(),
+                                "healthy peer {} implicated healthy peer {}: {:?}", p, q, report);
+                        }
+                    }
+                    // Without faults, and with every sender's weight positive, nothing stays local.
+                    let senders_weighted = cfg.peers.iter()
+                        .all(|x| x.mode == Mode::Aux || x.weight > 0.0);
+                    if cfg.peers.iter().all(|x| x.fault.is_none()) && senders_weighted {
+                        prop_assert!(report.local_parts().next().is_none(),
+                            "peer {} kept local parts without faults: {:?}", p, report);
+                    }
                 }
                 PeerStatus::Rejected(e) => {
                     // Only configuration-level rejections are allowed, and then for everyone.

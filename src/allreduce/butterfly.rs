@@ -45,6 +45,7 @@ struct OutLink {
 /// One sender to this peer as a reducer.
 #[derive(Debug)]
 struct InLink {
+    weight: Option<f64>,
     received: usize,
     transmitted: usize,
     held: Vec<Message>,
@@ -79,6 +80,7 @@ pub struct Butterfly {
     state: State,
     cursor: usize,
     scratch: Vec<f32>,
+    round_deadline: Option<Instant>,
 }
 
 impl Butterfly {
@@ -100,7 +102,7 @@ impl Butterfly {
         if cfg.max_in_flight_parts == 0 {
             return Err(RoundError::ZeroWindow);
         }
-        if !cfg.weight.is_finite() || cfg.weight < 0.0 {
+        if !super::reducer::valid_weight(cfg.weight) {
             return Err(RoundError::BadWeight(cfg.weight));
         }
         let modes: Vec<Mode> = cfg.members.iter().map(|m| m.mode).collect();
@@ -158,6 +160,7 @@ impl Butterfly {
             let links = (0..n)
                 .map(|s| {
                     (s != me && senders.contains(s)).then(|| InLink {
+                        weight: None,
                         received: 0,
                         transmitted: 0,
                         held: Vec::new(),
@@ -188,6 +191,7 @@ impl Butterfly {
             state: State::Running,
             cursor: 0,
             scratch: Vec::new(),
+            round_deadline: cfg.round_timeout.and_then(|t| now.checked_add(t)),
             cfg,
         };
         machine.contribute_local();
@@ -258,7 +262,7 @@ impl Butterfly {
         }
         let ins = (0..self.in_links.len()).filter_map(|s| self.in_deadline(s));
         let outs = (0..self.out_links.len()).filter_map(|r| self.out_deadline(r));
-        ins.chain(outs).min()
+        ins.chain(outs).chain(self.round_deadline).min()
     }
 
     /// The next message to send, to a destination for which `ready` returns true. Parts are
@@ -285,6 +289,7 @@ impl Butterfly {
                     link.transmitted += 1;
                     link.last_activity = now;
                 }
+                self.check_finished();
                 return Some(Transmit { to, message });
             }
             let message = self.make_part(to, now);
@@ -324,6 +329,23 @@ impl Butterfly {
         if self.state != State::Running {
             return;
         }
+        if self.round_deadline.is_some_and(|d| d <= now) {
+            for s in 0..self.in_links.len() {
+                let sending = self.in_links[s]
+                    .as_ref()
+                    .is_some_and(|l| l.status == LinkStatus::Active);
+                if sending {
+                    self.ban(s, Violation::RoundTimeout, true);
+                }
+            }
+            for r in 0..self.out_links.len() {
+                self.fail_reducer(r, Violation::RoundTimeout, true);
+            }
+            // Clients whose replies are held: they will not finish sending now.
+            for l in self.in_links.iter_mut().flatten() {
+                l.held.clear();
+            }
+        }
         for s in 0..self.in_links.len() {
             if self.in_deadline(s).is_some_and(|d| d <= now) {
                 self.ban(s, Violation::SenderTimeout, true);
@@ -349,6 +371,10 @@ impl Butterfly {
         }
         if role != Some(Role::Sender) {
             self.fail_reducer(peer, Violation::LinkFailed, false);
+        }
+        if role.is_none() {
+            // Nothing more can reach that peer.
+            self.outbox[peer].clear();
         }
         self.drain_completed();
         self.check_finished();
@@ -441,14 +467,15 @@ impl Butterfly {
         if self.modes[self.cfg.me] == Mode::Client && l.next < l.span.end {
             return None;
         }
-        Some(l.last_progress + self.cfg.reducer_timeout)
+        // Overflow (an effectively infinite timeout) means no deadline.
+        l.last_progress.checked_add(self.cfg.reducer_timeout)
     }
 
     fn on_averaged(&mut self, now: Instant, from: usize, msg: AveragedMessage) {
         let me = self.cfg.me;
         let Some(link) = self.out_links[from].as_ref() else {
             // Not a reducer of ours (or ourselves): nothing of ours to fail, just report it.
-            self.events.push_back(RoundEvent::ReducerFailed {
+            self.events.push_back(RoundEvent::Rejected {
                 peer: from,
                 reason: Violation::UnexpectedReply(msg.part),
             });
@@ -567,14 +594,16 @@ impl Butterfly {
         if self.modes[s] != Mode::Client && owes {
             return None;
         }
-        Some(l.last_activity + self.cfg.sender_timeout)
+        l.last_activity.checked_add(self.cfg.sender_timeout)
     }
 
     fn on_part(&mut self, now: Instant, from: usize, msg: PartMessage) {
-        let link_state = self.in_links[from].as_ref().map(|l| (l.status, l.received));
+        let link_state = self.in_links[from]
+            .as_ref()
+            .map(|l| (l.status, l.received, l.transmitted, l.weight));
         let span = self.reducer.as_ref().map(Reducer::span);
-        let (Some((status, received)), Some(span)) = (link_state, span) else {
-            self.events.push_back(RoundEvent::Banned {
+        let (Some((status, received, transmitted, weight)), Some(span)) = (link_state, span) else {
+            self.events.push_back(RoundEvent::Rejected {
                 peer: from,
                 reason: Violation::UnexpectedPart {
                     part: msg.part,
@@ -585,6 +614,24 @@ impl Butterfly {
         };
         if status != LinkStatus::Active {
             return; // stale part from a banned (or finished) sender
+        }
+        let window = self.cfg.max_in_flight_parts;
+        if self.modes[from] != Mode::Client && received - transmitted >= window {
+            self.ban(from, Violation::WindowExceeded(window), true);
+            return;
+        }
+        if let Some(first) = weight
+            && first != msg.weight
+        {
+            self.ban(
+                from,
+                Violation::WeightChanged {
+                    first,
+                    now: msg.weight,
+                },
+                true,
+            );
+            return;
         }
         let g = span.start + received;
         if msg.part as usize != g {
@@ -630,6 +677,7 @@ impl Butterfly {
             return;
         }
         let link = self.in_links[from].as_mut().expect("checked above");
+        link.weight = Some(msg.weight);
         link.received += 1;
         link.last_activity = now;
         if link.received == span.len() {
@@ -740,7 +788,9 @@ impl Butterfly {
             .all(|l| l.status != LinkStatus::Active);
         let reducing_done = self.reducer.as_ref().is_none_or(Reducer::is_finished)
             && self.in_links.iter().flatten().all(|l| l.held.is_empty());
-        if sending_done && reducing_done {
+        // Finished means every message was handed out too: a driver may stop at `Finished`.
+        let drained = self.outbox.iter().all(VecDeque::is_empty);
+        if sending_done && reducing_done && drained {
             self.state = State::Finished;
             self.events.push_back(RoundEvent::Finished);
         }

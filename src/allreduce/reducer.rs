@@ -17,6 +17,11 @@ use std::ops::Range;
 
 use super::peer_set::PeerSet;
 use crate::tensor::ops;
+use crate::tensor::ops::{CpuBuffer, ReduceBuffer};
+
+/// Largest accepted weight. With an f64 accumulator no sum of finite f32 values times weights up
+/// to this bound overflows, for any group size.
+pub const MAX_WEIGHT: f64 = 1e12;
 
 /// Why a contribution was refused. Each one is a protocol violation by the sender, except
 /// [`ReduceError::Excluded`], which only means the sender was banned earlier.
@@ -52,8 +57,9 @@ pub enum ReduceError {
         /// Received element count.
         actual: usize,
     },
-    /// A weight that is negative, NaN or infinite.
-    #[error("weight {0} is not a finite non-negative number")]
+    /// A weight that is negative, NaN, infinite, above [`MAX_WEIGHT`], or positive but below
+    /// the smallest normal f64.
+    #[error("weight {0} is not 0 or a normal number in [{min:e}, {MAX_WEIGHT:e}]", min = f64::MIN_POSITIVE)]
     BadWeight(f64),
     /// The values contain NaN or infinity.
     #[error("part {0} carries non-finite values")]
@@ -61,6 +67,11 @@ pub enum ReduceError {
     /// The sender was excluded earlier; the contribution is ignored.
     #[error("peer {0} was excluded from this round")]
     Excluded(usize),
+}
+
+/// Whether `w` is an acceptable averaging weight: 0, or a normal number up to [`MAX_WEIGHT`].
+pub fn valid_weight(w: f64) -> bool {
+    w == 0.0 || (f64::MIN_POSITIVE..=MAX_WEIGHT).contains(&w)
 }
 
 /// A part whose contributions are all in.
@@ -78,7 +89,7 @@ pub struct CompletedPart {
 
 #[derive(Debug, Default)]
 struct PartAcc {
-    acc: Option<Vec<f32>>,
+    acc: Option<CpuBuffer>,
     denominator: f64,
     contributors: PeerSet,
     inputs: Vec<(usize, Vec<f32>)>,
@@ -96,6 +107,7 @@ pub struct Reducer {
     completed: VecDeque<usize>,
     remaining: usize,
     pool: Vec<Vec<f32>>,
+    acc_pool: Vec<CpuBuffer>,
 }
 
 impl Reducer {
@@ -112,6 +124,7 @@ impl Reducer {
             excluded: PeerSet::new(),
             completed: VecDeque::new(),
             pool: Vec::new(),
+            acc_pool: Vec::new(),
         };
         if r.senders.is_empty() {
             for i in 0..r.parts.len() {
@@ -175,12 +188,12 @@ impl Reducer {
         let mut acc = match self.parts[i].acc.take() {
             Some(acc) => acc,
             None => {
-                let mut acc = self.take_buffer(values.len());
-                acc.fill(0.0);
+                let mut acc = self.acc_pool.pop().unwrap_or_default();
+                acc.reset(values.len());
                 acc
             }
         };
-        ops::add_scaled(&mut acc, &values, weight as f32);
+        acc.add_scaled(&values, weight);
         let p = &mut self.parts[i];
         p.acc = Some(acc);
         p.denominator += weight;
@@ -224,13 +237,19 @@ impl Reducer {
                 actual: values.len(),
             });
         }
-        if !weight.is_finite() || weight < 0.0 {
+        if !valid_weight(weight) {
             return Err(ReduceError::BadWeight(weight));
         }
         if !ops::all_finite(values) {
             return Err(ReduceError::NonFinite(part));
         }
         Ok(())
+    }
+
+    fn recycle_acc(&mut self, acc: CpuBuffer) {
+        if self.acc_pool.len() < 64 {
+            self.acc_pool.push(acc);
+        }
     }
 
     /// Excludes `sender` from every part it has not contributed yet. Returns whether it was
@@ -276,14 +295,17 @@ impl Reducer {
         let inputs = std::mem::take(&mut p.inputs);
         let denominator = p.denominator;
         let contributors = std::mem::take(&mut p.contributors);
+        let len = self.lens[i];
         let (average, contributors) = match acc {
-            Some(mut acc) if denominator > 0.0 => {
-                ops::scale(&mut acc, (1.0 / denominator) as f32);
-                (Some(acc), contributors)
+            Some(acc) if denominator > 0.0 => {
+                let mut avg = self.take_buffer(len);
+                acc.average_to_host(denominator, &mut avg);
+                self.recycle_acc(acc);
+                (Some(avg), contributors)
             }
             other => {
-                if let Some(buf) = other {
-                    self.recycle(buf);
+                if let Some(acc) = other {
+                    self.recycle_acc(acc);
                 }
                 (None, PeerSet::new())
             }
@@ -411,10 +433,12 @@ mod tests {
                 ..
             })
         ));
-        assert_eq!(
-            r.accumulate(0, 4, vec![0.0; 2], -1.0, false),
-            Err(ReduceError::BadWeight(-1.0))
-        );
+        for w in [-1.0, f64::NAN, f64::INFINITY, 1e13, 1e-310] {
+            assert!(matches!(
+                r.accumulate(0, 4, vec![0.0; 2], w, false),
+                Err(ReduceError::BadWeight(_))
+            ));
+        }
         assert_eq!(
             r.accumulate(0, 4, vec![f32::NAN, 0.0], 1.0, false),
             Err(ReduceError::NonFinite(4))
@@ -424,6 +448,23 @@ mod tests {
             r.accumulate(0, 4, vec![0.0; 2], 1.0, false),
             Err(ReduceError::Duplicate { .. })
         ));
+    }
+
+    #[test]
+    fn extreme_valid_inputs_stay_finite() {
+        // Tiny and huge (valid) weights, values at the f32 limits: the average is exact-ish
+        // and finite (hivemind: NaN or inf).
+        let mut r = Reducer::new(0..2, vec![2, 2], PeerSet::from_indices([0, 1]));
+        r.accumulate(0, 0, vec![f32::MAX, 1.0], MAX_WEIGHT, false)
+            .unwrap();
+        r.accumulate(1, 0, vec![f32::MAX, 3.0], MAX_WEIGHT, false)
+            .unwrap();
+        r.accumulate(0, 1, vec![1.0, -1.0], 1e-300, false).unwrap();
+        r.accumulate(1, 1, vec![3.0, -3.0], 1e-300, false).unwrap();
+        let a = r.poll_completed().unwrap().average.unwrap();
+        assert_eq!(a, vec![f32::MAX, 2.0]);
+        let b = r.poll_completed().unwrap().average.unwrap();
+        assert_eq!(b, vec![2.0, -2.0]);
     }
 
     #[test]

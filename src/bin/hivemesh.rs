@@ -132,6 +132,39 @@ fn main() -> ExitCode {
     }
 }
 
+/// Ctrl-C (SIGINT) or SIGTERM, registered as soon as it is created.
+struct StopSignal {
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl StopSignal {
+    fn install() -> anyhow::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Self {
+                int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+                term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    async fn wait(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
 fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
     use hivemesh::dht::Dht;
     use hivemesh::p2p::{P2pConfig, load_or_create_identity};
@@ -153,14 +186,15 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
+        // Install the signal handlers before announcing addresses: whoever reads them may
+        // interrupt us right away.
+        let mut stop = StopSignal::install()?;
         let (dht, task) = Dht::start(config, keypair).await?;
         for addr in dht.p2p().listen_addrs().await? {
             println!("{addr}");
         }
         eprintln!("dht peer {} running; Ctrl-C to stop", dht.p2p().peer_id());
-        tokio::signal::ctrl_c()
-            .await
-            .context("waiting for Ctrl-C")?;
+        stop.wait().await;
         eprintln!("shutting down");
         dht.p2p().clone().shutdown().await?;
         drop(dht);

@@ -16,6 +16,26 @@ pub fn add_scaled(acc: &mut [f32], x: &[f32], w: f32) {
     }
 }
 
+/// `acc[i] += w * x[i]` with an f64 accumulator (the reducer's: no overflow for any finite
+/// f32 input and weight up to 1e12, and a weighted mean that always lands in `[min, max]`).
+#[inline]
+pub fn add_scaled_f64(acc: &mut [f64], x: &[f32], w: f64) {
+    debug_assert_eq!(acc.len(), x.len());
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += w * f64::from(v);
+    }
+}
+
+/// `out[i] = (acc[i] / denominator) as f32`: the average out of an f64 sum.
+#[inline]
+pub fn average_into(out: &mut [f32], acc: &[f64], denominator: f64) {
+    debug_assert_eq!(out.len(), acc.len());
+    let inv = 1.0 / denominator;
+    for (o, &a) in out.iter_mut().zip(acc) {
+        *o = (a * inv) as f32;
+    }
+}
+
 /// `acc[i] += w * x[i]` for any element type of `x` (converted to f32 on the fly).
 pub fn add_scaled_view(acc: &mut [f32], x: PartView<'_>, w: f32) {
     debug_assert_eq!(acc.len(), x.len());
@@ -80,12 +100,14 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     })
 }
 
-/// A weighted-sum accumulator for one part, as the reducer uses it.
+/// A weighted-sum accumulator for one part, as the reducer uses it: f32 inputs, a wide
+/// (f64 on the CPU) sum, an f32 average out.
 ///
-/// Implementations: [`CpuBuffer`] (reference). A GPU buffer implements the same operations on
-/// device memory; results must agree with the CPU buffer within float tolerance.
+/// Implementations: [`CpuBuffer`] (reference, used by [`crate::allreduce::Reducer`]). A GPU
+/// buffer implements the same operations on device memory; results must agree with the CPU
+/// buffer within float tolerance.
 pub trait ReduceBuffer: Send {
-    /// Number of f32 accumulator elements.
+    /// Number of accumulator elements.
     fn len(&self) -> usize;
     /// Whether the accumulator is empty.
     fn is_empty(&self) -> bool {
@@ -94,22 +116,20 @@ pub trait ReduceBuffer: Send {
     /// Resizes to `len` elements, all zero (reusing the allocation).
     fn reset(&mut self, len: usize);
     /// `acc += w * x`.
-    fn add_scaled(&mut self, x: &[f32], w: f32);
-    /// Divides the accumulated sum by `denominator`, turning it into the average.
-    fn finish_average(&mut self, denominator: f64);
-    /// Copies the accumulator to host memory.
-    fn to_host(&self, out: &mut [f32]);
+    fn add_scaled(&mut self, x: &[f32], w: f64);
+    /// Writes `acc / denominator` to host memory.
+    fn average_to_host(&self, denominator: f64, out: &mut [f32]);
 }
 
 /// The CPU reference [`ReduceBuffer`].
 #[derive(Debug, Default, Clone)]
 pub struct CpuBuffer {
-    data: Vec<f32>,
+    data: Vec<f64>,
 }
 
 impl CpuBuffer {
     /// The accumulator contents.
-    pub fn as_slice(&self) -> &[f32] {
+    pub fn as_slice(&self) -> &[f64] {
         &self.data
     }
 }
@@ -124,16 +144,12 @@ impl ReduceBuffer for CpuBuffer {
         self.data.resize(len, 0.0);
     }
 
-    fn add_scaled(&mut self, x: &[f32], w: f32) {
-        add_scaled(&mut self.data, x, w);
+    fn add_scaled(&mut self, x: &[f32], w: f64) {
+        add_scaled_f64(&mut self.data, x, w);
     }
 
-    fn finish_average(&mut self, denominator: f64) {
-        scale(&mut self.data, (1.0 / denominator) as f32);
-    }
-
-    fn to_host(&self, out: &mut [f32]) {
-        out.copy_from_slice(&self.data);
+    fn average_to_host(&self, denominator: f64, out: &mut [f32]) {
+        average_into(out, &self.data, denominator);
     }
 }
 
@@ -170,10 +186,15 @@ mod tests {
         b.reset(2);
         b.add_scaled(&[2.0, 4.0], 1.0);
         b.add_scaled(&[4.0, 8.0], 0.5);
-        b.finish_average(1.5);
         let mut out = [0.0; 2];
-        b.to_host(&mut out);
+        b.average_to_host(1.5, &mut out);
         assert_eq!(out, [8.0 / 3.0, 16.0 / 3.0]);
+        // Extreme but valid inputs stay finite: the mean lies between min and max.
+        b.reset(1);
+        b.add_scaled(&[f32::MAX], 1e12);
+        b.add_scaled(&[f32::MAX], 1e12);
+        b.average_to_host(2e12, &mut out[..1]);
+        assert_eq!(out[0], f32::MAX);
         b.reset(1);
         assert_eq!(b.as_slice(), &[0.0]);
     }
