@@ -32,6 +32,11 @@ fn accumulate(c: &mut Criterion) {
     g.bench_function("add_scaled_16MiB", |b| {
         b.iter(|| ops::add_scaled(&mut acc, black_box(&x), 0.5));
     });
+    // The reducer's accumulator is f64 (no overflow, exact-ish means): 4 B in, 16 B touched.
+    let mut acc64 = vec![0.0f64; N];
+    g.bench_function("add_scaled_f64_acc_16MiB", |b| {
+        b.iter(|| ops::add_scaled_f64(&mut acc64, black_box(&x), 0.5));
+    });
     g.bench_function("scaled_sub_16MiB", |b| {
         let mut out = vec![0.0; N];
         b.iter(|| ops::scaled_sub(&mut out, black_box(&acc), 0.5, &x));

@@ -578,8 +578,9 @@ impl Butterfly {
             let view = self.tensors[spec.tensor].part(spec.range());
             let mut buf = reducer.take_buffer(spec.len);
             view.copy_to_f32(&mut buf);
+            // Kept (not copied again) so that the rare exact fallback has every input.
             reducer
-                .accumulate(me, g, buf, self.cfg.weight, false)
+                .accumulate(me, g, buf, self.cfg.weight, true)
                 .expect("own contribution is well-formed: checked weight, own partition");
         }
     }

@@ -19,8 +19,8 @@ use super::peer_set::PeerSet;
 use crate::tensor::ops;
 use crate::tensor::ops::{CpuBuffer, ReduceBuffer};
 
-/// Largest accepted weight. With an f64 accumulator no sum of finite f32 values times weights up
-/// to this bound overflows, for any group size.
+/// Largest accepted weight. In the exact f64 fallback no sum of finite f32 values times weights
+/// up to this bound overflows, for any group size.
 pub const MAX_WEIGHT: f64 = 1e12;
 
 /// Why a contribution was refused. Each one is a protocol violation by the sender, except
@@ -74,6 +74,23 @@ pub fn valid_weight(w: f64) -> bool {
     w == 0.0 || (f64::MIN_POSITIVE..=MAX_WEIGHT).contains(&w)
 }
 
+/// Recomputes `Σ w·x / Σ w` in f64 into `out` (the slow, exact path for averages that came out
+/// non-finite in f32: weights below f32's range, or sums above it). Needs every contributor's
+/// input; returns false if one is missing.
+fn exact_average(out: &mut [f32], weights: &[(usize, f64)], inputs: &[(usize, Vec<f32>)]) -> bool {
+    let mut acc = vec![0.0f64; out.len()];
+    let mut den = 0.0;
+    for &(s, w) in weights {
+        let Some((_, x)) = inputs.iter().find(|(i, _)| *i == s) else {
+            return false;
+        };
+        ops::add_scaled_f64(&mut acc, x, w);
+        den += w;
+    }
+    ops::average_into(out, &acc, den);
+    ops::all_finite(out)
+}
+
 /// A part whose contributions are all in.
 #[derive(Debug)]
 pub struct CompletedPart {
@@ -92,6 +109,7 @@ struct PartAcc {
     acc: Option<CpuBuffer>,
     denominator: f64,
     contributors: PeerSet,
+    weights: Vec<(usize, f64)>,
     inputs: Vec<(usize, Vec<f32>)>,
     done: bool,
 }
@@ -198,6 +216,7 @@ impl Reducer {
         p.acc = Some(acc);
         p.denominator += weight;
         p.contributors.insert(sender);
+        p.weights.push((sender, weight));
         if keep_input {
             p.inputs.push((sender, values));
         } else {
@@ -296,12 +315,20 @@ impl Reducer {
         let denominator = p.denominator;
         let contributors = std::mem::take(&mut p.contributors);
         let len = self.lens[i];
+        let weights = std::mem::take(&mut p.weights);
         let (average, contributors) = match acc {
             Some(acc) if denominator > 0.0 => {
                 let mut avg = self.take_buffer(len);
                 acc.average_to_host(denominator, &mut avg);
                 self.recycle_acc(acc);
-                (Some(avg), contributors)
+                if !ops::all_finite(&avg) && !exact_average(&mut avg, &weights, &inputs) {
+                    // Unreachable with validated weights and every input kept; never apply
+                    // a non-finite average.
+                    self.recycle(avg);
+                    (None, PeerSet::new())
+                } else {
+                    (Some(avg), contributors)
+                }
             }
             other => {
                 if let Some(acc) = other {
@@ -452,19 +479,27 @@ mod tests {
 
     #[test]
     fn extreme_valid_inputs_stay_finite() {
-        // Tiny and huge (valid) weights, values at the f32 limits: the average is exact-ish
-        // and finite (hivemind: NaN or inf).
+        // Tiny and huge (valid) weights, values at the f32 limits: the f32 path overflows or
+        // underflows, the exact f64 fallback gives the true mean (hivemind: NaN or inf).
         let mut r = Reducer::new(0..2, vec![2, 2], PeerSet::from_indices([0, 1]));
-        r.accumulate(0, 0, vec![f32::MAX, 1.0], MAX_WEIGHT, false)
+        r.accumulate(0, 0, vec![f32::MAX, 1.0], MAX_WEIGHT, true)
             .unwrap();
-        r.accumulate(1, 0, vec![f32::MAX, 3.0], MAX_WEIGHT, false)
+        r.accumulate(1, 0, vec![f32::MAX, 3.0], MAX_WEIGHT, true)
             .unwrap();
-        r.accumulate(0, 1, vec![1.0, -1.0], 1e-300, false).unwrap();
-        r.accumulate(1, 1, vec![3.0, -3.0], 1e-300, false).unwrap();
+        r.accumulate(0, 1, vec![1.0, -1.0], 1e-300, true).unwrap();
+        r.accumulate(1, 1, vec![3.0, -3.0], 1e-300, true).unwrap();
         let a = r.poll_completed().unwrap().average.unwrap();
         assert_eq!(a, vec![f32::MAX, 2.0]);
         let b = r.poll_completed().unwrap().average.unwrap();
         assert_eq!(b, vec![2.0, -2.0]);
+        // Without the inputs there is no exact path: no average, never a non-finite one.
+        let mut r = Reducer::new(0..1, vec![1], PeerSet::from_indices([0, 1]));
+        r.accumulate(0, 0, vec![f32::MAX], MAX_WEIGHT, false)
+            .unwrap();
+        r.accumulate(1, 0, vec![f32::MAX], MAX_WEIGHT, false)
+            .unwrap();
+        let c = r.poll_completed().unwrap();
+        assert!(c.average.is_none() && c.contributors.is_empty());
     }
 
     #[test]
