@@ -23,6 +23,7 @@ pub mod allreduce;
 pub mod compression;
 pub mod dht;
 pub mod p2p;
+pub mod runner;
 pub mod sim;
 pub mod tensor;
 pub mod wire;

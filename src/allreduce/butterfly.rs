@@ -220,6 +220,11 @@ impl Butterfly {
         self.state == State::Cancelled
     }
 
+    /// Whether every queued message has been handed out by [`Butterfly::poll_transmit`].
+    pub fn is_drained(&self) -> bool {
+        self.outbox.iter().all(VecDeque::is_empty)
+    }
+
     /// The result, once [`RoundEvent::Finished`] was emitted.
     pub fn outcome(&self) -> Result<Outcome, RoundError> {
         match self.state {
@@ -695,11 +700,13 @@ impl Butterfly {
             if s != self.cfg.me && self.reducer.is_some() && !self.modes[s].is_sender() {
                 // An aux peer posing as a sender: nothing to exclude, but say so.
                 self.events
-                    .push_back(RoundEvent::Banned { peer: s, reason });
+                    .push_back(RoundEvent::Rejected { peer: s, reason });
             }
             return;
         };
-        if link.status == LinkStatus::Failed {
+        // A sender that already delivered everything has nothing left to be excluded from (its
+        // link closing after a clean finish is not misbehaviour).
+        if link.status != LinkStatus::Active {
             return;
         }
         link.status = LinkStatus::Failed;

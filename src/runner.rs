@@ -1,0 +1,390 @@
+//! Runs one butterfly round ([`crate::allreduce::Butterfly`]) over real byte streams.
+//!
+//! # Shape
+//!
+//! The caller hands in one bidirectional byte stream ("link") per other group member, in group
+//! order, already authenticated (a TLS data connection or a libp2p stream): the runner never
+//! dials. Each link carries length-delimited [`crate::wire`] frames both ways (parts one way,
+//! averaged parts the other, aborts either way).
+//!
+//! * One **reader task** per link decodes frames (size-checked before buffering) and forwards
+//!   them to the compute thread over one bounded channel. A frame for another group, an
+//!   oversized or malformed frame, or the stream ending fails that link: the peer is banned as a
+//!   sender and failed as a reducer for this round, and the round goes on.
+//! * One **writer task** per link encodes and writes frames, each write under a timeout, from a
+//!   bounded per-link queue; the compute thread only hands a link a message while its queue has
+//!   room, which is how backpressure reaches the state machine (`poll_transmit`'s `ready`).
+//! * The **compute thread** (a blocking task) owns the state machine: decoding, reduction and
+//!   encoding happen there, never on the network tasks. It sleeps until the next message, the
+//!   next protocol deadline, a writer freeing room, or cancellation.
+//!
+//! When the round is over the writers flush and close their write halves, readers are stopped,
+//! and the outcome is returned. Every task is owned and joined (or aborted) before returning.
+
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::allreduce::{Butterfly, Message, Outcome, RoundConfig, RoundError, RoundEvent};
+use crate::tensor::Tensor;
+use crate::wire::{self, Frame, FrameDecoder, WireError};
+
+/// A bidirectional byte stream to one group member.
+pub trait Link: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for T {}
+
+/// Runner parameters.
+#[derive(Clone, Debug)]
+pub struct RunnerConfig {
+    /// Largest accepted frame.
+    pub max_frame_bytes: usize,
+    /// Bound on one frame write (a peer that stops reading fails its link).
+    pub write_timeout: Duration,
+    /// Messages queued per link (beyond the state machine's own window).
+    pub link_queue: usize,
+    /// Messages queued from all readers to the compute thread.
+    pub inbound_queue: usize,
+    /// Bound on flushing and closing links after the round.
+    pub close_timeout: Duration,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        Self {
+            max_frame_bytes: wire::DEFAULT_MAX_FRAME_BYTES,
+            write_timeout: Duration::from_secs(30),
+            link_queue: 8,
+            inbound_queue: 64,
+            close_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Why a round could not run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunnerError {
+    /// The round's parameters are invalid, or it was cancelled.
+    #[error(transparent)]
+    Round(#[from] RoundError),
+    /// `links` does not have one entry per group member.
+    #[error("{links} links for a group of {members}")]
+    LinkCount {
+        /// Links given.
+        links: usize,
+        /// Group size.
+        members: usize,
+    },
+    /// Every link closed before the round could finish, with no deadline left to wait for.
+    #[error("all links closed before the round finished")]
+    Stalled,
+    /// The compute thread panicked or was cancelled by the runtime.
+    #[error("compute thread failed: {0}")]
+    Internal(String),
+}
+
+/// Why a link failed (logged; the state machine sees a link failure).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkError {
+    /// A malformed or oversized frame.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    /// A frame for another group.
+    #[error("frame for another group")]
+    ForeignGroup,
+    /// The stream ended.
+    #[error("link closed")]
+    Closed,
+    /// Reading or writing failed.
+    #[error("i/o: {0}")]
+    Io(String),
+    /// A write did not complete in time.
+    #[error("write timed out")]
+    WriteTimeout,
+}
+
+enum Inbound {
+    Message { from: usize, message: Message },
+    Failed { from: usize, error: LinkError },
+    Writable,
+}
+
+/// Runs one round: `links[i]` connects to member `i` (`None` for ourselves; `None` for another
+/// member means we cannot reach it, which fails it at once). Returns our start values and the
+/// outcome. Dropping the future aborts the round without telling peers; use
+/// [`run_round_cancellable`] to cancel cleanly.
+pub async fn run_round(
+    cfg: RoundConfig,
+    group_id: Bytes,
+    tensors: Vec<Tensor>,
+    links: Vec<Option<Box<dyn Link>>>,
+    runner: RunnerConfig,
+) -> Result<(Vec<Tensor>, Outcome), RunnerError> {
+    let (_keep, cancel) = watch::channel(false);
+    run_round_cancellable(cfg, group_id, tensors, links, runner, cancel).await
+}
+
+/// Like [`run_round`]; setting `cancel` to `true` cancels the round: peers get aborts and the
+/// result is [`RoundError::Cancelled`].
+pub async fn run_round_cancellable(
+    cfg: RoundConfig,
+    group_id: Bytes,
+    tensors: Vec<Tensor>,
+    links: Vec<Option<Box<dyn Link>>>,
+    runner: RunnerConfig,
+    cancel: watch::Receiver<bool>,
+) -> Result<(Vec<Tensor>, Outcome), RunnerError> {
+    use tracing::Instrument;
+    let span = tracing::info_span!("round", group = %hex(&group_id), me = cfg.me);
+    run(cfg, group_id, tensors, links, runner, cancel)
+        .instrument(span)
+        .await
+}
+
+async fn run(
+    cfg: RoundConfig,
+    group_id: Bytes,
+    tensors: Vec<Tensor>,
+    links: Vec<Option<Box<dyn Link>>>,
+    runner: RunnerConfig,
+    mut cancel: watch::Receiver<bool>,
+) -> Result<(Vec<Tensor>, Outcome), RunnerError> {
+    let n = cfg.members.len();
+    if links.len() != n {
+        return Err(RunnerError::LinkCount {
+            links: links.len(),
+            members: n,
+        });
+    }
+    let me = cfg.me;
+    let machine = Butterfly::new(cfg, tensors, Instant::now())?;
+
+    let (in_tx, mut in_rx) = mpsc::channel(runner.inbound_queue);
+    let mut writers: Vec<Option<mpsc::Sender<Message>>> = (0..n).map(|_| None).collect();
+    let mut tasks: Vec<JoinHandle<()>> = Vec::new();
+    let mut readers: Vec<JoinHandle<()>> = Vec::new();
+    let mut unreachable = Vec::new();
+    for (peer, link) in links.into_iter().enumerate() {
+        let Some(link) = link else {
+            if peer != me {
+                unreachable.push(peer);
+            }
+            continue;
+        };
+        let (read, write) = tokio::io::split(link);
+        let (tx, rx) = mpsc::channel(runner.link_queue);
+        writers[peer] = Some(tx);
+        readers.push(tokio::spawn(read_link(
+            peer,
+            read,
+            group_id.clone(),
+            in_tx.clone(),
+            runner.max_frame_bytes,
+        )));
+        tasks.push(tokio::spawn(write_link(
+            peer,
+            write,
+            rx,
+            group_id.clone(),
+            in_tx.clone(),
+            runner.write_timeout,
+            runner.close_timeout,
+        )));
+    }
+    drop(in_tx);
+
+    let handle = tokio::runtime::Handle::current();
+    let span = tracing::Span::current();
+    let compute = tokio::task::spawn_blocking(move || {
+        let _entered = span.enter();
+        let mut machine = machine;
+        for peer in unreachable {
+            machine.handle_link_failed(Instant::now(), peer, None);
+        }
+        let result = compute_loop(&handle, &mut machine, &mut writers, &mut in_rx, &mut cancel);
+        drop(writers); // closes the link queues: writers flush and close
+        result.map(|()| machine)
+    });
+    let machine = compute
+        .await
+        .map_err(|e| RunnerError::Internal(e.to_string()))?;
+    for t in tasks {
+        // Writers end by themselves once their queue is closed (each step under a timeout).
+        let _ = t.await;
+    }
+    for r in readers {
+        r.abort();
+        let _ = r.await;
+    }
+    Ok(machine?.into_outcome()?)
+}
+
+fn compute_loop(
+    handle: &tokio::runtime::Handle,
+    machine: &mut Butterfly,
+    writers: &mut [Option<mpsc::Sender<Message>>],
+    inbound: &mut mpsc::Receiver<Inbound>,
+    cancel: &mut watch::Receiver<bool>,
+) -> Result<(), RunnerError> {
+    let mut inbound_open = true;
+    loop {
+        let now = Instant::now();
+        while let Some(t) = machine.poll_transmit(now, |to| {
+            writers[to].as_ref().is_some_and(|w| w.capacity() > 0)
+        }) {
+            if let Some(w) = &writers[t.to] {
+                // Room was checked just above and only this thread sends.
+                let _ = w.try_send(t.message);
+            }
+        }
+        while let Some(ev) = machine.poll_event() {
+            match ev {
+                RoundEvent::Banned { peer, reason } => {
+                    tracing::info!(peer, %reason, "banned sender")
+                }
+                RoundEvent::ReducerFailed { peer, reason } => {
+                    tracing::info!(peer, %reason, "reducer failed")
+                }
+                RoundEvent::Rejected { peer, reason } => {
+                    tracing::debug!(peer, %reason, "rejected message")
+                }
+                RoundEvent::Finished => tracing::debug!("round finished"),
+            }
+        }
+        if machine.is_finished() || (machine.is_cancelled() && machine.is_drained()) {
+            return Ok(());
+        }
+        let deadline = machine.poll_timeout();
+        if !inbound_open && deadline.is_none() {
+            return Err(RunnerError::Stalled);
+        }
+        let event = handle.block_on(async {
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                ev = inbound.recv(), if inbound_open => Some(ev),
+                changed = cancel.changed() => {
+                    if changed.is_err() {
+                        // The cancel sender is gone: treat as "never cancelled".
+                        std::future::pending::<()>().await;
+                    }
+                    None
+                }
+                () = sleep => Some(Some(Inbound::Writable)),
+            }
+        });
+        let now = Instant::now();
+        match event {
+            None => {
+                if *cancel.borrow() {
+                    machine.cancel(now);
+                }
+            }
+            Some(None) => inbound_open = false,
+            Some(Some(Inbound::Message { from, message })) => {
+                machine.handle_message(now, from, message)?;
+            }
+            Some(Some(Inbound::Failed { from, error })) => {
+                tracing::info!(peer = from, %error, "link failed");
+                machine.handle_link_failed(now, from, None);
+            }
+            Some(Some(Inbound::Writable)) => {}
+        }
+        machine.handle_timeout(Instant::now());
+    }
+}
+
+async fn read_link(
+    peer: usize,
+    mut read: impl AsyncRead + Unpin,
+    group_id: Bytes,
+    tx: mpsc::Sender<Inbound>,
+    max_frame_bytes: usize,
+) {
+    let decoder = FrameDecoder::new(max_frame_bytes);
+    let mut buf = BytesMut::with_capacity(256 << 10);
+    let error = loop {
+        match decoder.decode(&mut buf) {
+            Ok(Some(Frame {
+                group_id: g,
+                message,
+            })) => {
+                if g != group_id {
+                    break LinkError::ForeignGroup;
+                }
+                if tx
+                    .send(Inbound::Message {
+                        from: peer,
+                        message,
+                    })
+                    .await
+                    .is_err()
+                {
+                    return; // the round is over
+                }
+                continue;
+            }
+            Ok(None) => {}
+            Err(e) => break LinkError::Wire(e),
+        }
+        if buf.capacity() - buf.len() < 64 << 10 {
+            buf.reserve(256 << 10);
+        }
+        match read.read_buf(&mut buf).await {
+            Ok(0) => break LinkError::Closed,
+            Ok(_) => {}
+            Err(e) => break LinkError::Io(e.to_string()),
+        }
+    };
+    let _ = tx.send(Inbound::Failed { from: peer, error }).await;
+}
+
+async fn write_link(
+    peer: usize,
+    mut write: impl AsyncWrite + Unpin,
+    mut rx: mpsc::Receiver<Message>,
+    group_id: Bytes,
+    events: mpsc::Sender<Inbound>,
+    write_timeout: Duration,
+    close_timeout: Duration,
+) {
+    let mut buf = BytesMut::new();
+    while let Some(message) = rx.recv().await {
+        buf.clear();
+        wire::encode_frame(
+            &Frame {
+                group_id: group_id.clone(),
+                message,
+            },
+            &mut buf,
+        );
+        let error = match tokio::time::timeout(write_timeout, write.write_all(&buf)).await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(LinkError::Io(e.to_string())),
+            Err(_) => Some(LinkError::WriteTimeout),
+        };
+        if let Some(error) = error {
+            let _ = events.send(Inbound::Failed { from: peer, error }).await;
+            return;
+        }
+        // Wake the compute thread: this link has room again. Dropped if it is busy anyway.
+        let _ = events.try_send(Inbound::Writable);
+    }
+    let _ = tokio::time::timeout(close_timeout, async {
+        let _ = write.flush().await;
+        let _ = write.shutdown().await;
+    })
+    .await;
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,359 @@
+//! The round runner over in-memory byte streams: exact averages, modes, a peer dying mid-round,
+//! and garbage on the links.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use hivemesh::allreduce::TensorDescriptor;
+use hivemesh::allreduce::{Member, Message, Mode, Outcome, PartMessage, RoundConfig};
+use hivemesh::compression::CompressionType;
+use hivemesh::runner::{self, Link, RunnerConfig};
+use hivemesh::sim::make_tensors;
+use hivemesh::tensor::{DType, Tensor};
+use hivemesh::wire::{self, Frame};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
+
+fn descriptors() -> Vec<TensorDescriptor> {
+    [vec![150_000], vec![100], vec![]]
+        .into_iter()
+        .map(|shape| TensorDescriptor {
+            shape,
+            dtype: DType::F32,
+        })
+        .collect()
+}
+
+fn config(modes: &[Mode], me: usize, weight: f64) -> RoundConfig {
+    let members = modes
+        .iter()
+        .map(|&mode| Member {
+            mode,
+            fraction: if mode == Mode::Client { 0.0 } else { 1.0 },
+        })
+        .collect();
+    let mut cfg = RoundConfig::new(members, me);
+    cfg.weight = weight;
+    cfg.part_size_bytes = 64 << 10;
+    cfg.sender_timeout = Duration::from_secs(2);
+    cfg.reducer_timeout = Duration::from_secs(4);
+    cfg
+}
+
+/// A link that breaks (errors on read and write) once `budget` bytes were written through any
+/// of the links sharing it: a process dying mid-round.
+struct Dying {
+    inner: DuplexStream,
+    budget: Arc<AtomicUsize>,
+}
+
+impl Dying {
+    fn dead(&self) -> bool {
+        self.budget.load(Ordering::SeqCst) == 0
+    }
+}
+
+impl AsyncRead for Dying {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.dead() {
+            return Poll::Ready(Err(io::ErrorKind::ConnectionReset.into()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Dying {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let left = self.budget.load(Ordering::SeqCst);
+        if left == 0 {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        let n = data.len().min(left);
+        match Pin::new(&mut self.inner).poll_write(cx, &data[..n]) {
+            Poll::Ready(Ok(w)) => {
+                self.budget.fetch_sub(w, Ordering::SeqCst);
+                Poll::Ready(Ok(w))
+            }
+            other => other,
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Full mesh of duplex links: `links[a][b]` is a's end towards b.
+fn mesh(n: usize) -> Vec<Vec<Option<DuplexStream>>> {
+    let mut links: Vec<Vec<Option<DuplexStream>>> =
+        (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+    for a in 0..n {
+        for b in a + 1..n {
+            let (x, y) = tokio::io::duplex(1 << 20);
+            links[a][b] = Some(x);
+            links[b][a] = Some(y);
+        }
+    }
+    links
+}
+
+/// Checks `outcome` against the weighted mean of the contributors its report names.
+fn max_err(
+    me: usize,
+    outcome: &Outcome,
+    start: &[Vec<Tensor>],
+    weights: &[f64],
+    cfg: &RoundConfig,
+) -> f32 {
+    let descs = descriptors();
+    let part = hivemesh::allreduce::Partition::new(
+        &descs,
+        &cfg.fractions(),
+        cfg.part_size_bytes,
+        &cfg.compression,
+    )
+    .unwrap();
+    let deltas = outcome.deltas.as_ref().unwrap();
+    let mut worst = 0.0f32;
+    for span in &outcome.report.spans {
+        for seg in &span.segments {
+            for g in seg.parts.clone() {
+                let spec = part.part(g);
+                for i in spec.range() {
+                    let own = start[me][spec.tensor].flat().get_f32(i);
+                    let want = match &seg.contributors {
+                        None => own,
+                        Some(c) => {
+                            let (num, den) = c.iter().fold((0.0f64, 0.0f64), |(n, d), s| {
+                                let x = start[s][spec.tensor].flat().get_f32(i) as f64;
+                                (n + weights[s] * x, d + weights[s])
+                            });
+                            (num / den) as f32
+                        }
+                    };
+                    worst = worst.max((own + deltas[spec.tensor][i] - want).abs());
+                }
+            }
+        }
+    }
+    worst
+}
+
+async fn run_group(
+    modes: &[Mode],
+    weights: &[f64],
+    budgets: &[Option<usize>],
+) -> (
+    Vec<Vec<Tensor>>,
+    Vec<Result<(Vec<Tensor>, Outcome), runner::RunnerError>>,
+) {
+    let n = modes.len();
+    let start: Vec<Vec<Tensor>> = (0..n)
+        .map(|p| make_tensors(&descriptors(), 7, p).unwrap())
+        .collect();
+    let mut links = mesh(n);
+    let mut tasks = Vec::new();
+    for me in 0..n {
+        let budget = budgets[me].map(|b| Arc::new(AtomicUsize::new(b)));
+        let my_links: Vec<Option<Box<dyn Link>>> = links[me]
+            .iter_mut()
+            .map(|l| {
+                l.take().map(|inner| match &budget {
+                    Some(b) => Box::new(Dying {
+                        inner,
+                        budget: b.clone(),
+                    }) as Box<dyn Link>,
+                    None => Box::new(inner) as Box<dyn Link>,
+                })
+            })
+            .collect();
+        let cfg = config(modes, me, weights[me]);
+        let tensors = start[me].clone();
+        tasks.push(tokio::spawn(runner::run_round(
+            cfg,
+            Bytes::from_static(b"group-a"),
+            tensors,
+            my_links,
+            RunnerConfig::default(),
+        )));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(
+            tokio::time::timeout(Duration::from_secs(60), t)
+                .await
+                .expect("round ends")
+                .unwrap(),
+        );
+    }
+    (start, results)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_average_exactly() {
+    let modes = [Mode::Node; 4];
+    let weights = [1.0, 2.0, 0.5, 1.0];
+    let (start, results) = run_group(&modes, &weights, &[None; 4]).await;
+    for (p, r) in results.iter().enumerate() {
+        let (_, outcome) = r.as_ref().unwrap();
+        assert!(outcome.report.local_parts().next().is_none(), "peer {p}");
+        assert!(outcome.report.banned.is_empty() && outcome.report.failed_reducers.is_empty());
+        let err = max_err(p, outcome, &start, &weights, &config(&modes, p, weights[p]));
+        assert!(err < 1e-5, "peer {p}: {err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_and_aux_over_links() {
+    let modes = [
+        Mode::Node,
+        Mode::Client,
+        Mode::Aux,
+        Mode::Node,
+        Mode::Client,
+    ];
+    let weights = [1.0, 1.0, 0.0, 3.0, 0.25];
+    let (start, results) = run_group(&modes, &weights, &[None; 5]).await;
+    for (p, r) in results.iter().enumerate() {
+        let (_, outcome) = r.as_ref().unwrap();
+        if modes[p] == Mode::Aux {
+            assert!(outcome.deltas.is_none());
+            continue;
+        }
+        assert!(outcome.report.local_parts().next().is_none(), "peer {p}");
+        let err = max_err(p, outcome, &start, &weights, &config(&modes, p, weights[p]));
+        assert!(err < 1e-5, "peer {p}: {err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_dying_mid_round_leaves_correct_partial_averages() {
+    let modes = [Mode::Node; 4];
+    let weights = [1.0; 4];
+    // Peer 2 dies after writing ~300 KB (of ~1.8 MB it would send).
+    let (start, results) = run_group(&modes, &weights, &[None, None, Some(300_000), None]).await;
+    for p in [0, 1, 3] {
+        let (_, outcome) = results[p].as_ref().unwrap();
+        let r = &outcome.report;
+        assert!(
+            r.banned.contains(2) || r.failed_reducers.contains(2),
+            "peer {p}: {r:?}"
+        );
+        let err = max_err(p, outcome, &start, &weights, &config(&modes, p, 1.0));
+        assert!(err < 1e-5, "peer {p}: {err}");
+        // Some averaging happened with the survivors.
+        assert!(
+            r.spans
+                .iter()
+                .any(|s| s.segments.iter().any(|g| g.contributors.is_some()))
+        );
+    }
+}
+
+/// An adversary in the group (index 3) writes garbage of each kind on its links; the honest
+/// peers finish, ban it, and hold correct averages over whom they name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_links_is_rejected_and_the_round_completes() {
+    let foreign = {
+        let mut b = BytesMut::new();
+        wire::encode_frame(
+            &Frame {
+                group_id: Bytes::from_static(b"other-group"),
+                message: Message::Part(PartMessage {
+                    part: 0,
+                    weight: 1.0,
+                    codec: CompressionType::None,
+                    dtype: DType::F32,
+                    payload: Bytes::from(vec![0u8; 64]),
+                }),
+            },
+            &mut b,
+        );
+        b.to_vec()
+    };
+    let mut huge = BytesMut::new();
+    wire::put_length_prefix(4 << 30, &mut huge);
+    let random: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    for garbage in [random, huge.to_vec(), foreign] {
+        let modes = [Mode::Node; 4];
+        let weights = [1.0; 4];
+        let n = 4;
+        let start: Vec<Vec<Tensor>> = (0..n)
+            .map(|p| make_tensors(&descriptors(), 7, p).unwrap())
+            .collect();
+        let mut links = mesh(n);
+        let mut tasks = Vec::new();
+        for me in 0..3 {
+            let my_links: Vec<Option<Box<dyn Link>>> = links[me]
+                .iter_mut()
+                .map(|l| l.take().map(|s| Box::new(s) as Box<dyn Link>))
+                .collect();
+            tasks.push(tokio::spawn(runner::run_round(
+                config(&modes, me, 1.0),
+                Bytes::from_static(b"group-a"),
+                start[me].clone(),
+                my_links,
+                RunnerConfig::default(),
+            )));
+        }
+        let mut adversary: Vec<DuplexStream> =
+            links[3].iter_mut().filter_map(Option::take).collect();
+        for l in &mut adversary {
+            l.write_all(&garbage).await.unwrap();
+        }
+        for (p, t) in tasks.into_iter().enumerate() {
+            let (_, outcome) = tokio::time::timeout(Duration::from_secs(60), t)
+                .await
+                .expect("honest peer finishes")
+                .unwrap()
+                .unwrap();
+            let r = &outcome.report;
+            assert!(
+                r.banned.contains(3) && r.failed_reducers.contains(3),
+                "peer {p}: {r:?}"
+            );
+            let err = max_err(p, &outcome, &start, &weights, &config(&modes, p, 1.0));
+            assert!(err < 1e-5, "peer {p}: {err}");
+        }
+        drop(adversary);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_link_count_is_an_error() {
+    let modes = [Mode::Node; 3];
+    let err = runner::run_round(
+        config(&modes, 0, 1.0),
+        Bytes::from_static(b"g"),
+        make_tensors(&descriptors(), 1, 0).unwrap(),
+        Vec::new(),
+        RunnerConfig::default(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(
+        err,
+        runner::RunnerError::LinkCount {
+            links: 0,
+            members: 3
+        }
+    ));
+}
