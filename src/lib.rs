@@ -15,7 +15,9 @@
 //!
 //! The protocol cores are sans-IO: [`sim`] drives them in virtual time with simulated links
 //! and faults; [`p2p`] is the libp2p layer (swarm, Kademlia with merged records) and [`dht`]
-//! the typed values stored in it; [`wire`] holds the prost messages of a round.
+//! the typed values stored in it; [`wire`] holds the prost messages of a round;
+//! [`transport`] is the data plane that carries them (TLS 1.3 over TCP, authenticated by
+//! libp2p PeerIds).
 #![warn(missing_docs)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
@@ -26,4 +28,5 @@ pub mod p2p;
 pub mod runner;
 pub mod sim;
 pub mod tensor;
+pub mod transport;
 pub mod wire;

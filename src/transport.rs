@@ -1,0 +1,60 @@
+//! The data plane: direct, encrypted, PeerId-authenticated byte streams between group members.
+//!
+//! libp2p carries the control plane (DHT, group formation, metadata). The bulk bytes of a round
+//! (tensor parts and averages, framed by [`crate::wire`]) go over a separate connection per peer
+//! pair, because libp2p streams in 0.57 cost 2.5–3× more CPU per byte (ChaCha20 and 16 KiB yamux
+//! frames; `../shared/reference/dataplane.md` §0 and §5). This module is that connection.
+//!
+//! # Protocol
+//!
+//! A [`DataStream`] is **TLS 1.3 over one plain TCP connection**, with nothing in between:
+//!
+//! 1. Each peer advertises its data-plane `host:port` next to its PeerId on the control plane.
+//!    The dialer ([`connect`]) knows the PeerId it wants; the listener ([`DataListener`]) learns
+//!    who dialled from the handshake.
+//! 2. Both sides present a **libp2p-tls certificate** (`libp2p::tls::certificate::generate`):
+//!    a self-signed ECDSA P-256 certificate whose critical libp2p extension carries the host's
+//!    public key and its signature over the certificate key. Verifying it proves the peer holds
+//!    the libp2p identity key; the PeerId is derived from that key. No CA, no server names.
+//! 3. Client authentication is **mandatory**. The client aborts unless the server's PeerId is
+//!    the expected one ([`TlsError::UnexpectedPeer`]); the server accepts any valid libp2p
+//!    certificate and hands the authenticated client PeerId to the caller, which decides
+//!    whether that peer belongs to its group.
+//! 4. Only TLS 1.3; cipher suites **AES-128-GCM first**, CHACHA20-POLY1305 as the fallback for
+//!    peers that do not offer AES (both from the aws-lc-rs provider, chosen explicitly rather
+//!    than through a process-wide default). The server imposes its own order, so two hivemesh
+//!    peers always get AES-128-GCM. Key exchange is the provider's default (X25519MLKEM768
+//!    first).
+//! 5. ALPN is [`ALPN`] (`hivemesh-data/1`) and both sides require it, so the port cannot be
+//!    confused with a libp2p listener or any other TLS service. No session tickets, no
+//!    resumption, no early data: every connection runs the full handshake and both certificates
+//!    are verified every time.
+//!
+//! After the handshake the stream is a plain byte pipe ([`tokio::io::AsyncRead`] +
+//! [`tokio::io::AsyncWrite`]); framing is the caller's business. Sockets have `TCP_NODELAY`;
+//! reads go through a [`READ_BUFFER`] (256 KiB) buffer under TLS so that rustls, which pulls at
+//! most about one 16 KiB record per read, does not cost a syscall per record. Write in large
+//! chunks (1 MiB): rustls encrypts each write into 16 KiB records and sends them with one
+//! vectored write per 64 KiB.
+//!
+//! # Costs (2-core test machine, loopback)
+//!
+//! About 0.5 CPU·s per GB for both ends together, 3–4 GB/s between two processes
+//! (dataplane.md §1 rows 2a/2b/4a); `examples/tls_throughput.rs` measures it in one process.
+//! The first handshake in a process takes 20–50 ms (aws-lc seeds its DRBG), later ones about
+//! 0.5 ms: keep connections for the life of a group.
+//!
+//! # Bounds and timeouts
+//!
+//! [`connect`] runs TCP connect and handshake under one timeout; [`DataListener::accept`] runs
+//! the wait for a connection and its handshake under one deadline. A client that fails its
+//! handshake, sends garbage or stays silent costs its own `accept` call an error and nothing
+//! more: the listener keeps serving. `accept` takes `&self`, so several tasks may accept
+//! concurrently (share the listener in an `Arc`) and a slow handshake then holds up only the
+//! task running it. Memory per stream is the read buffer plus rustls' bounded record buffers.
+
+mod tls;
+
+pub use tls::{
+    ALPN, DataIdentity, DataListener, DataStream, PeerMismatch, READ_BUFFER, TlsError, connect,
+};
