@@ -358,32 +358,45 @@ fn max_nan(a: f32, b: f32) -> f32 {
     }
 }
 
+const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn peer_state(seed: u64, peer: usize) -> u64 {
+    seed ^ (peer as u64).wrapping_mul(GAMMA) ^ 0xD1B5_4A32_D192_ED03
+}
+
+/// SplitMix64's output for a state.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn unit_value(bits: u32, peer: usize) -> f32 {
+    let unit = (bits >> 8) as f32 / (1u32 << 24) as f32;
+    unit * 2.0 - 1.0 + peer as f32 * 0.25
+}
+
 /// Deterministic pseudo-random tensors for peer `peer`: values uniform in `[-1, 1)` plus a
-/// per-peer offset, so that means differ visibly between peers.
+/// per-peer offset of `0.25 · peer`, so that means differ visibly between peers. Element `e` of
+/// the first tensor is also [`generated_value`]`(seed, peer, e)`, without generating the rest.
 pub fn make_tensors(
     descriptors: &[TensorDescriptor],
     seed: u64,
     peer: usize,
 ) -> Result<Vec<Tensor>, TensorError> {
-    let mut state =
-        seed ^ (peer as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    let offset = peer as f32 * 0.25;
+    let mut state = peer_state(seed, peer);
     descriptors
         .iter()
         .map(|d| {
             let n = d.numel();
             let mut values = Vec::with_capacity(n);
             while values.len() < n {
-                // SplitMix64: fast, good enough for test data.
-                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = state;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^= z >> 31;
+                // SplitMix64: fast, random-access, good enough for test data.
+                state = state.wrapping_add(GAMMA);
+                let z = mix(state);
                 for half in [z as u32, (z >> 32) as u32] {
                     if values.len() < n {
-                        let unit = (half >> 8) as f32 / (1u32 << 24) as f32;
-                        values.push(unit * 2.0 - 1.0 + offset);
+                        values.push(unit_value(half, peer));
                     }
                 }
             }
@@ -393,6 +406,19 @@ pub fn make_tensors(
             }
         })
         .collect()
+}
+
+/// Element `element` of the first tensor that [`make_tensors`] generates for `peer` (f32
+/// tensors), computed directly.
+pub fn generated_value(seed: u64, peer: usize, element: usize) -> f32 {
+    let k = (element / 2) as u64 + 1;
+    let z = mix(peer_state(seed, peer).wrapping_add(GAMMA.wrapping_mul(k)));
+    let bits = if element.is_multiple_of(2) {
+        z as u32
+    } else {
+        (z >> 32) as u32
+    };
+    unit_value(bits, peer)
 }
 
 /// The message with its payload cut short by one byte (or one junk byte if it was empty).
@@ -873,4 +899,75 @@ pub fn run_with_tensors(
         weights,
         partition,
     })
+}
+
+/// Largest deviation of one peer's result from what its report promises: for every part the
+/// weighted mean over the contributors it names (from `all_start[peer]` and `weights`), or its
+/// own start value where the part stayed local. `me` indexes `all_start`. Returns 0 for an aux
+/// outcome (no deltas); NaN anywhere counts as infinity.
+pub fn deviation_from_report(
+    me: usize,
+    outcome: &Outcome,
+    partition: &Partition,
+    all_start: &[Vec<Tensor>],
+    weights: &[f64],
+) -> f32 {
+    let Some(deltas) = &outcome.deltas else {
+        return 0.0;
+    };
+    let mut worst = 0.0f32;
+    let mut own = Vec::new();
+    for span in &outcome.report.spans {
+        for seg in &span.segments {
+            for g in seg.parts.clone() {
+                let spec = *partition.part(g);
+                own.resize(spec.len, 0.0);
+                all_start[me][spec.tensor]
+                    .part(spec.range())
+                    .copy_to_f32(&mut own);
+                let delta = &deltas[spec.tensor][spec.range()];
+                let expected: Vec<f32> = match &seg.contributors {
+                    None => own.clone(),
+                    Some(c) => {
+                        let mut acc = vec![0.0f64; spec.len];
+                        let mut den = 0.0;
+                        let mut x = vec![0.0f32; spec.len];
+                        for s in c.iter() {
+                            all_start[s][spec.tensor]
+                                .part(spec.range())
+                                .copy_to_f32(&mut x);
+                            for (a, &v) in acc.iter_mut().zip(&x) {
+                                *a += weights[s] * f64::from(v);
+                            }
+                            den += weights[s];
+                        }
+                        acc.iter().map(|a| (a / den) as f32).collect()
+                    }
+                };
+                for ((o, d), e) in own.iter().zip(delta).zip(&expected) {
+                    worst = max_nan(worst, (o + d - e).abs());
+                }
+            }
+        }
+    }
+    worst
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_values_are_random_access() {
+        let d = [TensorDescriptor {
+            shape: vec![1001],
+            dtype: crate::tensor::DType::F32,
+        }];
+        for peer in [0, 3] {
+            let t = make_tensors(&d, 42, peer).unwrap();
+            for e in [0, 1, 2, 999, 1000] {
+                assert_eq!(t[0].flat().get_f32(e), generated_value(42, peer, e));
+            }
+        }
+    }
 }

@@ -198,3 +198,145 @@ mod dht {
         assert!(String::from_utf8_lossy(&out.stderr).contains("must end with /p2p/<peer id>"));
     }
 }
+
+mod bench {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Child, ChildStdout, Command, Stdio};
+
+    #[test]
+    fn allreduce_bench_prints_its_line() {
+        let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+            .args([
+                "bench",
+                "allreduce",
+                "--peers",
+                "3",
+                "--mib",
+                "2",
+                "--rounds",
+                "2",
+            ])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = stdout.lines().last().unwrap();
+        let keys: Vec<&str> = line
+            .split(' ')
+            .map(|f| f.split('=').next().unwrap())
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "hivemesh",
+                "world",
+                "mib",
+                "median_s",
+                "algbw_gbs",
+                "busbw_gbs"
+            ],
+            "{line}"
+        );
+        assert!(
+            line.starts_with("hivemesh world=3 mib=2 median_s="),
+            "{line}"
+        );
+        let busbw: f64 = line.rsplit('=').next().unwrap().parse().unwrap();
+        assert!(busbw > 0.0);
+    }
+
+    #[test]
+    fn quic_data_transport_is_refused_clearly() {
+        let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+            .args(["bench", "allreduce", "--transport", "quic"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stderr).contains("only tcp"));
+    }
+
+    struct Worker {
+        child: Child,
+        lines: std::io::Lines<BufReader<ChildStdout>>,
+    }
+
+    impl Worker {
+        fn next_line(&mut self) -> String {
+            self.lines
+                .next()
+                .expect("worker output")
+                .expect("utf-8 line")
+        }
+    }
+
+    impl Drop for Worker {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// 4 worker processes; one is SIGKILLed as soon as its first round starts. The others
+    /// finish that round (within their timeouts) with values equal to the weighted mean over
+    /// exactly the peers their reports name.
+    #[test]
+    fn sigkill_mid_round_leaves_correct_partial_averages() {
+        let n = 4;
+        let mut workers: Vec<Worker> = (0..n)
+            .map(|i| {
+                let mut child = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+                    .args(["bench-worker", "--index", &i.to_string(), "--peers", "4"])
+                    .args(["--mib", "24", "--rounds", "1", "--part-bytes", "65536"])
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+                Worker { child, lines }
+            })
+            .collect();
+        let roster: Vec<String> = workers
+            .iter_mut()
+            .map(|w| {
+                let line = w.next_line();
+                let rest = line.strip_prefix("READY ").unwrap().to_owned();
+                rest.replace(' ', "@")
+            })
+            .collect();
+        let roster = format!("ROSTER {}\n", roster.join(" "));
+        for w in &mut workers {
+            let stdin = w.child.stdin.as_mut().unwrap();
+            stdin.write_all(roster.as_bytes()).unwrap();
+            stdin.flush().unwrap();
+        }
+        // Kill worker 3 the moment its round starts.
+        assert_eq!(workers[3].next_line(), "START 0");
+        let pid = workers[3].child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-KILL", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        for (i, w) in workers.iter_mut().enumerate().take(3) {
+            assert_eq!(w.next_line(), "START 0");
+            let round = w.next_line();
+            assert!(round.starts_with("ROUND 0 "), "worker {i}: {round}");
+        }
+        for (i, w) in workers.iter_mut().enumerate().take(3) {
+            let stdin = w.child.stdin.as_mut().unwrap();
+            stdin.write_all(b"CHECK\n").unwrap();
+            stdin.flush().unwrap();
+            let checked = w.next_line();
+            let f: Vec<&str> = checked.split(' ').collect();
+            assert_eq!(f[0], "CHECKED", "worker {i}: {checked}");
+            let err_report: f32 = f[2].parse().unwrap();
+            assert!(err_report < 1e-5, "worker {i}: {checked}");
+        }
+    }
+}

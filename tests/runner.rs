@@ -121,38 +121,14 @@ fn max_err(
     weights: &[f64],
     cfg: &RoundConfig,
 ) -> f32 {
-    let descs = descriptors();
     let part = hivemesh::allreduce::Partition::new(
-        &descs,
+        &descriptors(),
         &cfg.fractions(),
         cfg.part_size_bytes,
         &cfg.compression,
     )
     .unwrap();
-    let deltas = outcome.deltas.as_ref().unwrap();
-    let mut worst = 0.0f32;
-    for span in &outcome.report.spans {
-        for seg in &span.segments {
-            for g in seg.parts.clone() {
-                let spec = part.part(g);
-                for i in spec.range() {
-                    let own = start[me][spec.tensor].flat().get_f32(i);
-                    let want = match &seg.contributors {
-                        None => own,
-                        Some(c) => {
-                            let (num, den) = c.iter().fold((0.0f64, 0.0f64), |(n, d), s| {
-                                let x = start[s][spec.tensor].flat().get_f32(i) as f64;
-                                (n + weights[s] * x, d + weights[s])
-                            });
-                            (num / den) as f32
-                        }
-                    };
-                    worst = worst.max((own + deltas[spec.tensor][i] - want).abs());
-                }
-            }
-        }
-    }
-    worst
+    hivemesh::sim::deviation_from_report(me, outcome, &part, start, weights)
 }
 
 async fn run_group(

@@ -1,6 +1,8 @@
 //! The `hivemesh` command line: `hivemesh sim` runs one simulated all-reduce round;
 //! `hivemesh dht` runs a bootstrap/DHT peer.
 
+mod bench;
+
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -29,6 +31,19 @@ enum Command {
     /// Run a bootstrap/DHT peer; prints one dialable address per line, then serves until
     /// Ctrl-C.
     Dht(DhtArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Internal: one process of `bench allreduce`.
+    #[command(hide = true)]
+    BenchWorker(bench::WorkerArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// N peers as OS processes on loopback run timed all-reduce rounds over TLS data links and
+    /// print `hivemesh world=N mib=M median_s=S algbw_gbs=A busbw_gbs=B`.
+    Allreduce(bench::BenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -122,6 +137,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Sim(args) => run_sim(args),
         Command::Dht(args) => run_dht(args),
+        Command::Bench(BenchCommand::Allreduce(args)) => bench::run_bench(args),
+        Command::BenchWorker(args) => bench::run_worker(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,436 @@
+//! `hivemesh bench allreduce`: N peers as separate OS processes on loopback, one butterfly
+//! all-reduce per round over PeerId-authenticated TLS data links.
+//!
+//! The parent re-executes this binary as N `bench-worker`s. Each worker binds a TLS data
+//! listener and prints `READY <peer id> <addr>`; the parent sends every worker the roster
+//! (`ROSTER <id>@<addr> ...`). For every round each worker connects to the higher-indexed peers
+//! and accepts the lower-indexed ones (a full mesh, which doubles as a start barrier), runs the
+//! round, checks its result against the exact mean (computed from the generator, without
+//! holding the other peers' data) and against the weighted mean over the contributors its
+//! report names, and prints `START <r>` before and
+//! `ROUND <r> <seconds> <err_vs_report> <err_vs_mean> <local_parts>` after each round.
+//! Round 0 is a warm-up. A round's time is the slowest worker's; the parent prints the median.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use bytes::Bytes;
+use clap::Args;
+use hivemesh::allreduce::{Member, Mode, Partition, RoundConfig, TensorDescriptor};
+use hivemesh::compression::{Compression, CompressionType};
+use hivemesh::runner::{self, Link, RunnerConfig};
+use hivemesh::sim::{generated_value, make_tensors};
+use hivemesh::tensor::DType;
+use hivemesh::transport::{DataIdentity, DataListener, connect};
+use libp2p::PeerId;
+
+const SEED: u64 = 1;
+const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Options shared by the harness and its workers.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Number of peer processes.
+    #[arg(long, default_value_t = 4)]
+    peers: usize,
+    /// MiB of f32 values per peer.
+    #[arg(long, default_value_t = 64)]
+    mib: usize,
+    /// Timed rounds (after one warm-up round).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Target part size in bytes.
+    #[arg(long, default_value_t = hivemesh::allreduce::DEFAULT_PART_SIZE_BYTES)]
+    part_bytes: usize,
+    /// none, float16, bfloat16, uniform8, quantile8, blockwise8 or adaptive.
+    #[arg(long, default_value = "none")]
+    compression: Compression,
+    /// Data transport: tcp (TLS 1.3 over TCP, authenticated by peer ids).
+    #[arg(long, default_value = "tcp")]
+    transport: String,
+}
+
+/// A worker's options: the shared ones plus its index.
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    bench: BenchArgs,
+    /// This worker's index in the group.
+    #[arg(long)]
+    index: usize,
+}
+
+impl BenchArgs {
+    fn validate(&self) -> anyhow::Result<()> {
+        ensure!(
+            self.peers >= 1 && self.peers <= 64,
+            "--peers must be between 1 and 64"
+        );
+        ensure!(
+            self.mib >= 1 && self.mib <= 4096,
+            "--mib must be between 1 and 4096"
+        );
+        ensure!(
+            self.rounds >= 1 && self.rounds <= 1000,
+            "--rounds must be between 1 and 1000"
+        );
+        ensure!(
+            self.part_bytes >= 1024,
+            "--part-bytes must be at least 1024"
+        );
+        if self.transport != "tcp" {
+            bail!(
+                "--transport {}: only tcp (TLS over TCP) is implemented so far; QUIC carries \
+                 control traffic only",
+                self.transport
+            );
+        }
+        Ok(())
+    }
+
+    fn elements(&self) -> usize {
+        self.mib * (1 << 20) / 4
+    }
+
+    fn descriptors(&self) -> Vec<TensorDescriptor> {
+        vec![TensorDescriptor {
+            shape: vec![self.elements()],
+            dtype: DType::F32,
+        }]
+    }
+
+    fn round_config(&self, me: usize) -> RoundConfig {
+        let members = vec![
+            Member {
+                mode: Mode::Node,
+                fraction: 1.0
+            };
+            self.peers
+        ];
+        let mut cfg = RoundConfig::new(members, me);
+        cfg.part_size_bytes = self.part_bytes;
+        cfg.compression = self.compression.clone();
+        cfg.sender_timeout = Duration::from_secs(10);
+        cfg.reducer_timeout = Duration::from_secs(20);
+        cfg.round_timeout = Some(Duration::from_secs(300));
+        cfg
+    }
+
+    /// Largest acceptable deviation from the exact mean for the chosen codec.
+    fn tolerance(&self) -> f32 {
+        match self.compression {
+            Compression::Fixed(CompressionType::None) => 1e-5,
+            Compression::Fixed(CompressionType::Float16) => 2e-3,
+            Compression::Fixed(CompressionType::BFloat16) => 2e-2,
+            _ => 0.1,
+        }
+    }
+}
+
+/// Kills the workers if the harness returns early.
+struct Workers(Vec<Child>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The parent: spawns the workers, relays the roster, prints the result line.
+pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
+    args.validate()?;
+    let exe = std::env::current_exe().context("locating the hivemesh binary")?;
+    let mut workers = Workers(Vec::new());
+    let (tx, rx) = std_mpsc::channel::<(usize, String)>();
+    for i in 0..args.peers {
+        let mut child = Command::new(&exe)
+            .arg("bench-worker")
+            .args(["--index", &i.to_string()])
+            .args(["--peers", &args.peers.to_string()])
+            .args(["--mib", &args.mib.to_string()])
+            .args(["--rounds", &args.rounds.to_string()])
+            .args(["--part-bytes", &args.part_bytes.to_string()])
+            .args(["--compression", &compression_name(&args.compression)])
+            .args(["--transport", &args.transport])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting a worker process")?;
+        let stdout = child.stdout.take().context("worker stdout")?;
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send((i, line)).is_err() {
+                    break;
+                }
+            }
+            let _ = tx.send((i, "EOF".to_owned()));
+        });
+        workers.0.push(child);
+    }
+    drop(tx);
+
+    let mut ready: Vec<Option<String>> = vec![None; args.peers];
+    while ready.iter().any(Option::is_none) {
+        let (i, line) = rx
+            .recv_timeout(SETUP_TIMEOUT)
+            .context("workers did not report ready in time")?;
+        let rest = line
+            .strip_prefix("READY ")
+            .with_context(|| format!("worker {i}: unexpected line '{line}'"))?;
+        let (id, addr) = rest.split_once(' ').context("READY <id> <addr>")?;
+        ready[i] = Some(format!("{id}@{addr}"));
+    }
+    let roster = format!(
+        "ROSTER {}\n",
+        ready.into_iter().flatten().collect::<Vec<_>>().join(" ")
+    );
+    for c in &mut workers.0 {
+        let stdin = c.stdin.as_mut().context("worker stdin")?;
+        stdin.write_all(roster.as_bytes())?;
+        stdin.flush()?;
+    }
+
+    let total_rounds = args.rounds + 1;
+    let mut times = vec![vec![0.0f64; args.peers]; total_rounds];
+    let mut reported = vec![0usize; total_rounds];
+    let mut finished = vec![false; args.peers];
+    let mut done = 0;
+    let deadline = Instant::now() + Duration::from_secs(60 * 60);
+    let tolerance = args.tolerance();
+    while done < args.peers {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (i, line) = rx.recv_timeout(left).context("bench timed out")?;
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        match fields.as_slice() {
+            ["START", _] => {}
+            ["ROUND", r, secs] => {
+                let r: usize = r.parse()?;
+                ensure!(r < total_rounds, "worker {i}: round {r} out of range");
+                times[r][i] = secs.parse()?;
+                reported[r] += 1;
+                if reported[r] == args.peers {
+                    // Everyone is done with the timed part: now they may check (checking
+                    // earlier would steal CPU from peers still in the round).
+                    for c in &mut workers.0 {
+                        let stdin = c.stdin.as_mut().context("worker stdin")?;
+                        stdin.write_all(b"CHECK\n")?;
+                        stdin.flush()?;
+                    }
+                }
+            }
+            ["CHECKED", r, err_report, err_mean, local] => {
+                let (err_report, err_mean): (f32, f32) = (err_report.parse()?, err_mean.parse()?);
+                ensure!(
+                    err_report <= tolerance && err_mean <= tolerance && *local == "0",
+                    "worker {i} round {r}: error vs report {err_report:e}, vs exact mean \
+                     {err_mean:e}, {local} parts left local (tolerance {tolerance:e})"
+                );
+            }
+            ["DONE"] => {
+                finished[i] = true;
+                done += 1;
+            }
+            ["EOF"] if finished[i] => {}
+            ["EOF"] => bail!("worker {i} exited early"),
+            _ => bail!("worker {i}: unexpected line '{line}'"),
+        }
+    }
+    for c in &mut workers.0 {
+        let status = c.wait()?;
+        ensure!(status.success(), "a worker failed: {status}");
+    }
+    workers.0.clear();
+
+    let mut per_round: Vec<f64> = times[1..]
+        .iter()
+        .map(|t| t.iter().cloned().fold(0.0, f64::max))
+        .collect();
+    per_round.sort_by(f64::total_cmp);
+    let median = per_round[per_round.len() / 2];
+    let bytes = (args.elements() * 4) as f64;
+    let algbw = bytes / median / 1e9;
+    let n = args.peers as f64;
+    let busbw = algbw * 2.0 * (n - 1.0) / n;
+    println!(
+        "hivemesh world={} mib={} median_s={median:.4} algbw_gbs={algbw:.3} busbw_gbs={busbw:.3}",
+        args.peers, args.mib
+    );
+    Ok(())
+}
+
+fn compression_name(c: &Compression) -> String {
+    match c {
+        Compression::Fixed(CompressionType::None) => "none",
+        Compression::Fixed(CompressionType::Float16) => "float16",
+        Compression::Fixed(CompressionType::BFloat16) => "bfloat16",
+        Compression::Fixed(CompressionType::Uniform8Bit) => "uniform8",
+        Compression::Fixed(CompressionType::Quantile8Bit) => "quantile8",
+        Compression::Fixed(CompressionType::Blockwise8Bit) => "blockwise8",
+        Compression::Adaptive { .. } => "adaptive",
+    }
+    .to_owned()
+}
+
+/// One worker process.
+pub fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
+    let bench = args.bench.clone();
+    bench.validate()?;
+    let me = args.index;
+    ensure!(me < bench.peers, "--index out of range");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(worker(bench, me))
+}
+
+async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
+    let keypair = libp2p::identity::Keypair::generate_ed25519();
+    let peer_id = keypair.public().to_peer_id();
+    let identity = DataIdentity::new(&keypair)?;
+    let listener = DataListener::bind(&identity, "127.0.0.1:0".parse()?).await?;
+    println!("READY {peer_id} {}", listener.local_addr());
+
+    // Lines from the parent: the roster, then one CHECK per round.
+    let (line_tx, mut lines) = tokio::sync::mpsc::channel::<String>(4);
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            let Ok(line) = line else { break };
+            if line_tx.blocking_send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let roster_line = lines.recv().await.context("parent closed stdin")?;
+    let roster: Vec<(PeerId, SocketAddr)> = roster_line
+        .trim()
+        .strip_prefix("ROSTER ")
+        .context("expected ROSTER")?
+        .split(' ')
+        .map(|entry| {
+            let (id, addr) = entry.split_once('@').context("id@addr")?;
+            Ok((id.parse()?, addr.parse()?))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    ensure!(
+        roster.len() == bench.peers && roster[me].0 == peer_id,
+        "bad roster"
+    );
+
+    let descriptors = bench.descriptors();
+    let mut tensors = make_tensors(&descriptors, SEED, me)?;
+    let cfg = bench.round_config(me);
+    let partition = Partition::new(
+        &descriptors,
+        &cfg.fractions(),
+        cfg.part_size_bytes,
+        &cfg.compression,
+    )?;
+    for round in 0..=bench.rounds {
+        let links = mesh(&identity, &listener, &roster, me).await?;
+        let group = Bytes::from(format!("bench-round-{round}"));
+        println!("START {round}");
+        let started = Instant::now();
+        let (start, outcome) =
+            runner::run_round(cfg.clone(), group, tensors, links, RunnerConfig::default()).await?;
+        let secs = started.elapsed().as_secs_f64();
+        println!("ROUND {round} {secs:.6}");
+        let go = lines.recv().await.context("parent closed stdin")?;
+        ensure!(go == "CHECK", "expected CHECK, got '{go}'");
+        let (err_report, err_mean, local) = check(&bench, &partition, &start, &outcome);
+        println!("CHECKED {round} {err_report:e} {err_mean:e} {local}");
+        tensors = start;
+    }
+    println!("DONE");
+    Ok(())
+}
+
+/// Connects to every higher-indexed peer and accepts every lower-indexed one.
+async fn mesh(
+    identity: &DataIdentity,
+    listener: &DataListener,
+    roster: &[(PeerId, SocketAddr)],
+    me: usize,
+) -> anyhow::Result<Vec<Option<Box<dyn Link>>>> {
+    let mut links: Vec<Option<Box<dyn Link>>> = (0..roster.len()).map(|_| None).collect();
+    let dials = futures::future::join_all(roster.iter().enumerate().skip(me + 1).map(
+        |(j, &(id, addr))| async move { (j, connect(identity, addr, id, SETUP_TIMEOUT).await) },
+    ));
+    let accepts = async {
+        let mut got = Vec::new();
+        while got.len() < me {
+            let (id, stream) = listener.accept(SETUP_TIMEOUT).await?;
+            match roster[..me].iter().position(|(p, _)| *p == id) {
+                Some(j) if !got.iter().any(|(k, _)| *k == j) => got.push((j, stream)),
+                _ => tracing::warn!(%id, "ignoring a data connection from outside the group"),
+            }
+        }
+        anyhow::Ok(got)
+    };
+    let (dialed, accepted) = tokio::join!(dials, accepts);
+    for (j, stream) in dialed {
+        links[j] = Some(Box::new(
+            stream.with_context(|| format!("connecting to peer {j}"))?,
+        ));
+    }
+    for (j, stream) in accepted? {
+        links[j] = Some(Box::new(stream));
+    }
+    Ok(links)
+}
+
+/// (error vs the contributors the report names, error vs the exact mean, parts left local).
+fn check(
+    bench: &BenchArgs,
+    partition: &Partition,
+    start: &[hivemesh::tensor::Tensor],
+    outcome: &hivemesh::allreduce::Outcome,
+) -> (f32, f32, usize) {
+    let Some(deltas) = &outcome.deltas else {
+        return (0.0, 0.0, 0);
+    };
+    let hivemesh::tensor::PartView::F32(own) = start[0].flat() else {
+        return (f32::INFINITY, f32::INFINITY, 0);
+    };
+    let n = bench.peers;
+    let mean_of = |peers: &mut dyn Iterator<Item = usize>, e: usize| -> f32 {
+        let (sum, count) = peers.fold((0.0f64, 0usize), |(s, c), p| {
+            (s + f64::from(generated_value(SEED, p, e)), c + 1)
+        });
+        (sum / count as f64) as f32
+    };
+    let (mut err_report, mut err_mean, mut local) = (0.0f32, 0.0f32, 0);
+    for span in &outcome.report.spans {
+        for seg in &span.segments {
+            let everyone = seg.contributors.as_ref().is_some_and(|c| c.len() == n);
+            for g in seg.parts.clone() {
+                let spec = *partition.part(g);
+                if seg.contributors.is_none() {
+                    local += 1;
+                }
+                for e in spec.range() {
+                    let mean = mean_of(&mut (0..n), e);
+                    let result = own[e] + deltas[0][e];
+                    let named = match &seg.contributors {
+                        None => own[e],
+                        Some(_) if everyone => mean,
+                        Some(c) => mean_of(&mut c.iter(), e),
+                    };
+                    err_mean = err_mean.max((result - mean).abs());
+                    err_report = err_report.max((result - named).abs());
+                }
+            }
+        }
+    }
+    (err_report, err_mean, local)
+}
