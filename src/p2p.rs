@@ -4,7 +4,7 @@
 //!
 //! One task (the *event loop*, `swarm.rs`) owns the [`libp2p::Swarm`]: TCP (noise + yamux) and
 //! QUIC transports, DNS, identify, ping and Kademlia. Everything else talks to it through a
-//! cloneable [`P2p`] handle that sends [`Command`](swarm::Command)s over a bounded channel, each
+//! cloneable [`P2p`] handle that sends commands over a bounded channel, each
 //! with a oneshot reply; every wait on a reply is under a timeout. When the last handle is
 //! dropped (or [`P2p::shutdown`] is called) the event loop closes its listeners and ends.
 //!

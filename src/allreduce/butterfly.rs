@@ -60,6 +60,29 @@ enum State {
     Cancelled,
 }
 
+/// Checks that a payload declares what the group's configuration prescribes for its tensor:
+/// `codec`, and the dtype that codec produces from `source`.
+fn check_encoding(
+    codec: &dyn Codec,
+    source: DType,
+    part: u32,
+    declared_codec: crate::compression::CompressionType,
+    declared_dtype: DType,
+) -> Result<(), Violation> {
+    let expected_dtype = codec.wire_dtype(source);
+    if declared_codec == codec.kind() && declared_dtype == expected_dtype {
+        Ok(())
+    } else {
+        Err(Violation::WrongEncoding {
+            part,
+            codec: declared_codec,
+            dtype: declared_dtype,
+            expected_codec: codec.kind(),
+            expected_dtype,
+        })
+    }
+}
+
 /// One peer's side of one butterfly all-reduce round (see the [module docs](super)).
 #[derive(Debug)]
 pub struct Butterfly {
@@ -496,19 +519,8 @@ impl Butterfly {
         }
         let spec = *self.partition.part(g);
         let codec = self.codecs[spec.tensor];
-        let expected_dtype = codec.wire_dtype(DType::F32);
-        if msg.codec != codec.kind() || msg.dtype != expected_dtype {
-            self.fail_reducer(
-                from,
-                Violation::WrongEncoding {
-                    part: msg.part,
-                    codec: msg.codec,
-                    dtype: msg.dtype,
-                    expected_codec: codec.kind(),
-                    expected_dtype,
-                },
-                true,
-            );
+        if let Err(v) = check_encoding(codec, DType::F32, msg.part, msg.codec, msg.dtype) {
+            self.fail_reducer(from, v, true);
             return;
         }
         let contributors_ok = if msg.contributors.is_empty() {
@@ -653,19 +665,9 @@ impl Butterfly {
         }
         let spec = *self.partition.part(g);
         let codec = self.codecs[spec.tensor];
-        let expected_dtype = codec.wire_dtype(self.tensors[spec.tensor].dtype());
-        if msg.codec != codec.kind() || msg.dtype != expected_dtype {
-            self.ban(
-                from,
-                Violation::WrongEncoding {
-                    part: msg.part,
-                    codec: msg.codec,
-                    dtype: msg.dtype,
-                    expected_codec: codec.kind(),
-                    expected_dtype,
-                },
-                true,
-            );
+        let source = self.tensors[spec.tensor].dtype();
+        if let Err(v) = check_encoding(codec, source, msg.part, msg.codec, msg.dtype) {
+            self.ban(from, v, true);
             return;
         }
         let reducer = self
