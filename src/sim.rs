@@ -532,9 +532,20 @@ impl World<'_> {
         Duration::from_secs_f64(self.cfg.uplink_buffer_bytes as f64 / self.cfg.bandwidth)
     }
 
+    /// Sends `t` from `p` only after the slow faults' pause.
+    fn hold(&mut self, p: usize, t: Transmit) {
+        let at = self.now + self.cfg.slow_pause;
+        self.push(
+            at,
+            Ev::Release {
+                from: p,
+                transmit: t,
+            },
+        );
+    }
+
     /// Applies peer `p`'s fault to an outgoing message: send it now, later, or not at all.
     fn route(&mut self, p: usize, t: Transmit) {
-        let pause = self.cfg.slow_pause;
         match (self.fault(p), &t.message) {
             (Some(Fault::FailSending | Fault::SlowSending), Message::Part(_))
                 if Some(t.to) == self.target[p] =>
@@ -561,14 +572,7 @@ impl World<'_> {
                         }
                     }
                 } else if self.fault(p) == Some(Fault::SlowSending) {
-                    let at = self.now + pause;
-                    self.push(
-                        at,
-                        Ev::Release {
-                            from: p,
-                            transmit: t,
-                        },
-                    );
+                    self.hold(p, t);
                 }
             }
             // A stalled reducer is silent towards that sender: its replies and its abort (when
@@ -581,14 +585,7 @@ impl World<'_> {
                     ..
                 },
             ) if self.faults[p].stalled[t.to] => {
-                let at = self.now + pause;
-                self.push(
-                    at,
-                    Ev::Release {
-                        from: p,
-                        transmit: t,
-                    },
-                );
+                self.hold(p, t);
             }
             (Some(Fault::FailReducing | Fault::SlowReducing), Message::Averaged(_)) => {
                 let n = self.faults[p].replies_to[t.to];
@@ -597,14 +594,7 @@ impl World<'_> {
                     self.send(p, t);
                 } else if self.fault(p) == Some(Fault::SlowReducing) {
                     self.faults[p].stalled[t.to] = true;
-                    let at = self.now + pause;
-                    self.push(
-                        at,
-                        Ev::Release {
-                            from: p,
-                            transmit: t,
-                        },
-                    );
+                    self.hold(p, t);
                 } else if !self.faults[p].aborted[t.to] {
                     self.faults[p].aborted[t.to] = true;
                     self.send(

@@ -95,16 +95,17 @@ async fn newer_writes_win_and_expired_ones_vanish() {
     };
     assert!(e[&Bytes::from_static(b"s")].value.is_empty());
 
-    // A short-lived value disappears once its expiration passes (awaited with a deadline).
-    a.store(b"short", None, b"x", ahead(1.0)).await.unwrap();
-    assert!(peers[2].get(b"short").await.unwrap().is_some());
-    tokio::time::timeout(Duration::from_secs(15), async {
-        while peers[2].get(b"short").await.unwrap().is_some() {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    })
-    .await
-    .expect("expired value vanishes");
+    // Expiry across the swarm: the merged replicas, read at a time past the expiration.
+    let expires = ahead(30.0);
+    a.store(b"short", None, b"x", expires).await.unwrap();
+    let before = DhtTime::from_secs(expires.as_secs() - 1.0).unwrap();
+    let after = DhtTime::from_secs(expires.as_secs() + 1.0).unwrap();
+    assert!(peers[2].get_at(b"short", before).await.unwrap().is_some());
+    assert!(peers[2].get_at(b"short", after).await.unwrap().is_none());
+    // The dictionary under "k" outlives "short" but not its own latest entry.
+    let latest = DhtTime::from_secs(leave.as_secs() + 1.0).unwrap();
+    assert!(peers[2].get_at(b"k", after).await.unwrap().is_some());
+    assert!(peers[2].get_at(b"k", latest).await.unwrap().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,34 +1,21 @@
 //! Hostile input against one peer's round: malformed, inconsistent or random messages get a
 //! ban (or a failed reducer), never a panic or a hang, and honest peers still finish.
 
+mod common;
+
+use common::{machine, node_config, raw_part};
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hivemesh::allreduce::TensorDescriptor;
 use hivemesh::allreduce::{
-    AbortReason, AveragedMessage, Butterfly, Member, Message, Mode, PartMessage, PeerSet, Role,
-    RoundConfig, RoundEvent,
+    AbortReason, AveragedMessage, Message, PartMessage, PeerSet, Role, RoundEvent,
 };
 use hivemesh::compression::CompressionType;
 use hivemesh::sim::{self, Fault, PeerStatus, SimConfig, SimPeer};
-use hivemesh::tensor::{DType, Tensor};
+use hivemesh::tensor::DType;
 use proptest::prelude::*;
-
-fn machine(n: usize, now: Instant) -> Butterfly {
-    let members = vec![
-        Member {
-            mode: Mode::Node,
-            fraction: 1.0
-        };
-        n
-    ];
-    let mut cfg = RoundConfig::new(members, 0);
-    cfg.part_size_bytes = 64;
-    cfg.sender_timeout = Duration::from_millis(100);
-    cfg.reducer_timeout = Duration::from_millis(200);
-    let t = Tensor::from_f32(&[300], (0..300).map(|i| i as f32).collect()).unwrap();
-    Butterfly::new(cfg, vec![t], now).unwrap()
-}
 
 fn arb_message() -> impl Strategy<Value = Message> {
     let codec = proptest::sample::select(vec![
@@ -94,7 +81,7 @@ proptest! {
         msgs in proptest::collection::vec((1usize..4, arb_message(), 0u64..50), 0..60),
     ) {
         let start = Instant::now();
-        let mut m = machine(4, start);
+        let mut m = machine(node_config(4, 0), start);
         let mut now = start;
         for (from, msg, dt) in msgs {
             now += Duration::from_millis(dt);
@@ -126,22 +113,13 @@ proptest! {
 #[test]
 fn specific_violations_are_banned_with_reasons() {
     let start = Instant::now();
-    let mut m = machine(3, start);
+    let mut m = machine(node_config(3, 0), start);
     let span = m.partition().span(0);
-    let part = |part: usize, payload: Vec<u8>, weight: f64| {
-        Message::Part(PartMessage {
-            part: part as u32,
-            weight,
-            codec: CompressionType::None,
-            dtype: DType::F32,
-            payload: Bytes::from(payload),
-        })
-    };
     // Peer 1: part out of order.
-    m.handle_message(start, 1, part(span.start + 1, vec![0; 64], 1.0))
+    m.handle_message(start, 1, raw_part(span.start + 1, vec![0; 64], 1.0))
         .unwrap();
     // Peer 2: right part, truncated payload.
-    m.handle_message(start, 2, part(span.start, vec![0; 63], 1.0))
+    m.handle_message(start, 2, raw_part(span.start, vec![0; 63], 1.0))
         .unwrap();
     let mut banned = Vec::new();
     while let Some(ev) = m.poll_event() {

@@ -142,7 +142,9 @@ async fn dropping_the_last_handle_stops_the_node() {
     .unwrap();
     let other = p2p.clone();
     drop(p2p);
-    assert!(!task.is_finished() || other.peer_id() == other.peer_id());
+    // One handle left: the node still serves.
+    assert!(!other.listen_addrs().await.unwrap().is_empty());
+    assert!(!task.is_finished());
     drop(other);
     tokio::time::timeout(Duration::from_secs(10), task)
         .await

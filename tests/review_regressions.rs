@@ -1,46 +1,15 @@
 //! Regressions for defects found in review of the butterfly core (each failed before its fix).
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use common::{f32_part, machine, node_config};
 use hivemesh::allreduce::{
-    Butterfly, Member, Message, Mode, PartMessage, RoundConfig, RoundEvent, TensorDescriptor,
-    Violation,
+    Butterfly, Member, Mode, RoundConfig, RoundEvent, TensorDescriptor, Violation,
 };
-use hivemesh::compression::CompressionType;
 use hivemesh::sim::{self, Fault, PeerStatus, SimConfig, SimPeer};
-use hivemesh::tensor::{DType, Tensor};
-
-fn node_cfg(n: usize, me: usize) -> RoundConfig {
-    let members = vec![
-        Member {
-            mode: Mode::Node,
-            fraction: 1.0
-        };
-        n
-    ];
-    let mut cfg = RoundConfig::new(members, me);
-    cfg.part_size_bytes = 64;
-    cfg.sender_timeout = Duration::from_millis(100);
-    cfg.reducer_timeout = Duration::from_millis(200);
-    cfg
-}
-
-fn machine(cfg: RoundConfig, now: Instant) -> Butterfly {
-    let t = Tensor::from_f32(&[300], (0..300).map(|i| i as f32 * 0.01).collect()).unwrap();
-    Butterfly::new(cfg, vec![t], now).unwrap()
-}
-
-fn f32_part(part: usize, values: &[f32], weight: f64) -> Message {
-    let payload: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    Message::Part(PartMessage {
-        part: part as u32,
-        weight,
-        codec: CompressionType::None,
-        dtype: DType::F32,
-        payload: Bytes::from(payload),
-    })
-}
+use hivemesh::tensor::DType;
 
 fn banned(m: &mut Butterfly) -> Vec<(usize, Violation)> {
     let mut out = Vec::new();
@@ -75,7 +44,7 @@ fn extreme_weights_and_values_never_poison_a_reducer() {
         (1e39, 0.0, true),
     ] {
         let start = Instant::now();
-        let mut m = machine(node_cfg(3, 0), start);
+        let mut m = machine(node_config(3, 0), start);
         let span = m.partition().span(0);
         for g in span.clone() {
             let len = m.partition().part(g).len;
@@ -186,7 +155,7 @@ fn finished_only_after_the_outbox_drains() {
 #[test]
 fn round_timeout_bounds_a_trickling_sender() {
     let start = Instant::now();
-    let mut cfg = node_cfg(3, 0);
+    let mut cfg = node_config(3, 0);
     cfg.round_timeout = Some(Duration::from_millis(350));
     let mut m = machine(cfg, start);
     let span = m.partition().span(0);
@@ -215,7 +184,7 @@ fn round_timeout_bounds_a_trickling_sender() {
 #[test]
 fn node_beyond_its_window_is_banned() {
     let start = Instant::now();
-    let mut m = machine(node_cfg(3, 0), start); // window 4
+    let mut m = machine(node_config(3, 0), start); // window 4
     let span = m.partition().span(0);
     assert!(span.len() > 4);
     for g in span {
@@ -235,7 +204,7 @@ fn node_beyond_its_window_is_banned() {
 #[test]
 fn weight_changes_are_banned() {
     let start = Instant::now();
-    let mut m = machine(node_cfg(3, 0), start);
+    let mut m = machine(node_config(3, 0), start);
     let span = m.partition().span(0);
     let len = m.partition().part(span.start).len;
     m.handle_message(start, 1, f32_part(span.start, &vec![0.5; len], 1.0))
@@ -253,7 +222,7 @@ fn weight_changes_are_banned() {
 /// Nit: an effectively infinite timeout must not overflow `Instant` arithmetic.
 #[test]
 fn huge_timeouts_do_not_panic() {
-    let mut cfg = node_cfg(2, 0);
+    let mut cfg = node_config(2, 0);
     cfg.sender_timeout = Duration::MAX / 2;
     cfg.reducer_timeout = Duration::MAX;
     cfg.round_timeout = Some(Duration::MAX);

@@ -130,7 +130,11 @@ impl Dht {
     /// Reads `key`: every replica's value, merged, without expired writes. Replicas answering
     /// garbage are skipped. Cancel-safe.
     pub async fn get(&self, key: &[u8]) -> Result<Option<DhtValue>, DhtError> {
-        let now = DhtTime::now();
+        self.get_at(key, DhtTime::now()).await
+    }
+
+    /// Like [`Dht::get`], dropping the writes expired at `now` instead of at the current time.
+    pub async fn get_at(&self, key: &[u8], now: DhtTime) -> Result<Option<DhtValue>, DhtError> {
         let answers = self.p2p.get_record(key.to_vec()).await?;
         let values = answers.iter().filter_map(|bytes| {
             DhtValue::from_bytes(bytes, &self.limits)

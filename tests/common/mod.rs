@@ -1,0 +1,52 @@
+//! Helpers shared by the integration tests that drive one `Butterfly` by hand.
+
+#![allow(dead_code)] // each test binary uses a subset
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hivemesh::allreduce::{Butterfly, Member, Message, Mode, PartMessage, RoundConfig};
+use hivemesh::compression::CompressionType;
+use hivemesh::tensor::{DType, Tensor};
+
+/// `n` nodes, 64-byte parts, 100 ms sender / 200 ms reducer timeouts.
+pub fn node_config(n: usize, me: usize) -> RoundConfig {
+    let members = vec![
+        Member {
+            mode: Mode::Node,
+            fraction: 1.0
+        };
+        n
+    ];
+    let mut cfg = RoundConfig::new(members, me);
+    cfg.part_size_bytes = 64;
+    cfg.sender_timeout = Duration::from_millis(100);
+    cfg.reducer_timeout = Duration::from_millis(200);
+    cfg
+}
+
+/// A machine over one tensor of 300 f32 values.
+pub fn machine(cfg: RoundConfig, now: Instant) -> Butterfly {
+    let t = Tensor::from_f32(&[300], (0..300).map(|i| i as f32 * 0.01).collect()).unwrap();
+    Butterfly::new(cfg, vec![t], now).unwrap()
+}
+
+/// An uncompressed f32 part carrying `payload` as is (possibly malformed).
+pub fn raw_part(part: usize, payload: Vec<u8>, weight: f64) -> Message {
+    Message::Part(PartMessage {
+        part: part as u32,
+        weight,
+        codec: CompressionType::None,
+        dtype: DType::F32,
+        payload: Bytes::from(payload),
+    })
+}
+
+/// An uncompressed f32 part with these values.
+pub fn f32_part(part: usize, values: &[f32], weight: f64) -> Message {
+    raw_part(
+        part,
+        values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        weight,
+    )
+}
