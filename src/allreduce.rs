@@ -250,7 +250,8 @@ pub struct AveragedMessage {
     /// Senders whose values are in the average; empty means "no average, keep local" (and
     /// then the payload is empty).
     pub contributors: PeerSet,
-    /// Encoded `average − sender's decoded input`.
+    /// For lossy codecs, the encoded `average − sender's decoded input`; for the lossless
+    /// `none` codec, the encoded average itself (the same bytes for every sender).
     pub payload: Bytes,
 }
 

@@ -22,6 +22,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod allreduce;
+pub mod buffers;
 pub mod compression;
 pub mod dht;
 pub mod p2p;

@@ -23,12 +23,13 @@
 
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::allreduce::{Butterfly, Message, Outcome, RoundConfig, RoundError, RoundEvent};
+use crate::buffers::BufferPool;
 use crate::tensor::Tensor;
 use crate::wire::{self, Frame, FrameDecoder, WireError};
 
@@ -49,6 +50,9 @@ pub struct RunnerConfig {
     pub inbound_queue: usize,
     /// Bound on flushing and closing links after the round.
     pub close_timeout: Duration,
+    /// Buffers for payloads, frames and the reduction; keep one config (one pool) across
+    /// rounds so that later rounds reuse the first one's memory.
+    pub pool: BufferPool,
 }
 
 impl Default for RunnerConfig {
@@ -59,6 +63,7 @@ impl Default for RunnerConfig {
             link_queue: 8,
             inbound_queue: 64,
             close_timeout: Duration::from_secs(5),
+            pool: BufferPool::default(),
         }
     }
 }
@@ -161,7 +166,7 @@ async fn run(
         });
     }
     let me = cfg.me;
-    let machine = Butterfly::new(cfg, tensors, Instant::now())?;
+    let machine = Butterfly::with_pool(cfg, tensors, Instant::now(), runner.pool.clone())?;
 
     let (in_tx, mut in_rx) = mpsc::channel(runner.inbound_queue);
     let mut writers: Vec<Option<mpsc::Sender<Message>>> = (0..n).map(|_| None).collect();
@@ -184,6 +189,7 @@ async fn run(
             group_id.clone(),
             in_tx.clone(),
             runner.max_frame_bytes,
+            runner.pool.clone(),
         )));
         tasks.push(tokio::spawn(write_link(
             peer,
@@ -302,49 +308,109 @@ fn compute_loop(
     }
 }
 
+/// Frames up to this size are read through the link's small staging buffer; larger ones go
+/// straight into a pooled buffer of their own size (one copy out of the TLS layer, no
+/// reallocation as the frame grows).
+const STAGING_BYTES: usize = 64 << 10;
+
+/// The most a frame's announced length makes the reader reserve ahead of the bytes actually
+/// arriving: a peer announcing a 16 MiB frame and sending nothing costs at most this much.
+const MAX_RESERVE_AHEAD: usize = 4 << 20;
+
 async fn read_link(
     peer: usize,
     mut read: impl AsyncRead + Unpin,
     group_id: Bytes,
     tx: mpsc::Sender<Inbound>,
     max_frame_bytes: usize,
+    pool: BufferPool,
 ) {
     let decoder = FrameDecoder::new(max_frame_bytes);
-    let mut buf = BytesMut::with_capacity(256 << 10);
+    let mut staging = BytesMut::with_capacity(STAGING_BYTES);
     let error = loop {
-        match decoder.decode(&mut buf) {
-            Ok(Some(Frame {
-                group_id: g,
-                message,
-            })) => {
-                if g != group_id {
-                    break LinkError::ForeignGroup;
-                }
-                if tx
-                    .send(Inbound::Message {
-                        from: peer,
-                        message,
-                    })
-                    .await
-                    .is_err()
-                {
-                    return; // the round is over
-                }
-                continue;
-            }
-            Ok(None) => {}
+        let body = match next_frame(&decoder, &mut read, &mut staging, &pool).await {
+            Ok(body) => body,
+            Err(e) => break e,
+        };
+        let Frame {
+            group_id: g,
+            message,
+        } = match wire::decode_frame(body) {
+            Ok(frame) => frame,
             Err(e) => break LinkError::Wire(e),
+        };
+        if g != group_id {
+            break LinkError::ForeignGroup;
         }
-        if buf.capacity() - buf.len() < 64 << 10 {
-            buf.reserve(256 << 10);
-        }
-        match read.read_buf(&mut buf).await {
-            Ok(0) => break LinkError::Closed,
-            Ok(_) => {}
-            Err(e) => break LinkError::Io(e.to_string()),
+        if tx
+            .send(Inbound::Message {
+                from: peer,
+                message,
+            })
+            .await
+            .is_err()
+        {
+            return; // the round is over
         }
     };
     let _ = tx.send(Inbound::Failed { from: peer, error }).await;
+}
+
+/// Reads the next frame body. Small frames are split off `staging`; a large one is read into
+/// a pooled buffer of its length (reserving at most [`MAX_RESERVE_AHEAD`] before its bytes
+/// arrive), which goes back to the pool once its payload is consumed.
+async fn next_frame(
+    decoder: &FrameDecoder,
+    read: &mut (impl AsyncRead + Unpin),
+    staging: &mut BytesMut,
+    pool: &BufferPool,
+) -> Result<Bytes, LinkError> {
+    let (prefix, len) = loop {
+        if let Some(header) = decoder.peek_len(staging)? {
+            break header;
+        }
+        fill(read, staging).await?;
+    };
+    if prefix + len <= staging.len() || len <= STAGING_BYTES {
+        while staging.len() < prefix + len {
+            staging.reserve(prefix + len - staging.len());
+            fill(read, staging).await?;
+        }
+        staging.advance(prefix);
+        return Ok(staging.split_to(len).freeze());
+    }
+    staging.advance(prefix);
+    let mut body = pool.take_bytes(len.min(MAX_RESERVE_AHEAD));
+    body.extend_from_slice(staging);
+    staging.clear();
+    while body.len() < len {
+        let want = len - body.len();
+        if body.capacity() == body.len() {
+            body.reserve(want.min(MAX_RESERVE_AHEAD));
+        }
+        let mut limited = (&mut body).limit(want);
+        match read.read_buf(&mut limited).await {
+            Ok(0) => return Err(LinkError::Closed),
+            Ok(_) => {}
+            Err(e) => return Err(LinkError::Io(e.to_string())),
+        }
+    }
+    Ok(pool.freeze(body))
+}
+
+/// Reads more bytes into `staging` (keeping room for a read of useful size).
+async fn fill(
+    read: &mut (impl AsyncRead + Unpin),
+    staging: &mut BytesMut,
+) -> Result<(), LinkError> {
+    if staging.capacity() - staging.len() < 4 << 10 {
+        staging.reserve(STAGING_BYTES);
+    }
+    match read.read_buf(staging).await {
+        Ok(0) => Err(LinkError::Closed),
+        Ok(_) => Ok(()),
+        Err(e) => Err(LinkError::Io(e.to_string())),
+    }
 }
 
 async fn write_link(
@@ -356,17 +422,20 @@ async fn write_link(
     write_timeout: Duration,
     close_timeout: Duration,
 ) {
-    let mut buf = BytesMut::new();
+    let mut head = BytesMut::new();
     while let Some(message) = rx.recv().await {
-        buf.clear();
-        wire::encode_frame(
+        head.clear();
+        // The payload is written from the message's own buffer, after a small head.
+        let payload = wire::encode_frame_split(
             &Frame {
                 group_id: group_id.clone(),
                 message,
             },
-            &mut buf,
+            &mut head,
         );
-        let error = match tokio::time::timeout(write_timeout, write.write_all(&buf)).await {
+        let mut frame = Buf::chain(&head[..], payload);
+        let error = match tokio::time::timeout(write_timeout, write.write_all_buf(&mut frame)).await
+        {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(LinkError::Io(e.to_string())),
             Err(_) => Some(LinkError::WriteTimeout),

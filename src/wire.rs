@@ -228,6 +228,82 @@ pub fn encode_frame(frame: &Frame, out: &mut BytesMut) {
         .expect("BytesMut grows as needed, so encoding cannot run out of space");
 }
 
+/// Encodes `frame`, length-delimited, as a small `head` (appended) followed by the payload
+/// bytes (returned, not copied): writing `head` and then the payload puts exactly one frame on
+/// the stream, without copying the payload into a frame buffer. Empty for aborts.
+///
+/// The payload field is emitted last, after the fields that follow it in the schema (weight,
+/// contributors): protobuf readers accept fields in any order, and prost merges them the same
+/// way, so [`decode_frame`] gives back the same [`Frame`] as for [`encode_frame`]'s bytes.
+pub fn encode_frame_split(frame: &Frame, head: &mut BytesMut) -> Bytes {
+    use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len};
+    let (tensor, payload, outer_tag, outer_rest): (proto::TensorPart, Bytes, u32, Vec<u8>) =
+        match &frame.message {
+            Message::Part(p) => {
+                let rest = proto::Part {
+                    tensor: None,
+                    weight: p.weight,
+                };
+                (
+                    tensor_part(p.part, p.codec, p.dtype, &Bytes::new()),
+                    p.payload.clone(),
+                    2,
+                    rest.encode_to_vec(),
+                )
+            }
+            Message::Averaged(a) => {
+                let rest = proto::AveragedPart {
+                    delta: None,
+                    contributors: a.contributors.words().to_vec(),
+                };
+                (
+                    tensor_part(a.part, a.codec, a.dtype, &Bytes::new()),
+                    a.payload.clone(),
+                    3,
+                    rest.encode_to_vec(),
+                )
+            }
+            Message::Abort { .. } => {
+                encode_frame(frame, head);
+                return Bytes::new();
+            }
+        };
+    let payload_field = if payload.is_empty() {
+        0
+    } else {
+        key_len(4) + encoded_len_varint(payload.len() as u64) + payload.len()
+    };
+    let tensor_len = tensor.encoded_len() + payload_field;
+    let inner_len =
+        outer_rest.len() + key_len(1) + encoded_len_varint(tensor_len as u64) + tensor_len;
+    let envelope = proto::RoundFrame {
+        group_id: frame.group_id.clone(),
+        body: None,
+    };
+    let frame_len = envelope.encoded_len()
+        + key_len(outer_tag)
+        + encoded_len_varint(inner_len as u64)
+        + inner_len;
+    head.reserve(frame_len - payload.len() + 10);
+    encode_varint(frame_len as u64, head);
+    envelope
+        .encode(head)
+        .expect("BytesMut grows as needed, so encoding cannot run out of space");
+    encode_key(outer_tag, WireType::LengthDelimited, head);
+    encode_varint(inner_len as u64, head);
+    head.put_slice(&outer_rest);
+    encode_key(1, WireType::LengthDelimited, head);
+    encode_varint(tensor_len as u64, head);
+    tensor
+        .encode(head)
+        .expect("BytesMut grows as needed, so encoding cannot run out of space");
+    if !payload.is_empty() {
+        encode_key(4, WireType::LengthDelimited, head);
+        encode_varint(payload.len() as u64, head);
+    }
+    payload
+}
+
 /// Decodes one frame body (without length prefix).
 pub fn decode_frame(body: Bytes) -> Result<Frame, WireError> {
     let msg = proto::RoundFrame::decode(body).map_err(|e| WireError::Decode(e.to_string()))?;
@@ -252,10 +328,11 @@ impl FrameDecoder {
         Self { max_frame_bytes }
     }
 
-    /// Takes one complete frame off the front of `buf`, if there is one. `Ok(None)` means
-    /// "need more bytes"; an error means the stream is broken and must be dropped.
-    pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<Frame>, WireError> {
-        let mut peek = &buf[..];
+    /// The length prefix at the front of `buf`: `Ok(Some((prefix_len, body_len)))`, or
+    /// `Ok(None)` if the prefix itself is still incomplete. Errors for a malformed prefix or a
+    /// body over the limit, judged from the prefix alone.
+    pub fn peek_len(&self, buf: &[u8]) -> Result<Option<(usize, usize)>, WireError> {
+        let mut peek = buf;
         let len = match prost::encoding::decode_varint(&mut peek) {
             Ok(len) => len,
             // A varint is at most 10 bytes; fewer than that may just be incomplete.
@@ -270,8 +347,15 @@ impl FrameDecoder {
                 max: self.max_frame_bytes,
             });
         }
-        let prefix = buf.len() - peek.len();
-        let len = len as usize;
+        Ok(Some((buf.len() - peek.len(), len as usize)))
+    }
+
+    /// Takes one complete frame off the front of `buf`, if there is one. `Ok(None)` means
+    /// "need more bytes"; an error means the stream is broken and must be dropped.
+    pub fn decode(&self, buf: &mut BytesMut) -> Result<Option<Frame>, WireError> {
+        let Some((prefix, len)) = self.peek_len(buf)? else {
+            return Ok(None);
+        };
         if buf.len() < prefix + len {
             // Grow with the bytes that actually arrive, not with what the prefix promises.
             buf.reserve((prefix + len - buf.len()).min(64 << 10));
@@ -344,6 +428,42 @@ mod tests {
             }
         }
         assert_eq!(out, sample_frames());
+        assert!(stream.is_empty());
+    }
+
+    #[test]
+    fn split_encoding_decodes_to_the_same_frames() {
+        let mut frames = sample_frames();
+        frames.push(Frame {
+            group_id: Bytes::from(vec![9u8; MAX_GROUP_ID_BYTES]),
+            message: Message::Part(PartMessage {
+                part: 100_000,
+                weight: 0.0,
+                codec: CompressionType::None,
+                dtype: DType::F16,
+                payload: Bytes::from((0..300_000u32).map(|i| i as u8).collect::<Vec<_>>()),
+            }),
+        });
+        let mut stream = BytesMut::new();
+        for f in &frames {
+            let mut head = BytesMut::new();
+            let payload = encode_frame_split(f, &mut head);
+            let mut whole = BytesMut::new();
+            encode_frame(f, &mut whole);
+            assert_eq!(
+                head.len() + payload.len(),
+                whole.len(),
+                "same length as encode_frame"
+            );
+            stream.extend_from_slice(&head);
+            stream.extend_from_slice(&payload);
+        }
+        let dec = FrameDecoder::default();
+        let mut out = Vec::new();
+        while let Some(f) = dec.decode(&mut stream).unwrap() {
+            out.push(f);
+        }
+        assert_eq!(out, frames);
         assert!(stream.is_empty());
     }
 

@@ -20,7 +20,8 @@ use super::{
     Role, RoundConfig, RoundError, RoundEvent, RoundReport, Segment, SpanReport, TensorDescriptor,
     Transmit, Violation,
 };
-use crate::compression::Codec;
+use crate::buffers::BufferPool;
+use crate::compression::{Codec, CompressionType};
 use crate::tensor::{DType, PartView, Tensor, ops};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,12 +104,24 @@ pub struct Butterfly {
     state: State,
     cursor: usize,
     scratch: Vec<f32>,
+    pool: BufferPool,
     round_deadline: Option<Instant>,
 }
 
 impl Butterfly {
     /// Starts a round over `tensors` (this peer's values, owned for the round's duration).
     pub fn new(cfg: RoundConfig, tensors: Vec<Tensor>, now: Instant) -> Result<Self, RoundError> {
+        Self::with_pool(cfg, tensors, now, BufferPool::default())
+    }
+
+    /// Like [`Butterfly::new`], with the buffers of encoded payloads and of the reduction
+    /// taken from (and returned to) `pool`, which may outlive the round and serve the next.
+    pub fn with_pool(
+        cfg: RoundConfig,
+        tensors: Vec<Tensor>,
+        now: Instant,
+        pool: BufferPool,
+    ) -> Result<Self, RoundError> {
         let n = cfg.members.len();
         if cfg.me >= n {
             return Err(RoundError::NotInGroup {
@@ -151,10 +164,12 @@ impl Butterfly {
         let me = cfg.me;
         let my_mode = modes[me];
 
+        // Contents unspecified until written: every part is written by its reply or by our
+        // own reduction, or zeroed when the round finishes without an average for it.
         let deltas = my_mode.is_sender().then(|| {
             descriptors
                 .iter()
-                .map(|d| vec![0.0f32; d.numel()])
+                .map(|d| pool.take_f32(d.numel()))
                 .collect()
         });
 
@@ -179,7 +194,7 @@ impl Butterfly {
                 .iter()
                 .map(|p| p.len)
                 .collect();
-            let reducer = Reducer::new(my_span.clone(), lens, senders.clone());
+            let reducer = Reducer::with_pool(my_span.clone(), lens, senders.clone(), pool.clone());
             let links = (0..n)
                 .map(|s| {
                     (s != me && senders.contains(s)).then(|| InLink {
@@ -214,6 +229,7 @@ impl Butterfly {
             state: State::Running,
             cursor: 0,
             scratch: Vec::new(),
+            pool,
             round_deadline: cfg.round_timeout.and_then(|t| now.checked_add(t)),
             cfg,
         };
@@ -476,14 +492,14 @@ impl Butterfly {
         let spec = *self.partition.part(g);
         let codec = self.codecs[spec.tensor];
         let view = self.tensors[spec.tensor].part(spec.range());
-        let mut buf = Vec::with_capacity(view.as_bytes().len());
+        let mut buf = self.pool.take_bytes(view.as_bytes().len());
         codec.encode(view, &mut buf);
         Message::Part(PartMessage {
             part: g as u32,
             weight: self.cfg.weight,
             codec: codec.kind(),
             dtype: codec.wire_dtype(view.dtype()),
-            payload: Bytes::from(buf),
+            payload: self.pool.freeze(buf),
         })
     }
 
@@ -541,6 +557,17 @@ impl Butterfly {
                 out.fill(0.0);
                 self.fail_reducer(from, e.into(), true);
                 return;
+            }
+            if codec.kind() == CompressionType::None {
+                // A lossless reply carries the average itself: the delta is `average − ours`.
+                match self.tensors[spec.tensor].part(spec.range()) {
+                    PartView::F32(x) => ops::sub_assign(out, x),
+                    other => {
+                        self.scratch.resize(spec.len, 0.0);
+                        other.copy_to_f32(&mut self.scratch);
+                        ops::sub_assign(out, &self.scratch);
+                    }
+                }
             }
             if !ops::all_finite(out) {
                 out.fill(0.0);
@@ -750,6 +777,18 @@ impl Butterfly {
                 }
             }
             self.results[g] = done.average.as_ref().map(|_| done.contributors.clone());
+            // Lossless codec: every sender gets the same bytes, the average itself, encoded
+            // once (a sender's delta `average − input` is then computed by the sender, with the
+            // same f32 arithmetic). Lossy codecs reply with the delta against the input as
+            // the reducer decoded it, so that compression error does not accumulate.
+            let shared = match (&done.average, codec.kind()) {
+                (Some(avg), CompressionType::None) => {
+                    let mut payload = self.pool.take_bytes(spec.len * 4);
+                    codec.encode(PartView::F32(avg), &mut payload);
+                    Some(self.pool.freeze(payload))
+                }
+                _ => None,
+            };
             for (s, input) in done.inputs {
                 let Some(link) = self.in_links[s].as_mut() else {
                     reducer.recycle(input);
@@ -759,19 +798,24 @@ impl Butterfly {
                     reducer.recycle(input);
                     continue;
                 }
-                let mut payload = Vec::new();
-                if let Some(avg) = &done.average {
-                    self.scratch.resize(spec.len, 0.0);
-                    ops::scaled_sub(&mut self.scratch, avg, 1.0, &input);
-                    codec.encode(PartView::F32(&self.scratch), &mut payload);
-                }
+                let payload = match (&done.average, &shared) {
+                    (Some(_), Some(shared)) => shared.clone(),
+                    (Some(avg), None) => {
+                        self.scratch.resize(spec.len, 0.0);
+                        ops::scaled_sub(&mut self.scratch, avg, 1.0, &input);
+                        let mut payload = self.pool.take_bytes(spec.len * 4);
+                        codec.encode(PartView::F32(&self.scratch), &mut payload);
+                        self.pool.freeze(payload)
+                    }
+                    (None, _) => Bytes::new(),
+                };
                 reducer.recycle(input);
                 let reply = Message::Averaged(AveragedMessage {
                     part: g as u32,
                     codec: codec.kind(),
                     dtype: codec.wire_dtype(DType::F32),
                     contributors: done.contributors.clone(),
-                    payload: Bytes::from(payload),
+                    payload,
                 });
                 let sending_done = link.status == LinkStatus::Done;
                 if self.modes[s] == Mode::Client && !sending_done {
@@ -801,6 +845,14 @@ impl Butterfly {
         // Finished means every message was handed out too: a driver may stop at `Finished`.
         let drained = self.outbox.iter().all(VecDeque::is_empty);
         if sending_done && reducing_done && drained {
+            if let Some(deltas) = self.deltas.as_mut() {
+                for (g, result) in self.results.iter().enumerate() {
+                    if result.is_none() {
+                        let spec = self.partition.part(g);
+                        deltas[spec.tensor][spec.range()].fill(0.0);
+                    }
+                }
+            }
             self.state = State::Finished;
             self.events.push_back(RoundEvent::Finished);
         }

@@ -16,6 +16,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use super::peer_set::PeerSet;
+use crate::buffers::BufferPool;
 use crate::tensor::ops;
 use crate::tensor::ops::{CpuBuffer, ReduceBuffer};
 
@@ -124,14 +125,23 @@ pub struct Reducer {
     parts: Vec<PartAcc>,
     completed: VecDeque<usize>,
     remaining: usize,
-    pool: Vec<Vec<f32>>,
-    acc_pool: Vec<CpuBuffer>,
+    pool: BufferPool,
 }
 
 impl Reducer {
     /// A reducer for the global parts `span` (with element counts `lens`), expecting a
     /// contribution from every member of `senders`.
     pub fn new(span: Range<usize>, lens: Vec<usize>, senders: PeerSet) -> Self {
+        Self::with_pool(span, lens, senders, BufferPool::default())
+    }
+
+    /// Like [`Reducer::new`], taking its buffers from (and returning them to) `pool`.
+    pub fn with_pool(
+        span: Range<usize>,
+        lens: Vec<usize>,
+        senders: PeerSet,
+        pool: BufferPool,
+    ) -> Self {
         assert_eq!(span.len(), lens.len(), "one length per part of the span");
         let mut r = Self {
             parts: (0..lens.len()).map(|_| PartAcc::default()).collect(),
@@ -141,8 +151,7 @@ impl Reducer {
             senders,
             excluded: PeerSet::new(),
             completed: VecDeque::new(),
-            pool: Vec::new(),
-            acc_pool: Vec::new(),
+            pool,
         };
         if r.senders.is_empty() {
             for i in 0..r.parts.len() {
@@ -172,19 +181,14 @@ impl Reducer {
         self.excluded.contains(sender)
     }
 
-    /// A zeroed-or-garbage buffer of `len` elements from the pool (contents unspecified).
+    /// A buffer of `len` elements from the pool (contents unspecified).
     pub fn take_buffer(&mut self, len: usize) -> Vec<f32> {
-        let mut v = self.pool.pop().unwrap_or_default();
-        v.resize(len, 0.0);
-        v
+        self.pool.take_f32(len)
     }
 
     /// Returns a buffer to the pool.
-    pub fn recycle(&mut self, mut buf: Vec<f32>) {
-        if self.pool.len() < 64 {
-            buf.clear();
-            self.pool.push(buf);
-        }
+    pub fn recycle(&mut self, buf: Vec<f32>) {
+        self.pool.put_f32(buf);
     }
 
     /// Adds `weight · values` from `sender` to global part `part`. With `keep_input`, the
@@ -203,15 +207,17 @@ impl Reducer {
             return Err(e);
         }
         let i = part - self.span.start;
-        let mut acc = match self.parts[i].acc.take() {
-            Some(acc) => acc,
+        let acc = match self.parts[i].acc.take() {
+            Some(mut acc) => {
+                acc.add_scaled(&values, weight);
+                acc
+            }
             None => {
-                let mut acc = self.acc_pool.pop().unwrap_or_default();
-                acc.reset(values.len());
+                let mut acc = CpuBuffer::from_vec(self.pool.take_f32(values.len()));
+                acc.assign_scaled(&values, weight);
                 acc
             }
         };
-        acc.add_scaled(&values, weight);
         let p = &mut self.parts[i];
         p.acc = Some(acc);
         p.denominator += weight;
@@ -266,9 +272,7 @@ impl Reducer {
     }
 
     fn recycle_acc(&mut self, acc: CpuBuffer) {
-        if self.acc_pool.len() < 64 {
-            self.acc_pool.push(acc);
-        }
+        self.pool.put_f32(acc.into_vec());
     }
 
     /// Excludes `sender` from every part it has not contributed yet. Returns whether it was

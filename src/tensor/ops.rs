@@ -64,6 +64,15 @@ pub fn scaled_sub(out: &mut [f32], a: &[f32], scale: f32, b: &[f32]) {
     }
 }
 
+/// `x[i] -= b[i]`: turns a received average into this peer's delta.
+#[inline]
+pub fn sub_assign(x: &mut [f32], b: &[f32]) {
+    debug_assert!(x.len() == b.len());
+    for (o, &y) in x.iter_mut().zip(b) {
+        *o -= y;
+    }
+}
+
 /// `x[i] *= s`.
 #[inline]
 pub fn scale(x: &mut [f32], s: f32) {
@@ -118,6 +127,12 @@ pub trait ReduceBuffer: Send {
     fn reset(&mut self, len: usize);
     /// `acc += w * x`.
     fn add_scaled(&mut self, x: &[f32], w: f64);
+    /// Resizes to `x.len()` elements and sets `acc = w * x` (the first contribution; one pass
+    /// instead of zeroing and adding).
+    fn assign_scaled(&mut self, x: &[f32], w: f64) {
+        self.reset(x.len());
+        self.add_scaled(x, w);
+    }
     /// Writes `acc / denominator` to host memory.
     fn average_to_host(&self, denominator: f64, out: &mut [f32]);
 }
@@ -133,6 +148,16 @@ impl CpuBuffer {
     pub fn as_slice(&self) -> &[f32] {
         &self.data
     }
+
+    /// An accumulator reusing `data`'s allocation (contents irrelevant).
+    pub fn from_vec(data: Vec<f32>) -> Self {
+        Self { data }
+    }
+
+    /// The allocation back, for reuse.
+    pub fn into_vec(self) -> Vec<f32> {
+        self.data
+    }
 }
 
 impl ReduceBuffer for CpuBuffer {
@@ -147,6 +172,12 @@ impl ReduceBuffer for CpuBuffer {
 
     fn add_scaled(&mut self, x: &[f32], w: f64) {
         add_scaled(&mut self.data, x, w as f32);
+    }
+
+    fn assign_scaled(&mut self, x: &[f32], w: f64) {
+        let w = w as f32;
+        self.data.clear();
+        self.data.extend(x.iter().map(|&v| w * v));
     }
 
     fn average_to_host(&self, denominator: f64, out: &mut [f32]) {

@@ -8,7 +8,9 @@
 //! round, checks its result against the exact mean (computed from the generator, without
 //! holding the other peers' data) and against the weighted mean over the contributors its
 //! report names, and prints `START <r>` before and
-//! `ROUND <r> <seconds> <err_vs_report> <err_vs_mean> <local_parts>` after each round.
+//! `ROUND <r> <seconds> <cpu seconds>` after each round, then, once the parent says `CHECK`,
+//! `CHECKED <r> <err_vs_report> <err_vs_mean> <local_parts>`. The parent prints each round's
+//! slowest time and the workers' total CPU time on stderr.
 //! Round 0 is a warm-up. A round's time is the slowest worker's; the parent prints the median.
 
 use std::io::{BufRead, BufReader, Write};
@@ -21,6 +23,7 @@ use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
 use clap::Args;
 use hivemesh::allreduce::{Member, Mode, Partition, RoundConfig, TensorDescriptor};
+use hivemesh::buffers::BufferPool;
 use hivemesh::compression::{Compression, CompressionType};
 use hivemesh::runner::{self, Link, RunnerConfig};
 use hivemesh::sim::{generated_value, make_tensors};
@@ -203,6 +206,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let total_rounds = args.rounds + 1;
     let mut times = vec![vec![0.0f64; args.peers]; total_rounds];
     let mut reported = vec![0usize; total_rounds];
+    let mut cpu_s = vec![0.0f64; total_rounds];
     let mut finished = vec![false; args.peers];
     let mut done = 0;
     let deadline = Instant::now() + Duration::from_secs(60 * 60);
@@ -213,12 +217,19 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         let fields: Vec<&str> = line.split_whitespace().collect();
         match fields.as_slice() {
             ["START", _] => {}
-            ["ROUND", r, secs] => {
+            ["ROUND", r, secs, cpu] => {
                 let r: usize = r.parse()?;
                 ensure!(r < total_rounds, "worker {i}: round {r} out of range");
                 times[r][i] = secs.parse()?;
+                cpu_s[r] += cpu.parse::<f64>()?;
                 reported[r] += 1;
                 if reported[r] == args.peers {
+                    let slowest = times[r].iter().cloned().fold(0.0, f64::max);
+                    eprintln!(
+                        "round {r}{}: {slowest:.3} s, {:.2} CPU-s in all workers",
+                        if r == 0 { " (warm-up)" } else { "" },
+                        cpu_s[r]
+                    );
                     // Everyone is done with the timed part: now they may check (checking
                     // earlier would steal CPU from peers still in the round).
                     for c in &mut workers.0 {
@@ -336,19 +347,29 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         cfg.part_size_bytes,
         &cfg.compression,
     )?;
+    // One runner config, so one buffer pool, for every round; it keeps the deltas too.
+    let runner_cfg = RunnerConfig {
+        pool: BufferPool::new(bench.elements() * 4 + hivemesh::buffers::DEFAULT_RETAIN_BYTES),
+        ..RunnerConfig::default()
+    };
     for round in 0..=bench.rounds {
         let links = mesh(&identity, &listener, &roster, me).await?;
         let group = Bytes::from(format!("bench-round-{round}"));
         println!("START {round}");
         let started = Instant::now();
+        let cpu_before = process_cpu_seconds();
         let (start, outcome) =
-            runner::run_round(cfg.clone(), group, tensors, links, RunnerConfig::default()).await?;
+            runner::run_round(cfg.clone(), group, tensors, links, runner_cfg.clone()).await?;
         let secs = started.elapsed().as_secs_f64();
-        println!("ROUND {round} {secs:.6}");
+        let cpu = process_cpu_seconds() - cpu_before;
+        println!("ROUND {round} {secs:.6} {cpu:.3}");
         let go = lines.recv().await.context("parent closed stdin")?;
         ensure!(go == "CHECK", "expected CHECK, got '{go}'");
         let (err_report, err_mean, local) = check(&bench, &partition, &start, &outcome);
         println!("CHECKED {round} {err_report:e} {err_mean:e} {local}");
+        for delta in outcome.deltas.into_iter().flatten() {
+            runner_cfg.pool.put_f32(delta);
+        }
         tensors = start;
     }
     println!("DONE");
@@ -387,6 +408,27 @@ async fn mesh(
         links[j] = Some(Box::new(stream));
     }
     Ok(links)
+}
+
+/// CPU time (user + system) this process has used so far, from `/proc/self/stat` (0 where
+/// that is not available; it only feeds a diagnostic line).
+fn process_cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // Kernel clock ticks are 100 Hz on every Linux configuration we run on.
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 /// (error vs the contributors the report names, error vs the exact mean, parts left local).
