@@ -32,9 +32,10 @@
 //! nor on seeing a record twice. [`merge`] is a join: the plain part takes the newer of the two
 //! plain writes and the dictionary part the newer entry per subkey, where "newer" is the total
 //! order of [`Entry`]: by expiration, then, on equal expirations, by value bytes (larger wins),
-//! so that two different writes with the same expiration merge the same way everywhere. It is
-//! commutative, associative and idempotent (property-tested), and equal to the value holding
-//! all the writes ever merged in, whatever the order. [`merge_all`] folds a GET's answers.
+//! then by signature (see below), so that two different writes with the same expiration merge
+//! the same way everywhere. It is commutative, associative and idempotent (property-tested),
+//! and equal to the value holding all the writes ever merged in, whatever the order.
+//! [`merge_all`] folds a GET's answers.
 //!
 //! Both parts are kept, even the one the view hides, because hivemind's rules are
 //! order-dependent and no value that keeps only what is visible can make them
@@ -70,16 +71,59 @@
 //! the merge result as well and keeps its current value when an inbound record would push it
 //! over.
 //!
-//! Not here: record signing. hivemind's `RSASignatureValidator` lets only the owner of a
-//! `[owner:<public key>]` key or subkey write it; the equivalent rule (subkeys and keys bound to
-//! a libp2p identity, writes signed by it) comes with the libp2p record store that calls this
-//! module. Until then any peer can override any entry by writing it with a later expiration, or
-//! hide a whole dictionary behind a plain value, for at most `max_expiration_ahead`.
+//! # Owner subkeys: signed entries
+//!
+//! A subkey *names a peer* when it is an **owner subkey**: [`OWNER_SUBKEY_PREFIX`] (`0xff`
+//! `owner:`, never valid UTF-8, so no textual subkey is one by accident) followed by exactly the
+//! bytes of a libp2p [`PeerId`] ([`owner_subkey`], [`subkey_owner`]). Only that peer may write
+//! it: its entry must carry the peer's signature ([`Entry::signature`]) over
+//! [`signing_payload`], a domain-separated, length-prefixed encoding of the **record key**, the
+//! subkey, the value bytes and the expiration, so a signature cannot be replayed under another
+//! key, onto another value, or as another version. The verifying key is the one
+//! embedded in the peer id (libp2p peer ids are the identity multihash of the protobuf-encoded
+//! public key for keys of up to 42 bytes, Ed25519 included), so only the signature travels;
+//! owner subkeys naming a peer whose id is a hash of its key (RSA, ECDSA) are refused
+//! ([`DhtValueError::KeyNotEmbedded`]). Every other subkey, and the plain value, stays
+//! unsigned and writable by anyone. This is hivemind's `RSASignatureValidator` restricted to
+//! subkeys (digest §5.4), with the owner marker a typed prefix instead of a `[owner:<key>]`
+//! substring and Ed25519 libp2p identities instead of RSA keys.
+//!
+//! [`DhtValue::validate`] takes the record key and enforces the rule on every entry, visible
+//! or hidden: an owner subkey that is not a peer id
+//! ([`MalformedOwnerSubkey`](DhtValueError::MalformedOwnerSubkey)), an owner entry without a
+//! signature ([`MissingSignature`](DhtValueError::MissingSignature)) or with one that does not
+//! verify for the named peer ([`BadSignature`](DhtValueError::BadSignature): forged, made by
+//! another key, or over another key, value or expiration), and a signature on an ordinary
+//! entry or the plain value ([`UnexpectedSignature`](DhtValueError::UnexpectedSignature)) make
+//! the whole value invalid. The record store ([`DhtPolicy`]) validates every inbound record,
+//! local or remote, before merging and rejects it whole (the stored value survives); a reader
+//! ([`Dht::get`]) validates every replica's answer and skips a replica whose answer fails, so
+//! neither a peer writing nor a replica answering can inject an entry under another peer's
+//! owner subkey.
+//! [`DhtValue::owned`] builds a signed write of the keypair's own owner subkey, and
+//! [`Dht::store`] signs automatically when given the local peer's owner subkey and refuses
+//! another peer's ([`DhtError::NotOwner`]).
+//!
+//! The signature is part of the entry and of its order, after expiration and value, so
+//! [`merge`] stays a join with signed entries (property-tested): two writes with equal
+//! expirations and values but different signature bytes (a non-deterministic signature scheme)
+//! merge the same way everywhere. Replaying an owner's older signed write changes nothing, as
+//! the later expiration wins; replaying one that has expired is dropped as expired. The owner
+//! itself leaves as anyone does, with a later signed write.
+//!
+//! What the rule does not cover: a plain write to the key, newer than every subkey, *hides*
+//! the dictionary from [`DhtValue::view`] (hivemind's rule), for at most
+//! `max_expiration_ahead`. It does not delete anything, so readers of per-peer declarations use
+//! [`DhtValue::owner_entries`], which lists every owner entry, hidden or not, with its peer.
+//! Owner *keys* (keys only one peer may write, plain value included) are not implemented.
+//! Signature checks cost one verification per new entry; the record store skips entries it
+//! already holds identically and a reader verifies each distinct entry once per GET.
 //!
 //! Every function here is pure: time comes in as a `now` argument ([`DhtTime::now`] is only a
 //! convenience for callers).
 
 mod client;
+mod owner;
 mod value;
 mod wire;
 
@@ -88,11 +132,16 @@ mod tests;
 
 use std::time::Duration;
 
+use libp2p::PeerId;
+
 pub use client::{Dht, DhtError, DhtPolicy, StoreRequest};
+pub use owner::{
+    OWNER_SUBKEY_PREFIX, SIGNING_DOMAIN, SignError, owner_subkey, signing_payload, subkey_owner,
+};
 pub use value::{DhtTime, DhtValue, DhtView, Entry, merge, merge_all};
 
-/// Default [`ValidationLimits::max_value_bytes`]: 512 KiB.
-pub const DEFAULT_MAX_VALUE_BYTES: usize = 512 << 10;
+/// Default [`ValidationLimits::max_value_bytes`]: 768 KiB.
+pub const DEFAULT_MAX_VALUE_BYTES: usize = 768 << 10;
 /// Default [`ValidationLimits::max_subkeys`].
 pub const DEFAULT_MAX_SUBKEYS: usize = 4096;
 /// Default [`ValidationLimits::max_expiration_ahead`]: one hour.
@@ -100,17 +149,22 @@ pub const DEFAULT_MAX_EXPIRATION_AHEAD: Duration = Duration::from_secs(3600);
 
 /// Limits an inbound value must respect.
 ///
-/// The defaults: **512 KiB** of encoded value, half the 1 MiB Kademlia packet size the p2p
-/// layer configures (`rust-stack.md` §5), so that a record plus its key, the kad envelope and a
-/// GET answer's list of closer peers always fits in one packet; that is room for the largest
-/// dictionary hivemind's averaging writes (one entry of a ~40-byte peer id, a small value and
-/// a 9-byte expiration per averager) at the default subkey limit. **4096 subkeys**: a
+/// The defaults: **768 KiB** of encoded value, three quarters of the 1 MiB record bound the p2p
+/// layer configures (its Kademlia packets are 1 MiB + 64 KiB, `rust-stack.md` §5), so that a
+/// record plus its key, the kad envelope and a GET answer's list of closer peers (a few KiB)
+/// always fits in one packet with over 300 KiB to spare; that is room for the largest
+/// dictionary hivemind-style averaging writes at the default subkey limit: one *signed* entry
+/// per averager under its owner subkey (45 bytes of subkey, a 64-byte signature, a 9-byte
+/// expiration and framing: 4096 such entries with 1-byte values encode to 520 192 bytes,
+/// measured), leaving about 60 bytes per entry for larger values. **4096 subkeys**: a
 /// matchmaking key holds one entry per peer looking for a group in that bucket and the
 /// state-sharing registry one per averager, so 4096 covers swarms of thousands of peers while
-/// bounding the work of a merge. **One hour ahead**: hivemind's writes expire seconds to minutes
-/// ahead (matchmaking declarations, `declare_state_period` = 30 s), one hour leaves room for
-/// every such use and for clock skew (hivemind tolerates 3 s), matches the planned kad
-/// `record_ttl`, and bounds how long one bogus far-future write can win every merge.
+/// bounding the work of a merge and of checking its signatures (about 40 µs each on this
+/// 2-core machine, 0.15 s for a full dictionary in the test profile). **One hour ahead**:
+/// hivemind's writes expire seconds to minutes ahead (matchmaking declarations,
+/// `declare_state_period` = 30 s), one hour leaves room for every such use and for clock skew
+/// (hivemind tolerates 3 s), matches the planned kad `record_ttl`, and bounds how long one
+/// bogus far-future write can win every merge.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidationLimits {
     /// Largest accepted encoded value, in bytes.
@@ -174,4 +228,31 @@ pub enum DhtValueError {
     /// The bytes are not a valid encoding.
     #[error("undecodable value: {0}")]
     Malformed(String),
+    /// A subkey starts with [`OWNER_SUBKEY_PREFIX`] but the rest is not a peer id.
+    #[error("subkey has the owner prefix but names no peer id")]
+    MalformedOwnerSubkey,
+    /// An owner subkey's entry carries no signature.
+    #[error("entry of the owner subkey of {owner} is not signed")]
+    MissingSignature {
+        /// The peer the subkey names.
+        owner: PeerId,
+    },
+    /// An owner subkey's signature does not verify for the peer the subkey names (forged, made
+    /// by another key, or over another record key, value or expiration).
+    #[error("entry of the owner subkey of {owner} has an invalid signature")]
+    BadSignature {
+        /// The peer the subkey names.
+        owner: PeerId,
+    },
+    /// An owner subkey names a peer whose id does not embed its public key, so no signature
+    /// by it can be verified.
+    #[error("owner subkey names {owner}, whose peer id does not embed its public key")]
+    KeyNotEmbedded {
+        /// The peer the subkey names.
+        owner: PeerId,
+    },
+    /// An ordinary subkey's entry or the plain value carries a signature (only owner subkeys
+    /// are signed).
+    #[error("an ordinary entry or the plain value carries a signature")]
+    UnexpectedSignature,
 }

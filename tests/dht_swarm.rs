@@ -1,10 +1,14 @@
 //! The typed DHT on in-process libp2p swarms over loopback.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use hivemesh::dht::{Dht, DhtError, DhtTime, DhtValueError, DhtView, StoreRequest};
-use hivemesh::p2p::P2pConfig;
+use hivemesh::dht::{
+    Dht, DhtError, DhtTime, DhtValue, DhtValueError, DhtView, Entry, StoreRequest, owner_subkey,
+    signing_payload,
+};
+use hivemesh::p2p::{P2p, P2pConfig, RecordPolicy};
+use libp2p::PeerId;
 use libp2p::identity::Keypair;
 
 async fn node(initial: Vec<libp2p::Multiaddr>, client: bool) -> Dht {
@@ -143,4 +147,148 @@ async fn invalid_writes_are_refused() {
     let got = peers[0].get_many(&[b"a".to_vec(), b"b".to_vec()]).await;
     assert!(got[0].as_ref().unwrap().is_some());
     assert!(got[1].as_ref().unwrap().is_none());
+}
+
+/// A record store that checks nothing and keeps the last write: what a malicious peer runs, so
+/// that its forged records leave it (an honest node's own policy would refuse them) and it
+/// answers GETs with them.
+struct AcceptAnything;
+
+impl RecordPolicy for AcceptAnything {
+    fn merge(
+        &self,
+        _key: &[u8],
+        _existing: Option<&[u8]>,
+        incoming: &[u8],
+        _source: Option<PeerId>,
+        now: SystemTime,
+    ) -> Result<(Vec<u8>, SystemTime), String> {
+        Ok((incoming.to_vec(), now + Duration::from_secs(3600)))
+    }
+}
+
+/// What `d` reads under `key` for `owner`'s owner subkey.
+async fn owner_entry(d: &Dht, key: &[u8], owner: PeerId) -> Option<Entry> {
+    let v = d.get(key).await.unwrap()?;
+    v.owner_entries()
+        .find(|(p, _)| *p == owner)
+        .map(|(_, e)| e.clone())
+}
+
+/// The signed-subkey rule: peer A declares under its owner subkey; a malicious peer E, which
+/// stores and serves anything, pushes later-expiring records for A's subkey (unsigned, signed
+/// with E's key, A's signature replayed with a later expiration, A's signed write for another
+/// key replayed under this one). Every honest replica refuses them and every honest reader
+/// skips E's forged answer (R, which joins through E, surely gets it), so every honest peer
+/// still reads A's declaration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owner_subkeys_can_only_be_written_by_their_owner() {
+    const KEY: &[u8] = b"mygroup.0b01";
+    let peers = swarm(4).await;
+    let a = &peers[1];
+    let a_id = a.p2p().peer_id();
+    let a_sub = a.own_subkey();
+    assert_eq!(a_sub, owner_subkey(&a_id));
+
+    // A declares itself, signed automatically; others may not write A's subkey.
+    let declared = ahead(60.0);
+    assert!(
+        a.store(KEY, Some(&a_sub), b"A's declaration", declared)
+            .await
+            .unwrap()
+            >= 1
+    );
+    let err = peers[0]
+        .store(KEY, Some(&a_sub), b"mine", ahead(90.0))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        DhtError::NotOwner {
+            owner: a_id,
+            local: peers[0].p2p().peer_id()
+        }
+    );
+    let mut malformed = a_sub.to_vec();
+    malformed.push(0);
+    assert!(matches!(
+        peers[0]
+            .store(KEY, Some(&malformed), b"x", ahead(90.0))
+            .await,
+        Err(DhtError::Value(DhtValueError::MalformedOwnerSubkey))
+    ));
+    let original = owner_entry(&peers[3], KEY, a_id)
+        .await
+        .expect("A's declaration");
+    assert_eq!(original.value, Bytes::from_static(b"A's declaration"));
+    assert!(original.signature.is_some(), "signed automatically");
+
+    // A's legitimate write under another key, for the cross-key replay.
+    a.store(b"other", Some(&a_sub), b"forged", ahead(120.0))
+        .await
+        .unwrap();
+    let other = peers[0].get(b"other").await.unwrap().unwrap();
+    let (_, signed_elsewhere) = other.owner_entries().next().unwrap();
+
+    // E joins with a policy that accepts anything.
+    let evil_key = Keypair::generate_ed25519();
+    let boot = peers[0].p2p().listen_addrs().await.unwrap();
+    let cfg = P2pConfig {
+        initial_peers: boot,
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    };
+    let (evil, _task) = P2p::spawn(cfg, evil_key.clone(), Box::new(AcceptAnything))
+        .await
+        .unwrap();
+    // An honest reader R that joins through E: E is in its routing table from the start, so
+    // every GET of R's asks E (the others may not have learnt of E yet).
+    let r = node(evil.listen_addrs().await.unwrap(), true).await;
+
+    let later = ahead(120.0);
+    let forged_value = Bytes::from_static(b"forged");
+    let e_signature = evil_key
+        .sign(&signing_payload(KEY, &a_sub, &forged_value, later))
+        .unwrap();
+    let forgeries = [
+        Entry::new(forged_value.clone(), later),
+        Entry::new(forged_value.clone(), later).with_signature(e_signature),
+        Entry {
+            expiration: later,
+            ..original.clone()
+        },
+        signed_elsewhere.clone(),
+    ];
+    for (i, forged) in forgeries.into_iter().enumerate() {
+        assert!(forged.expiration > declared, "forgery {i} must be newer");
+        let record = DhtValue::from_parts(None, [(a_sub.clone(), forged)]).unwrap();
+        // Delivered: remote replicas acknowledge the PUT even when their policy refuses it.
+        let delivered = evil
+            .put_record(KEY.to_vec(), record.to_bytes())
+            .await
+            .unwrap();
+        assert!(delivered >= 1, "forgery {i} reached no replica");
+        let forged_bytes = record.to_bytes();
+        // R's raw answers (every replica's): E's forged record, once, and no honest replica
+        // took it (it would answer the same bytes, the forgery being newer); those holding A's
+        // subkey hold A's declaration.
+        let raw = r.p2p().get_record(KEY.to_vec()).await.unwrap();
+        let carrying = raw.iter().filter(|a| **a == forged_bytes).count();
+        assert_eq!(carrying, 1, "forgery {i}: answers carrying it");
+        let honest: Vec<_> = raw.iter().filter(|a| **a != forged_bytes).collect();
+        assert!(
+            !honest.is_empty(),
+            "forgery {i}: no honest replica answered"
+        );
+        for answer in honest {
+            let v = DhtValue::from_bytes(answer, &Default::default()).unwrap();
+            let held = v.subkeys().get(&a_sub);
+            assert!(held.is_none_or(|e| *e == original), "forgery {i}");
+        }
+        // Every honest typed read skips E's answer and sees A's declaration, unchanged.
+        for (j, d) in peers.iter().chain([&r]).enumerate() {
+            let seen = owner_entry(d, KEY, a_id).await;
+            assert_eq!(seen.as_ref(), Some(&original), "forgery {i}, peer {j}");
+        }
+    }
 }

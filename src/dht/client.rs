@@ -3,9 +3,13 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use libp2p::{PeerId, identity::Keypair};
 
-use super::{DhtTime, DhtValue, DhtValueError, ValidationLimits, merge, merge_all};
+use super::{
+    DhtTime, DhtValue, DhtValueError, SignError, ValidationLimits, merge, owner_subkey,
+    subkey_owner,
+};
 use crate::p2p::{P2p, P2pConfig, P2pError, RecordPolicy};
 
 /// Errors of DHT operations.
@@ -18,6 +22,17 @@ pub enum DhtError {
     /// The value is not acceptable.
     #[error(transparent)]
     Value(#[from] DhtValueError),
+    /// The write is to the owner subkey of another peer, which only that peer can sign.
+    #[error("the subkey belongs to {owner}; this node is {local}")]
+    NotOwner {
+        /// The peer the subkey names.
+        owner: PeerId,
+        /// This node's peer id.
+        local: PeerId,
+    },
+    /// Signing a write to this node's owner subkey failed.
+    #[error(transparent)]
+    Sign(#[from] SignError),
 }
 
 fn to_dht_time(t: SystemTime) -> DhtTime {
@@ -33,9 +48,11 @@ fn to_system_time(t: DhtTime) -> SystemTime {
 
 /// Validates inbound records and merges them with the stored value (see [`crate::dht`]).
 ///
-/// An inbound value must decode within the limits, be valid at `now` and hold at least one live
-/// write; the merge result must be valid too, otherwise the stored value is kept. Expired
-/// writes are pruned from the stored value on every merge.
+/// An inbound value must decode within the limits, be valid under the record key at `now`
+/// ([`DhtValue::validate`]: limits and the owner-subkey signatures) and hold at least one live
+/// write; the merge result must be valid too, otherwise the stored value is kept. Signatures of
+/// entries the stored value already holds identically are not checked again. Expired writes
+/// are pruned from the stored value on every merge.
 #[derive(Clone, Debug, Default)]
 pub struct DhtPolicy {
     /// The limits every value must respect.
@@ -45,7 +62,7 @@ pub struct DhtPolicy {
 impl RecordPolicy for DhtPolicy {
     fn merge(
         &self,
-        _key: &[u8],
+        key: &[u8],
         existing: Option<&[u8]>,
         incoming: &[u8],
         _source: Option<PeerId>,
@@ -53,21 +70,24 @@ impl RecordPolicy for DhtPolicy {
     ) -> Result<(Vec<u8>, SystemTime), String> {
         let now = to_dht_time(now);
         let incoming = DhtValue::from_bytes(incoming, &self.limits).map_err(|e| e.to_string())?;
+        // The stored value was validated under this key when it was merged in.
+        let stored = existing
+            .and_then(|b| DhtValue::from_bytes(b, &self.limits).ok())
+            .and_then(|v| v.without_expired(now));
         incoming
-            .validate(now, &self.limits)
+            .validate_against(key, now, &self.limits, stored.as_ref())
             .map_err(|e| e.to_string())?;
         let incoming = incoming
             .without_expired(now)
             .ok_or_else(|| "every write in the record has expired".to_owned())?;
-        let stored = existing
-            .and_then(|b| DhtValue::from_bytes(b, &self.limits).ok())
-            .and_then(|v| v.without_expired(now));
         let merged = match stored {
             Some(old) => merge(old, incoming),
             None => incoming,
         };
+        // Every entry of the merge is one of the two validated values'; only the limits
+        // (size, subkey count) can fail here.
         merged
-            .validate(now, &self.limits)
+            .validate_limits(now, &self.limits)
             .map_err(|e| format!("merged value: {e}"))?;
         Ok((merged.to_bytes(), to_system_time(merged.expiration())))
     }
@@ -86,11 +106,14 @@ pub struct StoreRequest {
     pub expiration: DhtTime,
 }
 
-/// A DHT node: typed values with per-subkey expirations on a libp2p Kademlia swarm.
+/// A DHT node: typed values with per-subkey expirations on a libp2p Kademlia swarm. It holds
+/// the node's identity keypair to sign writes to its own owner subkey.
 #[derive(Clone, Debug)]
 pub struct Dht {
     p2p: P2p,
     limits: ValidationLimits,
+    /// The node's identity (the p2p layer's), which signs owner-subkey writes.
+    keypair: Keypair,
 }
 
 impl Dht {
@@ -101,8 +124,15 @@ impl Dht {
     ) -> Result<(Self, tokio::task::JoinHandle<()>), DhtError> {
         let policy = DhtPolicy::default();
         let limits = policy.limits.clone();
-        let (p2p, task) = P2p::spawn(config, keypair, Box::new(policy)).await?;
-        Ok((Self { p2p, limits }, task))
+        let (p2p, task) = P2p::spawn(config, keypair.clone(), Box::new(policy)).await?;
+        Ok((
+            Self {
+                p2p,
+                limits,
+                keypair,
+            },
+            task,
+        ))
     }
 
     /// The underlying p2p handle.
@@ -110,8 +140,17 @@ impl Dht {
         &self.p2p
     }
 
+    /// This node's owner subkey ([`owner_subkey`] of its peer id): the subkey under which it
+    /// declares itself, and which no other peer can write.
+    pub fn own_subkey(&self) -> Bytes {
+        owner_subkey(&self.p2p.peer_id())
+    }
+
     /// Stores `value` under `key` (and `subkey`, if given) until `expiration`. Returns the
     /// number of remote peers that took the write (0 for a lone node). Cancel-safe.
+    ///
+    /// A write to this node's owner subkey ([`Dht::own_subkey`]) is signed with the node's
+    /// identity; a write to another peer's owner subkey fails with [`DhtError::NotOwner`].
     pub async fn store(
         &self,
         key: &[u8],
@@ -120,28 +159,56 @@ impl Dht {
         expiration: DhtTime,
     ) -> Result<usize, DhtError> {
         let v = match subkey {
-            Some(s) => DhtValue::subkey(s.to_vec(), value.to_vec(), expiration),
+            Some(s) => match subkey_owner(s)? {
+                None => DhtValue::subkey(s.to_vec(), value.to_vec(), expiration),
+                Some(owner) if owner == self.p2p.peer_id() => {
+                    DhtValue::owned(key, &self.keypair, value.to_vec(), expiration)?
+                }
+                Some(owner) => {
+                    return Err(DhtError::NotOwner {
+                        owner,
+                        local: self.p2p.peer_id(),
+                    });
+                }
+            },
             None => DhtValue::plain(value.to_vec(), expiration),
         };
-        v.validate(DhtTime::now(), &self.limits)?;
+        v.validate(key, DhtTime::now(), &self.limits)?;
         Ok(self.p2p.put_record(key.to_vec(), v.to_bytes()).await?)
     }
 
-    /// Reads `key`: every replica's value, merged, without expired writes. Replicas answering
-    /// garbage are skipped. Cancel-safe.
+    /// Reads `key`: every replica's value, merged, without expired writes. A replica whose
+    /// answer does not decode or is not valid under `key` ([`DhtValue::validate`] at the
+    /// current time: limits and owner signatures) is skipped whole, with a warning: honest
+    /// replicas validate every record they store, so such an answer is forged or corrupt.
+    /// Cancel-safe.
     pub async fn get(&self, key: &[u8]) -> Result<Option<DhtValue>, DhtError> {
         self.get_at(key, DhtTime::now()).await
     }
 
-    /// Like [`Dht::get`], dropping the writes expired at `now` instead of at the current time.
+    /// Like [`Dht::get`], dropping the writes expired at `now` instead of at the current time
+    /// (answers are still validated at the current time).
     pub async fn get_at(&self, key: &[u8], now: DhtTime) -> Result<Option<DhtValue>, DhtError> {
         let answers = self.p2p.get_record(key.to_vec()).await?;
-        let values = answers.iter().filter_map(|bytes| {
-            DhtValue::from_bytes(bytes, &self.limits)
-                .inspect_err(|e| tracing::debug!(error = %e, "skipping a malformed replica"))
-                .ok()
-        });
-        Ok(merge_all(values).and_then(|v| v.without_expired(now)))
+        let checked_at = DhtTime::now();
+        let mut merged: Option<DhtValue> = None;
+        for (replica, bytes) in answers.iter().enumerate() {
+            let answer = DhtValue::from_bytes(bytes, &self.limits).and_then(|v| {
+                // Entries already accepted from another replica are not verified again.
+                v.validate_against(key, checked_at, &self.limits, merged.as_ref())
+                    .map(|()| v)
+            });
+            match answer {
+                Ok(v) => {
+                    merged = Some(match merged.take() {
+                        Some(m) => merge(m, v),
+                        None => v,
+                    })
+                }
+                Err(e) => tracing::warn!(replica, error = %e, "skipping an invalid replica answer"),
+            }
+        }
+        Ok(merged.and_then(|v| v.without_expired(now)))
     }
 
     /// Many writes at once (concurrently); results in request order.

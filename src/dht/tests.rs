@@ -7,8 +7,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use proptest::prelude::*;
 
+use libp2p::PeerId;
+use libp2p::identity::Keypair;
+
 use super::wire::test_support::raw;
 use super::*;
+use crate::p2p::RecordPolicy;
 
 fn t(secs: f64) -> DhtTime {
     DhtTime::from_secs(secs).unwrap()
@@ -280,12 +284,12 @@ fn validate_bounds_expirations_subkeys_and_size() {
     let limits = ValidationLimits::default();
     let horizon = now.saturating_add(DEFAULT_MAX_EXPIRATION_AHEAD);
     assert_eq!(
-        DhtValue::plain(b("v"), horizon).validate(now, &limits),
+        DhtValue::plain(b("v"), horizon).validate(b"key", now, &limits),
         Ok(())
     );
     // Expired writes are not an error.
     assert_eq!(
-        DhtValue::plain(b("v"), t(1.0)).validate(now, &limits),
+        DhtValue::plain(b("v"), t(1.0)).validate(b"key", now, &limits),
         Ok(())
     );
     let far = horizon.next_up();
@@ -295,7 +299,7 @@ fn validate_bounds_expirations_subkeys_and_size() {
     )
     .unwrap();
     assert_eq!(
-        hidden_far.validate(now, &limits),
+        hidden_far.validate(b"key", now, &limits),
         Err(DhtValueError::ExpirationTooFar {
             expiration: far,
             horizon
@@ -313,40 +317,44 @@ fn validate_bounds_expirations_subkeys_and_size() {
     )
     .unwrap();
     let err = DhtValueError::TooManySubkeys { count: 4, max: 3 };
-    assert_eq!(four.validate(now, &small), Err(err.clone()));
+    assert_eq!(four.validate(b"key", now, &small), Err(err.clone()));
     assert_eq!(DhtValue::from_bytes(&four.to_bytes(), &small), Err(err));
 
     let big = DhtValue::plain(Bytes::from(vec![7u8; 100]), t(1001.0));
     let len = big.encoded_len();
     assert_eq!(len, big.to_bytes().len());
     let err = DhtValueError::TooLarge { len, max: 64 };
-    assert_eq!(big.validate(now, &small), Err(err.clone()));
+    assert_eq!(big.validate(b"key", now, &small), Err(err.clone()));
     assert_eq!(DhtValue::from_bytes(&big.to_bytes(), &small), Err(err));
 
     let empty_subkey = DhtValue::subkey(Bytes::new(), b("v"), t(1001.0));
     assert_eq!(
-        empty_subkey.validate(now, &limits),
+        empty_subkey.validate(b"key", now, &limits),
         Err(DhtValueError::EmptySubkey)
     );
 }
 
-/// The default size limit holds a full dictionary of hivemind-style declarations.
+/// The default size limit holds a full dictionary of hivemind-style declarations: one signed
+/// entry under each peer's owner subkey.
 #[test]
 fn default_limits_fit_a_full_averaging_dictionary() {
     let now = t(1.7e9);
     let exp = now.saturating_add(Duration::from_secs(30));
-    let full = DhtValue::from_parts(
-        None,
-        (0..DEFAULT_MAX_SUBKEYS as u32).map(|i| {
-            let mut peer_id = vec![0u8; 38];
-            peer_id[..4].copy_from_slice(&i.to_be_bytes());
-            (Bytes::from(peer_id), Entry::new(b("\x01"), exp))
-        }),
-    )
-    .unwrap();
+    let writes: Vec<DhtValue> = (0..DEFAULT_MAX_SUBKEYS)
+        .map(|_| DhtValue::owned(b"key", &Keypair::generate_ed25519(), b("\x01"), exp).unwrap())
+        .collect();
+    let full = merge_all(writes).unwrap();
+    assert_eq!(full.subkeys().len(), DEFAULT_MAX_SUBKEYS);
     let limits = ValidationLimits::default();
-    assert_eq!(full.validate(now, &limits), Ok(()));
-    assert!(full.encoded_len() < DEFAULT_MAX_VALUE_BYTES / 2);
+    let started = std::time::Instant::now();
+    assert_eq!(full.validate(b"key", now, &limits), Ok(()));
+    eprintln!(
+        "{} signed entries: {} bytes encoded, validated in {:?}",
+        DEFAULT_MAX_SUBKEYS,
+        full.encoded_len(),
+        started.elapsed()
+    );
+    assert!(full.encoded_len() < DEFAULT_MAX_VALUE_BYTES * 3 / 4);
     assert_eq!(DhtValue::from_bytes(&full.to_bytes(), &limits), Ok(full));
 }
 
@@ -392,6 +400,320 @@ fn from_bytes_rejects_malformed_values() {
     assert_eq!(v.to_bytes(), sorted);
 }
 
+// ---- Owner subkeys and signatures ----
+
+const KEY: &[u8] = b"mygroup.0b01";
+
+fn limits() -> ValidationLimits {
+    ValidationLimits::default()
+}
+
+/// A valid signed write of `kp`'s owner subkey under [`KEY`], and its subkey and entry.
+fn owned(kp: &Keypair, value: &str, exp: DhtTime) -> (DhtValue, Bytes, Entry) {
+    let v = DhtValue::owned(KEY, kp, b(value), exp).unwrap();
+    let (k, e) = v.subkeys().iter().next().unwrap();
+    let (k, e) = (k.clone(), e.clone());
+    (v, k, e)
+}
+
+fn one(subkey: &Bytes, entry: Entry) -> DhtValue {
+    DhtValue::from_parts(None, [(subkey.clone(), entry)]).unwrap()
+}
+
+fn sign(kp: &Keypair, key: &[u8], subkey: &[u8], value: &[u8], exp: DhtTime) -> Bytes {
+    Bytes::from(kp.sign(&signing_payload(key, subkey, value, exp)).unwrap())
+}
+
+#[test]
+fn owner_subkeys_name_exactly_one_peer() {
+    let peer = Keypair::generate_ed25519().public().to_peer_id();
+    let sub = owner_subkey(&peer);
+    assert!(sub.starts_with(OWNER_SUBKEY_PREFIX));
+    assert_eq!(subkey_owner(&sub), Ok(Some(peer)));
+    // Ordinary subkeys, including a peer id's bytes or text without the prefix.
+    for ordinary in [
+        &b"peer-1"[..],
+        &peer.to_bytes(),
+        peer.to_base58().as_bytes(),
+        b"owner:",
+    ] {
+        assert_eq!(subkey_owner(ordinary), Ok(None));
+    }
+    // The prefix followed by anything but exactly one peer id is malformed.
+    let mut trailing = sub.to_vec();
+    trailing.push(0);
+    let truncated = &sub[..sub.len() - 1];
+    for bad in [
+        OWNER_SUBKEY_PREFIX,
+        &trailing[..],
+        truncated,
+        b"\xffowner:garbage",
+    ] {
+        assert_eq!(subkey_owner(bad), Err(DhtValueError::MalformedOwnerSubkey));
+        let v = DhtValue::subkey(Bytes::copy_from_slice(bad), b("v"), t(1001.0));
+        assert_eq!(
+            v.validate(KEY, t(1000.0), &limits()),
+            Err(DhtValueError::MalformedOwnerSubkey)
+        );
+    }
+}
+
+#[test]
+fn a_valid_signature_is_accepted() {
+    let kp = Keypair::generate_ed25519();
+    let peer = kp.public().to_peer_id();
+    let exp = t(1010.0);
+    let (v, sub, e) = owned(&kp, "decl", exp);
+    assert_eq!(sub, owner_subkey(&peer));
+    assert_eq!((e.value.clone(), e.expiration), (b("decl"), exp));
+    assert_eq!(e.signature, Some(sign(&kp, KEY, &sub, b"decl", exp)));
+    assert_eq!(v.validate(KEY, t(1000.0), &limits()), Ok(()));
+    assert_eq!(v.owner_entries().collect::<Vec<_>>(), [(peer, &e)]);
+    // Survives the wire and mixes with ordinary subkeys and a plain value.
+    let decoded = DhtValue::from_bytes(&v.to_bytes(), &limits()).unwrap();
+    assert_eq!(decoded, v);
+    let mixed = merge_all([
+        v.clone(),
+        DhtValue::subkey(b("ordinary"), b("x"), t(1005.0)),
+        DhtValue::plain(b("p"), t(1020.0)),
+    ])
+    .unwrap();
+    assert_eq!(mixed.validate(KEY, t(1000.0), &limits()), Ok(()));
+    // A newer plain value hides the dictionary but not the owner's entry.
+    assert!(matches!(mixed.view(), DhtView::Plain(_)));
+    assert_eq!(mixed.owner_entries().collect::<Vec<_>>(), [(peer, &e)]);
+}
+
+#[test]
+fn missing_signature_is_rejected() {
+    let kp = Keypair::generate_ed25519();
+    let peer = kp.public().to_peer_id();
+    let unsigned = DhtValue::subkey(owner_subkey(&peer), b("decl"), t(1010.0));
+    assert_eq!(
+        unsigned.validate(KEY, t(1000.0), &limits()),
+        Err(DhtValueError::MissingSignature { owner: peer })
+    );
+    // Also when hidden behind a newer plain value, and next to valid entries.
+    let (good, _, _) = owned(&Keypair::generate_ed25519(), "ok", t(1010.0));
+    let hidden = merge_all([unsigned, good, DhtValue::plain(b("p"), t(1020.0))]).unwrap();
+    assert_eq!(
+        hidden.validate(KEY, t(1000.0), &limits()),
+        Err(DhtValueError::MissingSignature { owner: peer })
+    );
+}
+
+#[test]
+fn forged_signature_is_rejected() {
+    let kp = Keypair::generate_ed25519();
+    let peer = kp.public().to_peer_id();
+    let (_, sub, e) = owned(&kp, "decl", t(1010.0));
+    let mut flipped = e.signature.clone().unwrap().to_vec();
+    flipped[10] ^= 1;
+    for forged in [vec![0u8; 64], vec![7u8; 3], flipped] {
+        let v = one(&sub, e.clone().with_signature(forged));
+        assert_eq!(
+            v.validate(KEY, t(1000.0), &limits()),
+            Err(DhtValueError::BadSignature { owner: peer })
+        );
+    }
+}
+
+#[test]
+fn signature_by_another_key_is_rejected() {
+    let (owner, thief) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+    let peer = owner.public().to_peer_id();
+    let sub = owner_subkey(&peer);
+    let exp = t(1010.0);
+    let v = one(
+        &sub,
+        Entry::new(b("mine now"), exp).with_signature(sign(&thief, KEY, &sub, b"mine now", exp)),
+    );
+    assert_eq!(
+        v.validate(KEY, t(1000.0), &limits()),
+        Err(DhtValueError::BadSignature { owner: peer })
+    );
+    // The thief's own valid entry does not authorise anything under the owner's subkey.
+    let (theirs, _, te) = owned(&thief, "mine now", exp);
+    assert_eq!(theirs.validate(KEY, t(1000.0), &limits()), Ok(()));
+    assert_eq!(
+        one(&sub, te).validate(KEY, t(1000.0), &limits()),
+        Err(DhtValueError::BadSignature { owner: peer })
+    );
+}
+
+#[test]
+fn altered_value_expiration_or_key_is_rejected() {
+    let kp = Keypair::generate_ed25519();
+    let peer = kp.public().to_peer_id();
+    let (v, sub, e) = owned(&kp, "decl", t(1010.0));
+    let bad = Err(DhtValueError::BadSignature { owner: peer });
+    let altered_value = Entry {
+        value: b("decl!"),
+        ..e.clone()
+    };
+    assert_eq!(
+        one(&sub, altered_value).validate(KEY, t(1000.0), &limits()),
+        bad
+    );
+    // A later expiration (a replay as a newer version) and an earlier one.
+    for exp in [t(1010.0).next_up(), t(2000.0), t(1009.0)] {
+        let altered = Entry {
+            expiration: exp,
+            ..e.clone()
+        };
+        assert_eq!(one(&sub, altered).validate(KEY, t(1000.0), &limits()), bad);
+    }
+    // The same signed entry replayed under another DHT key.
+    assert_eq!(v.validate(b"mygroup.0b10", t(1000.0), &limits()), bad);
+    assert_eq!(v.validate(KEY, t(1000.0), &limits()), Ok(()));
+}
+
+#[test]
+fn signatures_on_ordinary_subkeys_and_unverifiable_owners_are_rejected() {
+    let kp = Keypair::generate_ed25519();
+    let sig = sign(&kp, KEY, b"ordinary", b"v", t(1010.0));
+    let signed_ordinary = one(
+        &b("ordinary"),
+        Entry::new(b("v"), t(1010.0)).with_signature(sig),
+    );
+    assert_eq!(
+        signed_ordinary.validate(KEY, t(1000.0), &limits()),
+        Err(DhtValueError::UnexpectedSignature)
+    );
+    let signed_plain = DhtValue::from_parts(
+        Some(Entry::new(b("v"), t(1010.0)).with_signature(b("s"))),
+        [],
+    )
+    .unwrap();
+    assert_eq!(
+        signed_plain.validate(KEY, t(1000.0), &limits()),
+        Err(DhtValueError::UnexpectedSignature)
+    );
+    // A peer id that is a hash of its key (RSA, ECDSA) gives nothing to verify with.
+    let hashed =
+        PeerId::from_multihash(libp2p::multihash::Multihash::wrap(0x12, &[7; 32]).unwrap())
+            .unwrap();
+    let v = one(
+        &owner_subkey(&hashed),
+        Entry::new(b("v"), t(1010.0)).with_signature(vec![1u8; 64]),
+    );
+    assert_eq!(
+        v.validate(KEY, t(1000.0), &limits()),
+        Err(DhtValueError::KeyNotEmbedded { owner: hashed })
+    );
+}
+
+/// Replaying an owner's older signed write never beats its newer one; its leave (a later
+/// signed write) beats its declaration.
+#[test]
+fn replayed_older_signed_entries_lose() {
+    let kp = Keypair::generate_ed25519();
+    let (old, _, _) = owned(&kp, "old", t(1010.0));
+    let (new, _, _) = owned(&kp, "new", t(1020.0));
+    let (leave, _, left) = owned(&kp, "", t(1020.0).next_up());
+    for m in [
+        merge(old.clone(), new.clone()),
+        merge(new.clone(), old.clone()),
+    ] {
+        assert_eq!(m, new);
+        assert_eq!(m.validate(KEY, t(1000.0), &limits()), Ok(()));
+    }
+    let m = merge_all([leave, old, new]).unwrap();
+    assert_eq!(
+        m.owner_entries().map(|(_, e)| e).collect::<Vec<_>>(),
+        [&left]
+    );
+}
+
+#[test]
+fn equal_writes_with_different_signatures_merge_by_signature_bytes() {
+    let sub = owner_subkey(&Keypair::generate_ed25519().public().to_peer_id());
+    let e = Entry::new(b("v"), t(5.0));
+    let (lo, hi) = (
+        one(&sub, e.clone().with_signature(b("a"))),
+        one(&sub, e.with_signature(b("b"))),
+    );
+    assert_eq!(merge(lo.clone(), hi.clone()), hi);
+    assert_eq!(merge(hi.clone(), lo), hi);
+}
+
+/// The record store refuses a record holding a bad owner entry and keeps its value; entries it
+/// already holds are accepted again without being checked twice.
+#[test]
+fn record_store_rejects_forged_owner_entries() {
+    let policy = DhtPolicy::default();
+    let now = std::time::SystemTime::now();
+    let exp = DhtTime::now().saturating_add(Duration::from_secs(60));
+    let later = exp.saturating_add(Duration::from_secs(1));
+    let (owner, thief) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+    let (decl, sub, e) = owned(&owner, "decl", exp);
+    let (stored, _) = policy
+        .merge(KEY, None, &decl.to_bytes(), None, now)
+        .unwrap();
+
+    let unsigned = one(&sub, Entry::new(b("forged"), later));
+    let stolen = one(
+        &sub,
+        Entry::new(b("forged"), later).with_signature(sign(&thief, KEY, &sub, b"forged", later)),
+    );
+    let replayed = one(
+        &sub,
+        Entry {
+            expiration: later,
+            ..e.clone()
+        },
+    );
+    // A record that also carries valid writes is refused whole.
+    let (theirs, _, _) = owned(&thief, "theirs", later);
+    let mixed = merge(theirs, stolen.clone());
+    for forged in [unsigned, stolen, replayed, mixed] {
+        let err = policy
+            .merge(KEY, Some(&stored), &forged.to_bytes(), None, now)
+            .unwrap_err();
+        assert!(err.contains("owner subkey"), "{err}");
+    }
+    // The valid declaration is accepted under its key only.
+    assert!(
+        policy
+            .merge(b"other", None, &decl.to_bytes(), None, now)
+            .is_err()
+    );
+    let (again, _) = policy
+        .merge(KEY, Some(&stored), &decl.to_bytes(), None, now)
+        .unwrap();
+    assert_eq!(again, stored);
+}
+
+#[test]
+fn store_skips_checks_only_for_identical_verified_entries() {
+    let kp = Keypair::generate_ed25519();
+    let (v, sub, e) = owned(&kp, "decl", t(1010.0));
+    let forged = one(
+        &sub,
+        Entry {
+            value: b("x"),
+            ..e.clone()
+        },
+    );
+    let bad = Err(DhtValueError::BadSignature {
+        owner: kp.public().to_peer_id(),
+    });
+    assert_eq!(
+        forged.validate_against(KEY, t(1000.0), &limits(), Some(&v)),
+        bad
+    );
+    assert_eq!(
+        v.validate_against(KEY, t(1000.0), &limits(), Some(&v)),
+        Ok(())
+    );
+    let unsigned = DhtValue::subkey(sub, b("decl"), t(1010.0));
+    assert!(
+        unsigned
+            .validate_against(KEY, t(1000.0), &limits(), Some(&v))
+            .is_err()
+    );
+}
+
 fn arb_time() -> impl Strategy<Value = DhtTime> {
     prop_oneof![
         // A small grid, so equal expirations (ties) are frequent.
@@ -418,18 +740,58 @@ fn arb_subkey() -> impl Strategy<Value = Bytes> {
     ]
 }
 
-fn arb_entry() -> impl Strategy<Value = Entry> {
+/// A signature (never empty bytes): two fixed ones, so ties on equal writes are frequent.
+fn arb_signature() -> impl Strategy<Value = Bytes> {
+    prop_oneof![
+        Just(b("s1")),
+        Just(b("s2")),
+        proptest::collection::vec(any::<u8>(), 1..4).prop_map(Bytes::from),
+    ]
+}
+
+/// An unsigned entry (plain values are never signed).
+fn arb_plain_entry() -> impl Strategy<Value = Entry> {
     (arb_bytes(4), arb_time()).prop_map(|(v, e)| Entry::new(v, e))
+}
+
+/// A subkey entry, signed or not (merging ignores whether signatures verify).
+fn arb_entry() -> impl Strategy<Value = Entry> {
+    (arb_plain_entry(), proptest::option::of(arb_signature())).prop_map(|(e, s)| match s {
+        Some(s) => e.with_signature(s),
+        None => e,
+    })
+}
+
+/// Three identities for really signed writes.
+fn signers() -> &'static [Keypair] {
+    static SIGNERS: std::sync::OnceLock<Vec<Keypair>> = std::sync::OnceLock::new();
+    SIGNERS.get_or_init(|| (0..3).map(|_| Keypair::generate_ed25519()).collect())
+}
+
+/// A valid value under [`KEY`]: signed writes of the signers' owner subkeys, ordinary subkey
+/// writes and plain writes, merged.
+fn arb_signed_value() -> impl Strategy<Value = DhtValue> {
+    let write = prop_oneof![
+        3 => (0..signers().len(), arb_bytes(4), arb_time())
+            .prop_map(|(i, v, e)| DhtValue::owned(KEY, &signers()[i], v, e).unwrap()),
+        1 => (arb_subkey(), arb_bytes(4), arb_time())
+            .prop_map(|(k, v, e)| DhtValue::subkey(k, v, e)),
+        1 => (arb_bytes(4), arb_time()).prop_map(|(v, e)| DhtValue::plain(v, e)),
+    ];
+    proptest::collection::vec(write, 1..6).prop_map(|w| merge_all(w).unwrap())
 }
 
 /// One write: plain (no subkey) or to a subkey.
 fn arb_write() -> impl Strategy<Value = (Option<Bytes>, Entry)> {
-    (proptest::option::of(arb_subkey()), arb_entry())
+    prop_oneof![
+        arb_plain_entry().prop_map(|e| (None, e)),
+        (arb_subkey(), arb_entry()).prop_map(|(k, e)| (Some(k), e)),
+    ]
 }
 
 fn arb_value() -> impl Strategy<Value = DhtValue> {
     (
-        proptest::option::of(arb_entry()),
+        proptest::option::of(arb_plain_entry()),
         proptest::collection::vec((arb_subkey(), arb_entry()), 0..6),
     )
         .prop_filter_map("a value holds something", |(p, s)| {
@@ -440,7 +802,7 @@ fn arb_value() -> impl Strategy<Value = DhtValue> {
 fn single(write: (Option<Bytes>, Entry)) -> DhtValue {
     match write {
         (None, e) => DhtValue::plain(e.value, e.expiration),
-        (Some(k), e) => DhtValue::subkey(k, e.value, e.expiration),
+        (Some(k), e) => DhtValue::from_parts(None, [(k, e)]).unwrap(),
     }
 }
 
@@ -485,6 +847,38 @@ proptest! {
         let expected = DhtValue::from_parts(plain, model);
         prop_assert_eq!(merge_all(writes.into_iter().map(single)), expected.clone());
         prop_assert_eq!(merge_all(shuffled.into_iter().map(single)), expected);
+    }
+
+    /// The merge laws with really signed owner entries; merging valid values stays valid (every
+    /// signature survives) and keeps the newest signed write of every owner.
+    #[test]
+    fn merge_laws_hold_for_signed_values(
+        a in arb_signed_value(),
+        b in arb_signed_value(),
+        c in arb_signed_value(),
+    ) {
+        let lax = ValidationLimits {
+            max_expiration_ahead: Duration::MAX,
+            ..ValidationLimits::default()
+        };
+        let now = t(-1e11);
+        for v in [&a, &b, &c] {
+            prop_assert_eq!(v.validate(KEY, now, &lax), Ok(()));
+        }
+        let ab = merge(a.clone(), b.clone());
+        prop_assert_eq!(&ab, &merge(b.clone(), a.clone()));
+        prop_assert_eq!(merge(ab.clone(), c.clone()), merge(a.clone(), merge(b.clone(), c)));
+        prop_assert_eq!(merge(ab.clone(), a.clone()), ab.clone());
+        prop_assert_eq!(ab.validate(KEY, now, &lax), Ok(()));
+        for (peer, e) in ab.owner_entries() {
+            let newest = [&a, &b]
+                .iter()
+                .flat_map(|v| v.owner_entries())
+                .filter(|(p, _)| *p == peer)
+                .map(|(_, e)| e)
+                .max();
+            prop_assert_eq!(Some(e), newest);
+        }
     }
 
     #[test]
@@ -546,7 +940,7 @@ proptest! {
         }
         let limits = ValidationLimits::default();
         if let Ok(d) = DhtValue::from_bytes(&bytes, &limits) {
-            let _ = d.validate(t(0.0), &limits);
+            let _ = d.validate(b"key", t(0.0), &limits);
             prop_assert_eq!(DhtValue::from_bytes(&d.to_bytes(), &limits), Ok(d));
         }
     }

@@ -1,5 +1,7 @@
 //! [`DhtTime`], [`Entry`], [`DhtValue`] and the pure functions on them: [`merge`],
 //! [`merge_all`], [`DhtValue::without_expired`] and [`DhtValue::validate`].
+//!
+//! Owner subkeys and their signatures are in `owner.rs`.
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -91,25 +93,37 @@ impl fmt::Display for DhtTime {
     }
 }
 
-/// One write: a value and its expiration.
+/// One write: a value, its expiration and, for an owner subkey, its owner's signature.
 ///
-/// Entries are ordered by expiration, then by value bytes: the order in which [`merge`] picks
-/// the newer of two writes (the larger wins).
+/// Entries are ordered by expiration, then by value bytes, then by signature (none first, then
+/// by bytes): the order in which [`merge`] picks the newer of two writes (the larger wins).
+/// The signature is last so that it only settles ties between writes that are otherwise equal.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Entry {
     /// When the write expires; also its version.
     pub expiration: DhtTime,
     /// The value bytes (opaque to the DHT).
     pub value: Bytes,
+    /// The owner's signature over [`signing_payload`](super::signing_payload); present exactly
+    /// on entries of owner subkeys (see [`DhtValue::validate`]). Never `Some` of empty bytes:
+    /// the wire encodes "no signature" as empty bytes, and has no signature for plain values.
+    pub signature: Option<Bytes>,
 }
 
 impl Entry {
-    /// An entry.
+    /// An unsigned entry.
     pub fn new(value: impl Into<Bytes>, expiration: DhtTime) -> Self {
         Self {
             expiration,
             value: value.into(),
+            signature: None,
         }
+    }
+
+    /// The entry with `signature` attached (see [`DhtValue::owned`] for signing).
+    pub fn with_signature(mut self, signature: impl Into<Bytes>) -> Self {
+        self.signature = Some(signature.into());
+        self
     }
 
     /// Whether the entry has expired at `now` (`expiration < now`).
@@ -209,10 +223,53 @@ impl DhtValue {
         (self.plain.is_some() || !self.subkeys.is_empty()).then_some(self)
     }
 
-    /// Checks the value against `limits` at `now`: at most `max_subkeys` subkeys, none empty,
-    /// no expiration past `now + max_expiration_ahead`, at most `max_value_bytes` encoded.
-    /// Expired writes are not an error (see [`without_expired`](Self::without_expired)).
-    pub fn validate(&self, now: DhtTime, limits: &ValidationLimits) -> Result<(), DhtValueError> {
+    /// Checks the value stored under `key` against `limits` at `now`: at most `max_subkeys`
+    /// subkeys, none empty, no expiration past `now + max_expiration_ahead`, at most
+    /// `max_value_bytes` encoded; and the ownership rule: every subkey starting with
+    /// [`OWNER_SUBKEY_PREFIX`](super::OWNER_SUBKEY_PREFIX) names a peer and its entry carries
+    /// a valid signature by that peer over `key`, the subkey, the value and the expiration,
+    /// while other entries (ordinary subkeys, the plain value) carry no signature. Expired
+    /// writes are not an error (see [`without_expired`](Self::without_expired)).
+    pub fn validate(
+        &self,
+        key: &[u8],
+        now: DhtTime,
+        limits: &ValidationLimits,
+    ) -> Result<(), DhtValueError> {
+        self.validate_against(key, now, limits, None)
+    }
+
+    /// [`validate`](Self::validate), skipping the signature check of every entry that
+    /// `verified` (a value already validated under the same `key`) holds identically under the
+    /// same subkey. The record store passes its stored value and a reader the replicas' answers
+    /// it accepted so far, so that each signature is checked once rather than on every copy.
+    pub(super) fn validate_against(
+        &self,
+        key: &[u8],
+        now: DhtTime,
+        limits: &ValidationLimits,
+        verified: Option<&DhtValue>,
+    ) -> Result<(), DhtValueError> {
+        self.validate_limits(now, limits)?;
+        if self.plain.as_ref().is_some_and(|p| p.signature.is_some()) {
+            return Err(DhtValueError::UnexpectedSignature);
+        }
+        // Signatures last: they are the expensive part.
+        for (k, e) in &self.subkeys {
+            if verified.is_some_and(|v| v.subkeys.get(k) == Some(e)) {
+                continue;
+            }
+            super::owner::check_entry(key, k, e)?;
+        }
+        Ok(())
+    }
+
+    /// The part of [`validate`](Self::validate) that does not depend on the key: the limits.
+    pub(super) fn validate_limits(
+        &self,
+        now: DhtTime,
+        limits: &ValidationLimits,
+    ) -> Result<(), DhtValueError> {
         if self.subkeys.len() > limits.max_subkeys {
             return Err(DhtValueError::TooManySubkeys {
                 count: self.subkeys.len(),
@@ -260,7 +317,8 @@ pub(super) fn insert_newer(map: &mut BTreeMap<Bytes, Entry>, k: Bytes, e: Entry)
 }
 
 /// Merges two copies of a key: the newer plain write and, per subkey, the newer write, in the
-/// order of [`Entry`] (expiration, then value bytes). Commutative, associative, idempotent.
+/// order of [`Entry`] (expiration, then value bytes, then signature). Commutative, associative,
+/// idempotent.
 pub fn merge(a: DhtValue, b: DhtValue) -> DhtValue {
     // Insert the smaller dictionary into the larger one.
     let (mut into, from) = if a.subkeys.len() >= b.subkeys.len() {

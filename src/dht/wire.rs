@@ -2,8 +2,10 @@
 //! `proto/hivemesh/dht.proto`, translated at this boundary ("parse, don't validate").
 //!
 //! Encoding is canonical: entries go out sorted by subkey, so equal values encode to equal
-//! bytes. Decoding checks the length before touching the bytes and the entry count before
-//! building the map, and turns every structural fault into a [`DhtValueError`].
+//! bytes; an absent signature is empty bytes, which proto3 leaves off the wire. Decoding is
+//! structural only: the ownership rule needs the record key and is checked by
+//! [`DhtValue::validate`]. Decoding checks the length before touching the bytes and the entry
+//! count before building the map, and turns every structural fault into a [`DhtValueError`].
 
 use prost::Message as _;
 
@@ -30,6 +32,7 @@ impl From<&DhtValue> for proto::DhtValue {
                     subkey: k.clone(),
                     value: e.value.clone(),
                     expiration: e.expiration.as_secs(),
+                    signature: e.signature.clone().unwrap_or_default(),
                 })
                 .collect(),
         }
@@ -53,7 +56,10 @@ impl TryFrom<proto::DhtValue> for DhtValue {
             if e.subkey.is_empty() {
                 return Err(DhtValueError::EmptySubkey);
             }
-            let entry = Entry::new(e.value, time(e.expiration)?);
+            let mut entry = Entry::new(e.value, time(e.expiration)?);
+            if !e.signature.is_empty() {
+                entry = entry.with_signature(e.signature);
+            }
             if subkeys.contains_key(&e.subkey) {
                 return Err(DhtValueError::DuplicateSubkey);
             }
@@ -75,8 +81,9 @@ impl DhtValue {
     }
 
     /// Decodes a record value, enforcing `limits.max_value_bytes` (before decoding) and
-    /// `limits.max_subkeys`. Expirations are checked against `now` by
-    /// [`validate`](Self::validate), which an inbound record must pass as well.
+    /// `limits.max_subkeys`. Expirations (against `now`) and owner signatures (against the
+    /// record key) are checked by [`validate`](Self::validate), which an inbound record must
+    /// pass as well.
     pub fn from_bytes(bytes: &[u8], limits: &ValidationLimits) -> Result<Self, DhtValueError> {
         if bytes.len() > limits.max_value_bytes {
             return Err(DhtValueError::TooLarge {
@@ -119,6 +126,7 @@ pub(super) mod test_support {
                     subkey: bytes::Bytes::copy_from_slice(k),
                     value: bytes::Bytes::copy_from_slice(v),
                     expiration: *t,
+                    signature: bytes::Bytes::new(),
                 })
                 .collect(),
         }
