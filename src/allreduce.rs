@@ -61,7 +61,7 @@ pub use partition::{
     DEFAULT_PART_SIZE_BYTES, PartSpec, Partition, PartitionError, TensorDescriptor,
 };
 pub use peer_set::PeerSet;
-pub use reducer::{CompletedPart, MAX_WEIGHT, ReduceError, Reducer, valid_weight};
+pub use reducer::{CompletedPart, Input, MAX_WEIGHT, ReduceError, Reducer, valid_weight};
 
 /// Default `sender_timeout`.
 pub const DEFAULT_SENDER_TIMEOUT: Duration = Duration::from_secs(5);

@@ -16,9 +16,9 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::{
-    AbortReason, AveragedMessage, Message, Mode, Outcome, PartMessage, Partition, PeerSet, Reducer,
-    Role, RoundConfig, RoundError, RoundEvent, RoundReport, Segment, SpanReport, TensorDescriptor,
-    Transmit, Violation,
+    AbortReason, AveragedMessage, Input, Message, Mode, Outcome, PartMessage, Partition, PeerSet,
+    Reducer, Role, RoundConfig, RoundError, RoundEvent, RoundReport, Segment, SpanReport,
+    TensorDescriptor, Transmit, Violation,
 };
 use crate::buffers::BufferPool;
 use crate::compression::{Codec, CompressionType};
@@ -553,23 +553,31 @@ impl Butterfly {
         if !msg.contributors.is_empty() {
             let deltas = self.deltas.as_mut().expect("senders have delta buffers");
             let out = &mut deltas[spec.tensor][spec.range()];
-            if let Err(e) = codec.decode(&msg.payload, msg.dtype, out) {
-                out.fill(0.0);
-                self.fail_reducer(from, e.into(), true);
-                return;
-            }
-            if codec.kind() == CompressionType::None {
-                // A lossless reply carries the average itself: the delta is `average − ours`.
-                match self.tensors[spec.tensor].part(spec.range()) {
-                    PartView::F32(x) => ops::sub_assign(out, x),
-                    other => {
+            let own = self.tensors[spec.tensor].part(spec.range());
+            let finite = match (codec.kind(), msg.dtype, own) {
+                (CompressionType::None, DType::F32, PartView::F32(x))
+                    if msg.payload.len() == spec.len * 4 =>
+                {
+                    // The raw average: `average − ours` and the check in one pass.
+                    ops::sub_le_checked(out, &msg.payload, x)
+                }
+                _ => {
+                    if let Err(e) = codec.decode(&msg.payload, msg.dtype, out) {
+                        out.fill(0.0);
+                        self.fail_reducer(from, e.into(), true);
+                        return;
+                    }
+                    if codec.kind() == CompressionType::None {
+                        // A lossless reply carries the average itself: the delta is
+                        // `average − ours`.
                         self.scratch.resize(spec.len, 0.0);
-                        other.copy_to_f32(&mut self.scratch);
+                        own.copy_to_f32(&mut self.scratch);
                         ops::sub_assign(out, &self.scratch);
                     }
+                    ops::all_finite(out)
                 }
-            }
-            if !ops::all_finite(out) {
+            };
+            if !finite {
                 out.fill(0.0);
                 self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
                 return;
@@ -701,13 +709,22 @@ impl Butterfly {
             .reducer
             .as_mut()
             .expect("span exists, so the reducer does");
-        let mut buf = reducer.take_buffer(spec.len);
-        if let Err(e) = codec.decode(&msg.payload, msg.dtype, &mut buf) {
-            reducer.recycle(buf);
-            self.ban(from, e.into(), true);
-            return;
-        }
-        if let Err(e) = reducer.accumulate(from, g, buf, msg.weight, true) {
+        let input = if codec.kind() == CompressionType::None
+            && msg.dtype == DType::F32
+            && msg.payload.len() == spec.len * 4
+        {
+            // Raw little-endian f32: summed straight from the received bytes.
+            Input::RawF32(msg.payload)
+        } else {
+            let mut buf = reducer.take_buffer(spec.len);
+            if let Err(e) = codec.decode(&msg.payload, msg.dtype, &mut buf) {
+                reducer.recycle(buf);
+                self.ban(from, e.into(), true);
+                return;
+            }
+            Input::Values(buf)
+        };
+        if let Err(e) = reducer.accumulate(from, g, input, msg.weight, true) {
             self.ban(from, e.into(), true);
             return;
         }
@@ -791,25 +808,26 @@ impl Butterfly {
             };
             for (s, input) in done.inputs {
                 let Some(link) = self.in_links[s].as_mut() else {
-                    reducer.recycle(input);
+                    reducer.recycle_input(input);
                     continue;
                 };
                 if link.status == LinkStatus::Failed {
-                    reducer.recycle(input);
+                    reducer.recycle_input(input);
                     continue;
                 }
                 let payload = match (&done.average, &shared) {
                     (Some(_), Some(shared)) => shared.clone(),
                     (Some(avg), None) => {
                         self.scratch.resize(spec.len, 0.0);
-                        ops::scaled_sub(&mut self.scratch, avg, 1.0, &input);
+                        let mut raw = Vec::new();
+                        ops::scaled_sub(&mut self.scratch, avg, 1.0, input.values(&mut raw));
                         let mut payload = self.pool.take_bytes(spec.len * 4);
                         codec.encode(PartView::F32(&self.scratch), &mut payload);
                         self.pool.freeze(payload)
                     }
                     (None, _) => Bytes::new(),
                 };
-                reducer.recycle(input);
+                reducer.recycle_input(input);
                 let reply = Message::Averaged(AveragedMessage {
                     part: g as u32,
                     codec: codec.kind(),

@@ -15,6 +15,8 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
+use bytes::Bytes;
+
 use super::peer_set::PeerSet;
 use crate::buffers::BufferPool;
 use crate::tensor::ops;
@@ -78,18 +80,84 @@ pub fn valid_weight(w: f64) -> bool {
 /// Recomputes `Σ w·x / Σ w` in f64 into `out` (the slow, exact path for averages that came out
 /// non-finite in f32: weights below f32's range, or sums above it). Needs every contributor's
 /// input; returns false if one is missing.
-fn exact_average(out: &mut [f32], weights: &[(usize, f64)], inputs: &[(usize, Vec<f32>)]) -> bool {
+fn exact_average(out: &mut [f32], weights: &[(usize, f64)], inputs: &[(usize, Input)]) -> bool {
     let mut acc = vec![0.0f64; out.len()];
     let mut den = 0.0;
+    let mut scratch = Vec::new();
     for &(s, w) in weights {
         let Some((_, x)) = inputs.iter().find(|(i, _)| *i == s) else {
             return false;
         };
-        ops::add_scaled_f64(&mut acc, x, w);
+        ops::add_scaled_f64(&mut acc, x.values(&mut scratch), w);
         den += w;
     }
     ops::average_into(out, &acc, den);
     ops::all_finite(out)
+}
+
+/// One sender's values for one part, as the reducer holds them: decoded, or still the received
+/// little-endian f32 bytes (the lossless codec's payload, used without a decoding copy).
+#[derive(Debug)]
+pub enum Input {
+    /// Decoded values.
+    Values(Vec<f32>),
+    /// Little-endian f32 values as received (any alignment; a multiple of 4 bytes).
+    RawF32(Bytes),
+}
+
+impl From<Vec<f32>> for Input {
+    fn from(v: Vec<f32>) -> Self {
+        Input::Values(v)
+    }
+}
+
+impl Input {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            Input::Values(v) => v.len(),
+            Input::RawF32(b) => b.len() / 4,
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values as f32: borrowed when decoded, else decoded into `scratch`.
+    pub fn values<'a>(&'a self, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        match self {
+            Input::Values(v) => v,
+            Input::RawF32(b) => {
+                scratch.resize(b.len() / 4, 0.0);
+                ops::copy_from_le(scratch, b);
+                scratch
+            }
+        }
+    }
+
+    fn all_finite(&self) -> bool {
+        match self {
+            Input::Values(v) => ops::all_finite(v),
+            Input::RawF32(b) => b
+                .chunks_exact(4)
+                .all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+        }
+    }
+
+    /// `acc = w · self` (`first`) or `acc += w · self`; whether every value was finite.
+    fn add_into(&self, acc: &mut CpuBuffer, w: f64, first: bool) -> bool {
+        match (self, first) {
+            (Input::Values(v), true) => {
+                acc.assign_scaled(v, w);
+                ops::all_finite(v)
+            }
+            (Input::Values(v), false) => acc.add_scaled_checked(v, w),
+            (Input::RawF32(b), true) => acc.assign_scaled_le(b, w),
+            (Input::RawF32(b), false) => acc.add_scaled_le(b, w),
+        }
+    }
 }
 
 /// A part whose contributions are all in.
@@ -101,8 +169,8 @@ pub struct CompletedPart {
     pub average: Option<Vec<f32>>,
     /// Senders whose values are in the average (empty when `average` is `None`).
     pub contributors: PeerSet,
-    /// The decoded inputs of senders that asked to keep them (to compute their deltas).
-    pub inputs: Vec<(usize, Vec<f32>)>,
+    /// The inputs of senders that asked to keep them (to compute their deltas).
+    pub inputs: Vec<(usize, Input)>,
 }
 
 #[derive(Debug, Default)]
@@ -111,7 +179,9 @@ struct PartAcc {
     denominator: f64,
     contributors: PeerSet,
     weights: Vec<(usize, f64)>,
-    inputs: Vec<(usize, Vec<f32>)>,
+    inputs: Vec<(usize, Input)>,
+    /// Whether every contribution so far is in `inputs` (so `acc` can be rebuilt from them).
+    partial_inputs: bool,
     done: bool,
 }
 
@@ -191,52 +261,88 @@ impl Reducer {
         self.pool.put_f32(buf);
     }
 
+    /// Returns an input's buffer to the pool (received bytes go back to theirs on drop).
+    pub fn recycle_input(&mut self, input: Input) {
+        if let Input::Values(v) = input {
+            self.pool.put_f32(v);
+        }
+    }
+
     /// Adds `weight · values` from `sender` to global part `part`. With `keep_input`, the
     /// values are handed back in [`CompletedPart::inputs`]; otherwise the buffer is recycled.
+    ///
+    /// The finiteness check runs in the same pass as the sum when every contribution to the
+    /// part is kept (a non-finite input is then taken out again by rebuilding the sum from the
+    /// kept inputs, a rare path); otherwise it runs first.
     pub fn accumulate(
         &mut self,
         sender: usize,
         part: usize,
-        values: Vec<f32>,
+        values: impl Into<Input>,
         weight: f64,
         keep_input: bool,
     ) -> Result<(), ReduceError> {
-        let res = self.check(sender, part, &values, weight);
-        if let Err(e) = res {
-            self.recycle(values);
+        let input = values.into();
+        if let Err(e) = self.check(sender, part, input.len(), weight) {
+            self.recycle_input(input);
             return Err(e);
         }
         let i = part - self.span.start;
-        let acc = match self.parts[i].acc.take() {
-            Some(mut acc) => {
-                acc.add_scaled(&values, weight);
-                acc
-            }
-            None => {
-                let mut acc = CpuBuffer::from_vec(self.pool.take_f32(values.len()));
-                acc.assign_scaled(&values, weight);
-                acc
-            }
+        let fused = keep_input && !self.parts[i].partial_inputs;
+        if !fused && !input.all_finite() {
+            self.recycle_input(input);
+            return Err(ReduceError::NonFinite(part));
+        }
+        let (mut acc, first) = match self.parts[i].acc.take() {
+            Some(acc) => (acc, false),
+            None => (CpuBuffer::from_vec(self.pool.take_f32(input.len())), true),
         };
+        if !input.add_into(&mut acc, weight, first) {
+            self.parts[i].acc = Some(acc);
+            self.rebuild(i);
+            self.recycle_input(input);
+            return Err(ReduceError::NonFinite(part));
+        }
         let p = &mut self.parts[i];
         p.acc = Some(acc);
         p.denominator += weight;
         p.contributors.insert(sender);
         p.weights.push((sender, weight));
         if keep_input {
-            p.inputs.push((sender, values));
+            p.inputs.push((sender, input));
         } else {
-            self.recycle(values);
+            p.partial_inputs = true;
+            self.recycle_input(input);
         }
         self.try_complete(i);
         Ok(())
+    }
+
+    /// Recomputes part `i`'s sum from its kept inputs (after a non-finite contribution).
+    fn rebuild(&mut self, i: usize) {
+        let p = &mut self.parts[i];
+        let Some(mut acc) = p.acc.take() else {
+            return;
+        };
+        let mut first = true;
+        for &(s, w) in &p.weights {
+            if let Some((_, x)) = p.inputs.iter().find(|(k, _)| *k == s) {
+                x.add_into(&mut acc, w, first);
+                first = false;
+            }
+        }
+        if first {
+            self.pool.put_f32(acc.into_vec());
+        } else {
+            self.parts[i].acc = Some(acc);
+        }
     }
 
     fn check(
         &self,
         sender: usize,
         part: usize,
-        values: &[f32],
+        len: usize,
         weight: f64,
     ) -> Result<(), ReduceError> {
         if !self.senders.contains(sender) {
@@ -255,18 +361,15 @@ impl Reducer {
         if self.parts[i].contributors.contains(sender) {
             return Err(ReduceError::Duplicate { sender, part });
         }
-        if values.len() != self.lens[i] {
+        if len != self.lens[i] {
             return Err(ReduceError::Length {
                 part,
                 expected: self.lens[i],
-                actual: values.len(),
+                actual: len,
             });
         }
         if !valid_weight(weight) {
             return Err(ReduceError::BadWeight(weight));
-        }
-        if !ops::all_finite(values) {
-            return Err(ReduceError::NonFinite(part));
         }
         Ok(())
     }
@@ -479,6 +582,57 @@ mod tests {
             r.accumulate(0, 4, vec![0.0; 2], 1.0, false),
             Err(ReduceError::Duplicate { .. })
         ));
+    }
+
+    /// A non-finite contribution in the fused path (kept inputs, raw bytes or decoded values,
+    /// first or later contributor) is refused and leaves the part's sum exactly as if it had
+    /// never arrived.
+    #[test]
+    fn non_finite_input_is_taken_out_of_the_fused_sum() {
+        let raw = |v: &[f32]| {
+            Input::RawF32(Bytes::from(
+                v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+            ))
+        };
+        for bad_first in [false, true] {
+            for bad_raw in [false, true] {
+                let mut r = Reducer::new(0..1, vec![3], PeerSet::from_indices([0, 1, 2]));
+                let bad = [1.0, f32::INFINITY, 2.0];
+                let bad_input = || -> Input {
+                    if bad_raw {
+                        raw(&bad)
+                    } else {
+                        bad.to_vec().into()
+                    }
+                };
+                if bad_first {
+                    assert_eq!(
+                        r.accumulate(2, 0, bad_input(), 1.0, true),
+                        Err(ReduceError::NonFinite(0))
+                    );
+                }
+                r.accumulate(0, 0, raw(&[1.0, 2.0, 3.0]), 1.0, true)
+                    .unwrap();
+                if !bad_first {
+                    assert_eq!(
+                        r.accumulate(2, 0, bad_input(), 1.0, true),
+                        Err(ReduceError::NonFinite(0))
+                    );
+                }
+                r.accumulate(1, 0, vec![3.0, 4.0, 5.0], 3.0, true).unwrap();
+                r.exclude(2);
+                let done = r.poll_completed().unwrap();
+                assert_eq!(done.average.unwrap(), vec![2.5, 3.5, 4.5]);
+                assert_eq!(done.contributors, PeerSet::from_indices([0, 1]));
+                let mut scratch = Vec::new();
+                let kept: Vec<Vec<f32>> = done
+                    .inputs
+                    .iter()
+                    .map(|(_, x)| x.values(&mut scratch).to_vec())
+                    .collect();
+                assert_eq!(kept, vec![vec![1.0, 2.0, 3.0], vec![3.0, 4.0, 5.0]]);
+            }
+        }
     }
 
     #[test]

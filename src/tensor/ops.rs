@@ -16,6 +16,83 @@ pub fn add_scaled(acc: &mut [f32], x: &[f32], w: f32) {
     }
 }
 
+/// Whether an f32 bit pattern is NaN or infinite (all exponent bits set).
+#[inline(always)]
+fn non_finite_bits(bits: u32) -> u32 {
+    const EXP: u32 = 0x7f80_0000;
+    u32::from(bits & EXP == EXP)
+}
+
+/// Little-endian f32 number `i` of `bytes` (any alignment).
+#[inline(always)]
+fn le_f32(chunk: &[u8]) -> f32 {
+    f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]])
+}
+
+/// `acc[i] += w * x[i]`, returning whether every `x[i]` was finite (one pass for the check and
+/// the sum; on `false`, `acc` holds garbage and must be rebuilt).
+#[inline]
+pub fn add_scaled_checked(acc: &mut [f32], x: &[f32], w: f32) -> bool {
+    debug_assert_eq!(acc.len(), x.len());
+    let mut bad = 0u32;
+    for (a, &v) in acc.iter_mut().zip(x) {
+        bad |= non_finite_bits(v.to_bits());
+        *a += w * v;
+    }
+    bad == 0
+}
+
+/// [`add_scaled_checked`] with `x` given as little-endian f32 bytes (a received payload, any
+/// alignment; `bytes.len() == 4 * acc.len()`).
+#[inline]
+pub fn add_scaled_le_checked(acc: &mut [f32], bytes: &[u8], w: f32) -> bool {
+    debug_assert_eq!(bytes.len(), acc.len() * 4);
+    let mut bad = 0u32;
+    for (a, c) in acc.iter_mut().zip(bytes.chunks_exact(4)) {
+        let v = le_f32(c);
+        bad |= non_finite_bits(v.to_bits());
+        *a += w * v;
+    }
+    bad == 0
+}
+
+/// `out = w * x` for little-endian f32 bytes `x` (cleared and refilled, reusing its
+/// allocation), returning whether every value was finite.
+#[inline]
+pub fn assign_scaled_le_checked(out: &mut Vec<f32>, bytes: &[u8], w: f32) -> bool {
+    let mut bad = 0u32;
+    out.clear();
+    out.extend(bytes.chunks_exact(4).map(|c| {
+        let v = le_f32(c);
+        bad |= non_finite_bits(v.to_bits());
+        w * v
+    }));
+    bad == 0
+}
+
+/// `out[i] = avg[i] - own[i]` for an average given as little-endian f32 bytes (any
+/// alignment), returning whether every result is finite.
+#[inline]
+pub fn sub_le_checked(out: &mut [f32], avg: &[u8], own: &[f32]) -> bool {
+    debug_assert!(avg.len() == out.len() * 4 && own.len() == out.len());
+    let mut bad = 0u32;
+    for ((o, c), &y) in out.iter_mut().zip(avg.chunks_exact(4)).zip(own) {
+        let d = le_f32(c) - y;
+        bad |= non_finite_bits(d.to_bits());
+        *o = d;
+    }
+    bad == 0
+}
+
+/// Decodes little-endian f32 bytes into `out` (`bytes.len() == 4 * out.len()`).
+#[inline]
+pub fn copy_from_le(out: &mut [f32], bytes: &[u8]) {
+    debug_assert_eq!(bytes.len(), out.len() * 4);
+    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = le_f32(c);
+    }
+}
+
 /// `acc[i] += w * x[i]` with an f64 accumulator (the reducer's exact fallback: no overflow for
 /// any finite f32 input and weight up to 1e12, and a weighted mean in `[min, max]`).
 #[inline]
@@ -133,6 +210,28 @@ pub trait ReduceBuffer: Send {
         self.reset(x.len());
         self.add_scaled(x, w);
     }
+    /// `acc += w * x`, returning whether every value of `x` was finite (if not, the
+    /// accumulator's contents are unspecified).
+    fn add_scaled_checked(&mut self, x: &[f32], w: f64) -> bool {
+        self.add_scaled(x, w);
+        all_finite(x)
+    }
+    /// `acc += w * x` for `x` given as little-endian f32 bytes, returning whether every value
+    /// of `x` was finite (if not, the accumulator's contents are unspecified).
+    fn add_scaled_le(&mut self, x: &[u8], w: f64) -> bool {
+        let mut values = vec![0.0; x.len() / 4];
+        copy_from_le(&mut values, x);
+        self.add_scaled(&values, w);
+        all_finite(&values)
+    }
+    /// [`ReduceBuffer::assign_scaled`] for little-endian f32 bytes, with the same check as
+    /// [`ReduceBuffer::add_scaled_le`].
+    fn assign_scaled_le(&mut self, x: &[u8], w: f64) -> bool {
+        let mut values = vec![0.0; x.len() / 4];
+        copy_from_le(&mut values, x);
+        self.assign_scaled(&values, w);
+        all_finite(&values)
+    }
     /// Writes `acc / denominator` to host memory.
     fn average_to_host(&self, denominator: f64, out: &mut [f32]);
 }
@@ -180,6 +279,18 @@ impl ReduceBuffer for CpuBuffer {
         self.data.extend(x.iter().map(|&v| w * v));
     }
 
+    fn add_scaled_checked(&mut self, x: &[f32], w: f64) -> bool {
+        add_scaled_checked(&mut self.data, x, w as f32)
+    }
+
+    fn add_scaled_le(&mut self, x: &[u8], w: f64) -> bool {
+        add_scaled_le_checked(&mut self.data, x, w as f32)
+    }
+
+    fn assign_scaled_le(&mut self, x: &[u8], w: f64) -> bool {
+        assign_scaled_le_checked(&mut self.data, x, w as f32)
+    }
+
     fn average_to_host(&self, denominator: f64, out: &mut [f32]) {
         let inv = (1.0 / denominator) as f32;
         for (o, &a) in out.iter_mut().zip(&self.data) {
@@ -218,6 +329,56 @@ mod tests {
         assert!(!all_finite(&[0.0, f32::NAN]));
         assert!(!all_finite(&vec![f32::NEG_INFINITY; 3000]));
         assert!(all_finite(&[]));
+    }
+
+    #[test]
+    fn fused_kernels_match_the_plain_ones() {
+        let x: Vec<f32> = (0..1001).map(|i| (i as f32 - 500.0) * 0.37).collect();
+        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // Any alignment of the byte view.
+        let mut shifted = vec![0u8; 1];
+        shifted.extend_from_slice(&bytes);
+        let unaligned = &shifted[1..];
+        let base: Vec<f32> = (0..1001).map(|i| i as f32).collect();
+
+        let mut want = base.clone();
+        add_scaled(&mut want, &x, 0.5);
+        let mut got = base.clone();
+        assert!(add_scaled_checked(&mut got, &x, 0.5));
+        assert_eq!(got, want);
+        let mut got = base.clone();
+        assert!(add_scaled_le_checked(&mut got, unaligned, 0.5));
+        assert_eq!(got, want);
+
+        let mut assigned = vec![9.0; 3];
+        assert!(assign_scaled_le_checked(&mut assigned, unaligned, 2.0));
+        assert_eq!(assigned, x.iter().map(|v| 2.0 * v).collect::<Vec<_>>());
+
+        let mut out = vec![0.0; x.len()];
+        assert!(sub_le_checked(&mut out, unaligned, &base));
+        let mut want = x.clone();
+        sub_assign(&mut want, &base);
+        assert_eq!(out, want);
+
+        let mut decoded = vec![0.0; x.len()];
+        copy_from_le(&mut decoded, unaligned);
+        assert_eq!(decoded, x);
+
+        // Every non-finite value is reported, wherever it sits.
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, 500, 1000] {
+                let mut y = x.clone();
+                y[at] = bad;
+                let yb: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
+                assert!(!add_scaled_checked(&mut base.clone(), &y, 1.0));
+                assert!(!add_scaled_le_checked(&mut base.clone(), &yb, 1.0));
+                assert!(!assign_scaled_le_checked(&mut Vec::new(), &yb, 1.0));
+                assert!(!sub_le_checked(&mut vec![0.0; y.len()], &yb, &base));
+            }
+        }
+        // An overflowing difference of finite values is caught too.
+        let big = f32::MAX.to_le_bytes();
+        assert!(!sub_le_checked(&mut [0.0], &big, &[-f32::MAX]));
     }
 
     #[test]
