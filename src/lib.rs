@@ -24,6 +24,7 @@
 pub mod allreduce;
 pub mod compression;
 pub mod dht;
+pub mod matchmaking;
 pub mod p2p;
 pub mod runner;
 pub mod sim;
