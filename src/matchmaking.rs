@@ -78,6 +78,8 @@ mod key;
 pub mod load_balancing;
 mod machine;
 pub mod sim;
+#[cfg(test)]
+mod tests;
 pub mod wire;
 
 use std::fmt;

@@ -451,7 +451,8 @@ mod tests {
         // Round 0 averages along dimension 0: key = dim 00, then coords 1 and 2.
         let k = g.key("grid", &[1, 2, 3], 0).unwrap();
         assert_eq!(k.bits(), "00".to_owned() + "10" + "11");
-        assert_eq!(g.key("grid", &[1, 2, 3], 4).unwrap().bits(), "01011011");
+        // Round 4 averages along dimension 1: dim 01, then coords 0 and 2.
+        assert_eq!(g.key("grid", &[1, 2, 3], 4).unwrap().bits(), "010111");
         assert!(g.key("grid", &[4, 0, 0], 0).is_err());
         assert!(g.key("grid", &[0, 0], 0).is_err());
         assert!(Grid::new(1, 3).is_err());

@@ -128,7 +128,7 @@ pub fn optimal_shares(bandwidths: &[Option<f64>]) -> Result<Vec<f64>, LoadBalanc
     let xi = floor.max(hi);
     let upper = u(xi);
     let total: f64 = upper.iter().sum();
-    if !(total > 0.0) {
+    if total.is_nan() || total <= 0.0 {
         return Err(LoadBalanceError::AllZero);
     }
     Ok(upper.iter().map(|x| x / total).collect())
@@ -399,7 +399,7 @@ mod tests {
                 prop_oneof![Just(None), Just(Some(0.0)), (1e-6f64..1e5).prop_map(Some)], 1..64),
             min_div in 0u64..20,
         ) {
-            let min_size = if min_div == 0 { 0 } else { t / 10 / min_div };
+            let min_size = (t / 10).checked_div(min_div).unwrap_or(0);
             match load_balance_peers(t, &b, min_size) {
                 Ok(c) => {
                     prop_assert_eq!(c.len(), b.len());
