@@ -162,6 +162,52 @@ proptest! {
     }
 }
 
+/// hivemind's optimizer schedules every peer's step for the same time, so every declaration
+/// has the same expiration: priorities tie and only the peer id orders them.
+#[test]
+fn common_scheduled_time_ties_are_broken_by_peer_id() {
+    for seed in 0..16 {
+        let mut ps = peers(seed, 16, &[0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]);
+        for p in &mut ps {
+            p.scheduled = Some(Duration::from_secs(3));
+        }
+        let r = sim::run(SimConfig::new(ps, config(Some(4)), seed));
+        let groups = checked(&r);
+        assert_eq!(sizes(&groups), vec![4, 4, 4, 4], "seed {seed}");
+        for p in &r.peers {
+            let SimOutcome::Assembled { at, .. } = p.outcome else {
+                unreachable!()
+            };
+            // No request waited out its timeout on the way.
+            assert!(
+                at < Duration::from_millis(900),
+                "seed {seed}: assembled at {at:?}"
+            );
+        }
+    }
+}
+
+/// Without a target the best leader takes everyone and closes at its expiration.
+#[test]
+fn without_a_target_one_group_closes_at_the_leaders_expiration() {
+    for seed in 0..8 {
+        let r = sim::run(SimConfig::new(
+            peers(seed, 6, &[0, 40, 80, 120, 160, 200]),
+            config(None),
+            seed,
+        ));
+        let groups = checked(&r);
+        assert_eq!(sizes(&groups), vec![6], "seed {seed}");
+        assert_eq!(groups[0].leader, 0);
+        for p in &r.peers {
+            let SimOutcome::Assembled { at, .. } = p.outcome else {
+                unreachable!()
+            };
+            assert!(at >= Duration::from_secs(2) && at < Duration::from_millis(2100));
+        }
+    }
+}
+
 #[test]
 fn too_few_peers_fail_by_their_deadline() {
     // Two peers, min_group_size 3.

@@ -71,6 +71,9 @@ pub struct SimPeer {
     pub start: Duration,
     /// Its deadline, after its start (`None`: none).
     pub timeout: Option<Duration>,
+    /// Its scheduled time, after the start of the simulation (`None`: the default, its start
+    /// plus `min_matchmaking_time`).
+    pub scheduled: Option<Duration>,
     /// Injected fault.
     pub fault: Option<SimFault>,
 }
@@ -85,6 +88,7 @@ impl SimPeer {
             schema_hash: None,
             start: Duration::ZERO,
             timeout: None,
+            scheduled: None,
             fault: None,
         }
     }
@@ -448,7 +452,7 @@ impl Sim {
                 let step = Step {
                     key: p.key.clone(),
                     info: p.info.clone(),
-                    scheduled_time: None,
+                    scheduled_time: p.scheduled.map(sim_time),
                     deadline: p.timeout.map(|t| now.saturating_add(t)),
                 };
                 let mut rng = StdRng::seed_from_u64(self.cfg.seed.wrapping_add(i as u64 + 1));

@@ -510,6 +510,8 @@ fn accepted_follower_waits_for_begin_then_resumes() {
     reply(&mut m, t(0.2), "b", req.request_id, ReplyBody::Accepted);
     // Paused: no re-declaration at its expiration (2.0); it waits until 2.0 + 0.5.
     assert_eq!(m.poll_timeout(), Some(t(2.5)));
+    m.handle_timeout(t(2.4));
+    assert!(drain(&mut m).tx.is_empty(), "still waiting for Begin");
     m.handle_timeout(t(2.5));
     let o = drain(&mut m);
     assert!(o.tx.iter().any(|x| x.to == pid("b")
@@ -648,42 +650,59 @@ fn malformed_begins_are_refused() {
 }
 
 /// Two peers with stale views of each other each ask the other at once (hivemind deadlocks
-/// here until `request_timeout`); they form their group at once instead.
+/// here until `request_timeout`); they form their group at once instead, whether their
+/// expirations differ or tie (a shared scheduled time), where only the peer id orders them.
 #[test]
 fn crossed_requests_resolve_without_waiting() {
-    let mut a = machine("a", Mode::Node, cfg(Some(2)), t(0.0), None);
-    let mut b = machine("b", Mode::Node, cfg(Some(2)), t(0.1), None);
-    drain(&mut a);
-    drain(&mut b);
-    // Each sees a stale, earlier declaration of the other.
-    a.handle_dht_get(t(0.2), 0, Some(declared(&[("b", t(1.0))])));
-    b.handle_dht_get(t(0.2), 0, Some(declared(&[("a", t(1.0))])));
-    let [(_, ra)] = joins(&drain(&mut a)).try_into().unwrap();
-    let [(_, rb)] = joins(&drain(&mut b)).try_into().unwrap();
-    // Deliver both requests, then ping-pong every message until quiet; all at t = 0.2.
-    let now = t(0.2);
-    a.handle_message(now, pid("b"), Message::Join(rb));
-    b.handle_message(now, pid("a"), Message::Join(ra));
-    for _ in 0..10 {
-        for (from, to) in [("a", "b"), ("b", "a")] {
-            let (src, dst) = if from == "a" {
-                (&mut a, &mut b)
-            } else {
-                (&mut b, &mut a)
-            };
-            while let Some(x) = src.poll_transmit() {
-                assert_eq!(x.to, pid(to));
-                dst.handle_message(now, pid(from), x.message);
+    for scheduled in [None, Some(t(3.0))] {
+        let start = |me: &str, now: DhtTime| {
+            let mut step = Step::new(key(), MemberInfo::new(Mode::Node));
+            step.scheduled_time = scheduled;
+            let mut rng = StdRng::seed_from_u64(1);
+            Matchmaker::new(pid(me), cfg(Some(2)), step, now, &mut rng).unwrap()
+        };
+        let mut a = start("a", t(0.0));
+        let mut b = start("b", t(0.1));
+        drain(&mut a);
+        drain(&mut b);
+        // Each sees a stale, earlier declaration of the other.
+        a.handle_dht_get(t(0.2), 0, Some(declared(&[("b", t(1.0))])));
+        b.handle_dht_get(t(0.2), 0, Some(declared(&[("a", t(1.0))])));
+        let [(_, ra)] = joins(&drain(&mut a)).try_into().unwrap();
+        let [(_, rb)] = joins(&drain(&mut b)).try_into().unwrap();
+        if scheduled.is_some() {
+            assert_eq!(ra.expiration, rb.expiration, "tied priorities");
+        }
+        // Deliver both requests, then ping-pong every message until quiet; all at t = 0.2.
+        let now = t(0.2);
+        a.handle_message(now, pid("b"), Message::Join(rb));
+        b.handle_message(now, pid("a"), Message::Join(ra));
+        for _ in 0..10 {
+            for (from, to) in [("a", "b"), ("b", "a")] {
+                let (src, dst) = if from == "a" {
+                    (&mut a, &mut b)
+                } else {
+                    (&mut b, &mut a)
+                };
+                while let Some(x) = src.poll_transmit() {
+                    assert_eq!(x.to, pid(to));
+                    dst.handle_message(now, pid(from), x.message);
+                }
             }
         }
+        let ea = drain(&mut a).events;
+        let eb = drain(&mut b).events;
+        let (Some(Event::Assembled(ga)), Some(Event::Assembled(gb))) = (ea.first(), eb.first())
+        else {
+            panic!("{scheduled:?}: {ea:?} {eb:?}")
+        };
+        assert_eq!(ga.group_id, gb.group_id);
+        assert_eq!(
+            ga.leader,
+            pid("a"),
+            "a declared first or has the smaller id"
+        );
     }
-    let ea = drain(&mut a).events;
-    let eb = drain(&mut b).events;
-    let (Event::Assembled(ga), Event::Assembled(gb)) = (&ea[0], &eb[0]) else {
-        panic!("{ea:?} {eb:?}")
-    };
-    assert_eq!(ga.group_id, gb.group_id);
-    assert_eq!(ga.leader, pid("a"), "a declared first: the better leader");
 }
 
 #[test]
