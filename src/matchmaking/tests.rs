@@ -772,3 +772,162 @@ fn bad_configs_are_refused() {
         Err(ConfigError::Info(InfoError::Bandwidth(_)))
     ));
 }
+
+mod hostile {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Input {
+        Join {
+            from: u8,
+            exp: f64,
+            schema_ok: bool,
+            key_ok: bool,
+            mode: u8,
+        },
+        /// A reply to the machine's latest join request (or a made-up id).
+        Reply {
+            to_latest: bool,
+            body: u8,
+            members: Vec<u8>,
+        },
+        Leave {
+            from: u8,
+            id: u64,
+        },
+        Dht {
+            peers: Vec<(u8, f64)>,
+        },
+        Unreachable {
+            peer: u8,
+        },
+        Advance {
+            dt: f64,
+        },
+        Cancel,
+    }
+
+    fn input() -> impl Strategy<Value = Input> {
+        prop_oneof![
+            (0u8..6, -1.0f64..12.0, any::<bool>(), any::<bool>(), 0u8..3).prop_map(
+                |(from, exp, schema_ok, key_ok, mode)| Input::Join {
+                    from,
+                    exp,
+                    schema_ok,
+                    key_ok,
+                    mode
+                }
+            ),
+            (
+                any::<bool>(),
+                0u8..6,
+                proptest::collection::vec(0u8..7, 0..5)
+            )
+                .prop_map(|(to_latest, body, members)| Input::Reply {
+                    to_latest,
+                    body,
+                    members
+                }),
+            (0u8..6, 0u64..4).prop_map(|(from, id)| Input::Leave { from, id }),
+            proptest::collection::vec((0u8..7, -1.0f64..12.0), 0..6)
+                .prop_map(|peers| Input::Dht { peers }),
+            (0u8..6).prop_map(|peer| Input::Unreachable { peer }),
+            (0.0f64..3.0).prop_map(|dt| Input::Advance { dt }),
+            Just(Input::Cancel),
+        ]
+    }
+
+    /// Peer 6 is the machine itself.
+    fn name(i: u8) -> String {
+        if i >= 6 { "me".into() } else { format!("p{i}") }
+    }
+
+    proptest! {
+        /// Whatever arrives in whatever order: no panic, every wake-up lies after `now`, at
+        /// most one terminal event and nothing after it, every group contains this peer.
+        #[test]
+        fn random_inputs_keep_the_invariants(
+            mode in 0u8..3,
+            target in prop_oneof![Just(None), (1usize..5).prop_map(Some)],
+            deadline in prop_oneof![Just(None), (0.5f64..10.0).prop_map(Some)],
+            inputs in proptest::collection::vec(input(), 0..60),
+        ) {
+            let mode = [Mode::Node, Mode::Client, Mode::Aux][mode as usize];
+            let mut c = cfg(target);
+            c.min_group_size = 1;
+            let mut step = Step::new(key(), MemberInfo::new(mode));
+            step.deadline = deadline.map(t);
+            let mut m = Matchmaker::new(pid("me"), c, step, t(0.0), &mut StdRng::seed_from_u64(3))
+                .unwrap();
+            let mut now = t(0.0);
+            let mut latest: Option<(PeerId, u64)> = None;
+            let mut terminal = 0;
+            for inp in inputs {
+                match inp {
+                    Input::Join { from, exp, schema_ok, key_ok, mode } => {
+                        let mut r = request(1, t(exp));
+                        if !schema_ok { r.schema_hash = Bytes::from_static(&[1]); }
+                        if !key_ok { r.group_key = GroupKey::parse("q.0b").unwrap(); }
+                        r.info.mode = [Mode::Node, Mode::Client, Mode::Aux][mode as usize];
+                        m.handle_message(now, pid(&name(from)), Message::Join(r));
+                    }
+                    Input::Reply { to_latest, body, members } => {
+                        let (from, id) = match (&latest, to_latest) {
+                            (Some((p, id)), true) => (p.clone(), *id),
+                            _ => (pid("p0"), 77),
+                        };
+                        let members = members.iter().map(|&i| GroupMember {
+                            peer: pid(&name(i)),
+                            info: MemberInfo::new(if i == 6 { mode } else { Mode::Node }),
+                        }).collect();
+                        let body = match body {
+                            0 => ReplyBody::Accepted,
+                            1 => ReplyBody::Begin(Begin { group_id: Bytes::from_static(b"g"), members }),
+                            2 => ReplyBody::Rejected(RejectReason::GroupIsFull),
+                            3 => ReplyBody::Disbanded { suggested_leader: Some(pid("p5")) },
+                            4 => ReplyBody::Disbanded { suggested_leader: Some(pid("me")) },
+                            _ => ReplyBody::Rejected(RejectReason::NotALeader { suggested_leader: None }),
+                        };
+                        m.handle_message(now, from, Message::Reply(Reply { request_id: id, body }));
+                    }
+                    Input::Leave { from, id } => {
+                        m.handle_message(now, pid(&name(from)), Message::Leave { request_id: id });
+                    }
+                    Input::Dht { peers } => {
+                        let v = merge_all(peers.iter().map(|&(p, e)| {
+                            DhtValue::subkey(declaration_subkey(&pid(&name(p))), DECLARED_VALUE, t(e))
+                        }));
+                        m.handle_dht_get(now, 0, v);
+                    }
+                    Input::Unreachable { peer } => m.handle_unreachable(now, &pid(&name(peer))),
+                    Input::Advance { dt } => {
+                        now = now.saturating_add(Duration::from_secs_f64(dt));
+                        if let Some(next) = m.poll_timeout() && next <= now {
+                            now = next;
+                        }
+                        m.handle_timeout(now);
+                    }
+                    Input::Cancel => m.cancel(now),
+                }
+                if let Some(next) = m.poll_timeout() {
+                    prop_assert!(next > now, "wake-up {next} not after {now}");
+                }
+                let o = drain(&mut m);
+                for (to, j) in joins(&o) {
+                    prop_assert!(to != pid("me"));
+                    latest = Some((to, j.request_id));
+                }
+                for e in o.events {
+                    terminal += 1;
+                    if let Event::Assembled(g) = e {
+                        prop_assert_eq!(&g.members[g.me].peer, &pid("me"));
+                        prop_assert!(g.members.iter().any(|x| x.info.mode.is_sender()));
+                    }
+                }
+                prop_assert!(terminal <= 1);
+                prop_assert_eq!(terminal == 1, m.is_finished());
+            }
+        }
+    }
+}
