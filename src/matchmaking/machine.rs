@@ -230,6 +230,8 @@ impl Matchmaker {
             self.drive(now);
             return;
         }
+        // Expired pairs can never be candidates again.
+        self.tried.retain(|(_, e)| *e >= now);
         if let Some(v) = value {
             self.candidates = active_declarations(&v, now)
                 .into_iter()
@@ -529,6 +531,10 @@ impl Matchmaker {
             return Decision::Reject(R::GroupIsFull);
         }
         if self.pending.is_some() {
+            // Bounded: a flood of identities cannot queue without limit.
+            if self.deferred.len() >= MAX_GROUP_SIZE {
+                return Decision::Reject(R::GroupIsFull);
+            }
             return Decision::Defer;
         }
         Decision::Accept

@@ -458,6 +458,17 @@ fn requests_are_deferred_while_the_own_request_is_open() {
         )]
     );
 
+    // The queue of deferred requests is bounded.
+    let (mut m, _) = follower_of_b(None);
+    for i in 0..MAX_GROUP_SIZE {
+        let o = join(&mut m, t(0.2), &format!("x{i}"), request(i as u64, t(3.0)));
+        assert!(o.tx.is_empty());
+    }
+    assert_eq!(
+        rejected(&join(&mut m, t(0.2), "y", request(9, t(3.0)))),
+        RejectReason::GroupIsFull
+    );
+
     // A deferred follower that leaves is forgotten.
     let (mut m, req) = follower_of_b(Some(4));
     join(&mut m, t(0.2), "x", request(5, t(3.0)));
