@@ -1,7 +1,11 @@
 //! Compiles `proto/` with prost-build through protox, so no system `protoc` is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["proto/hivemesh/averaging.proto", "proto/hivemesh/dht.proto"];
+    let protos = [
+        "proto/hivemesh/averaging.proto",
+        "proto/hivemesh/dht.proto",
+        "proto/hivemesh/matchmaking.proto",
+    ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }

@@ -3,7 +3,9 @@
 //! # One averaging round
 //!
 //! 1. A group of peers has agreed on an order, each member's mode (node, client or aux) and
-//!    its share of the reduction (matchmaking; planned).
+//!    its share of the reduction: [`matchmaking`] forms the group through the DHT
+//!    ([`matchmaking::Matchmaker`]) and derives the shares from advertised bandwidths
+//!    ([`matchmaking::load_balancing`]).
 //! 2. Each peer builds an [`allreduce::Butterfly`] over its tensors. Tensors are flattened and
 //!    cut into parts ([`allreduce::Partition`]); peer `i` reduces the `i`-th span.
 //! 3. Senders stream their parts, encoded by a [`compression`] codec, to each span's reducer;
@@ -25,6 +27,7 @@ pub mod allreduce;
 pub mod buffers;
 pub mod compression;
 pub mod dht;
+pub mod matchmaking;
 pub mod p2p;
 pub mod runner;
 pub mod sim;
