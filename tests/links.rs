@@ -769,3 +769,53 @@ async fn shutdown_closes_both_carriers() {
         .await
         .expect("the protocol is free again");
 }
+
+/// An attempt that is never answered (what a stream silently dropped on the way looks like) is
+/// joined by a new attempt after `ack_timeout`, and the answered one becomes the link. The
+/// acceptor here is played by hand: it swallows the first Hello and acks the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_attempt_is_reopened() {
+    let mut nodes = nodes(&[None, None]).await;
+    let config = HubConfig {
+        ack_timeout: Duration::from_millis(200),
+        ..HubConfig::default()
+    };
+    nodes[0].hub = Some(
+        LinkHub::start(nodes[0].p2p.clone(), None, config)
+            .await
+            .expect("hub"),
+    );
+    let mut inbound = nodes[1]
+        .p2p
+        .accept_streams(PART_PROTOCOL, 4)
+        .expect("accept");
+    let members = [nodes[0].peer(), nodes[1].peer()];
+    let opener = nodes[0]
+        .hub()
+        .expect(Bytes::from_static(b"silence"), &members, 0)
+        .expect("register");
+    let acceptor = async {
+        let (_, mut silent) = inbound.next().await.expect("first attempt");
+        let first = wire::read_link_frame(&mut silent).await.expect("hello");
+        let (_, mut answered) = inbound.next().await.expect("second attempt");
+        let second = wire::read_link_frame(&mut answered).await.expect("hello");
+        assert_eq!(first, second);
+        let mut ack = BytesMut::new();
+        wire::encode_link_frame(&LinkMessage::Ack, &mut ack);
+        answered.write_all(&ack).await.expect("ack");
+        (silent, answered)
+    };
+    let (links, (_silent, mut answered)) =
+        tokio::time::timeout(T, async { tokio::join!(opener.establish(T), acceptor) })
+            .await
+            .expect("linked");
+    assert_eq!(links.carriers, [None, Some(Carrier::Stream)], "{links:?}");
+    assert!(links.reopened >= 1, "{links:?}");
+    let mut link = links.links.into_iter().nth(1).flatten().expect("link");
+    link.write_all(b"over the answered one")
+        .await
+        .expect("write");
+    let mut got = [0u8; 21];
+    answered.read_exact(&mut got).await.expect("read");
+    assert_eq!(&got, b"over the answered one");
+}
