@@ -19,7 +19,8 @@
 //! and faults; [`p2p`] is the libp2p layer (swarm, Kademlia with merged records) and [`dht`]
 //! the typed values stored in it; [`wire`] holds the prost messages of a round;
 //! [`transport`] is the data plane that carries them (TLS 1.3 over TCP, authenticated by
-//! libp2p PeerIds).
+//! libp2p PeerIds); [`links`] sets up a round's links over it or, as the fallback, over libp2p
+//! streams, and [`runner`] runs the round over them.
 #![warn(missing_docs)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
@@ -27,6 +28,7 @@ pub mod allreduce;
 pub mod buffers;
 pub mod compression;
 pub mod dht;
+pub mod links;
 pub mod matchmaking;
 pub mod p2p;
 pub mod runner;

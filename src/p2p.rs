@@ -1,4 +1,5 @@
-//! The libp2p layer: the only module that touches libp2p.
+//! The libp2p layer: the only module that touches libp2p types beyond `PeerId`, `Multiaddr` and
+//! `Keypair`.
 //!
 //! # Shape
 //!
@@ -22,6 +23,21 @@
 //! Peers that cannot accept connections set [`P2pConfig::client_mode`]: their Kademlia runs in
 //! client mode (they query but are never added to others' routing tables). Everyone else is
 //! forced to server mode: on loopback and LANs nothing would confirm an external address.
+//!
+//! # Streams
+//!
+//! The swarm also runs the `libp2p-stream` behaviour (0.5.0-alpha, the version that builds with
+//! libp2p 0.57.1): [`P2p::open_stream`] opens an outbound stream for a protocol to a peer
+//! (dialing it first if needed, everything under one timeout) and [`P2p::accept_streams`]
+//! registers a protocol and returns its inbound streams through a bounded queue. Both hand out
+//! [`P2pStream`]s, which are tokio byte streams, so no libp2p type leaves this module beyond
+//! `PeerId`, `Multiaddr` and `Keypair`.
+//!
+//! libp2p-stream 0.5.0-alpha hands inbound streams over through a channel with a single slot
+//! and *drops* a stream that arrives while the slot is occupied (the opener sees its stream
+//! reset or never answered). [`InboundStreams`] drains that slot from a dedicated task into a
+//! bounded queue, which makes drops rare but cannot rule them out; protocols on top must detect
+//! a silent stream and re-open it (`crate::links` does, with its Hello/Ack).
 
 mod identity;
 mod swarm;
@@ -29,8 +45,15 @@ mod swarm;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::StreamExt as _;
 use libp2p::{Multiaddr, PeerId, identity::Keypair};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt as _};
 
 pub use identity::load_or_create as load_or_create_identity;
 
@@ -96,6 +119,29 @@ pub enum P2pError {
     /// The event loop has shut down.
     #[error("the p2p node has shut down")]
     Shutdown,
+    /// A stream protocol name is not valid (it must start with `/`).
+    #[error("invalid stream protocol {0:?}")]
+    BadProtocol(String),
+    /// Inbound streams of this protocol are already being accepted on this node.
+    #[error("inbound streams of {0} are already being accepted")]
+    AlreadyAccepting(String),
+    /// Opening a stream failed: no connection, the peer does not speak the protocol, or the
+    /// negotiation failed.
+    #[error("cannot open a stream to {peer}: {detail}")]
+    OpenStream {
+        /// The peer.
+        peer: PeerId,
+        /// Why (naming the protocol).
+        detail: String,
+    },
+    /// Opening a stream (including dialing the peer) took longer than the timeout.
+    #[error("no stream to {peer} within {timeout:?}")]
+    OpenStreamTimeout {
+        /// The peer.
+        peer: PeerId,
+        /// The timeout.
+        timeout: Duration,
+    },
 }
 
 /// How stored DHT values are validated and merged; implemented by [`crate::dht`].
@@ -163,11 +209,21 @@ impl P2pConfig {
 
 /// A cloneable handle to a running p2p node. The node shuts down when the last handle is
 /// dropped or [`P2p::shutdown`] is called.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct P2p {
     commands: mpsc::Sender<swarm::Command>,
     peer_id: PeerId,
     request_timeout: Duration,
+    streams: libp2p_stream::Control,
+}
+
+impl std::fmt::Debug for P2p {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("P2p")
+            .field("peer_id", &self.peer_id)
+            .field("request_timeout", &self.request_timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 impl P2p {
@@ -193,11 +249,13 @@ impl P2p {
         }
         let (tx, rx) = mpsc::channel(COMMAND_BUFFER);
         let event_loop = swarm::EventLoop::new(&config, keypair, policy, rx, &initial)?;
+        let streams = event_loop.stream_control();
         let task = tokio::spawn(event_loop.run());
         let p2p = Self {
             commands: tx,
             peer_id,
             request_timeout: config.request_timeout,
+            streams,
         };
         if !initial.is_empty() {
             let connected = tokio::time::timeout(
@@ -247,6 +305,70 @@ impl P2p {
             .await?
     }
 
+    /// Tells the node where `peer` can be reached (added to Kademlia's routing table and
+    /// announced to every behaviour), so that dials by peer id, as [`P2p::open_stream`] makes,
+    /// find it.
+    pub async fn add_peer_addresses(
+        &self,
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+    ) -> Result<(), P2pError> {
+        self.call(|reply| swarm::Command::AddAddresses { peer, addrs, reply })
+            .await
+    }
+
+    /// Opens an outbound stream for `protocol` to `peer`, dialing the peer first if it is not
+    /// connected (by peer id: its addresses must be known, from Kademlia or
+    /// [`P2p::add_peer_addresses`]). Dialing, opening and protocol negotiation together run
+    /// under `timeout`.
+    pub async fn open_stream(
+        &self,
+        peer: PeerId,
+        protocol: &str,
+        timeout: Duration,
+    ) -> Result<P2pStream, P2pError> {
+        let proto = stream_protocol(protocol)?;
+        let open = async {
+            self.call_untimed(|reply| swarm::Command::Connect { peer, reply })
+                .await??;
+            // Each open uses its own clone: a Control opens one stream at a time.
+            let mut control = self.streams.clone();
+            control
+                .open_stream(peer, proto)
+                .await
+                .map_err(|e| P2pError::OpenStream {
+                    peer,
+                    detail: format!("{protocol}: {e}"),
+                })
+        };
+        let stream = tokio::time::timeout(timeout, open)
+            .await
+            .map_err(|_| P2pError::OpenStreamTimeout { peer, timeout })??;
+        Ok(P2pStream::new(peer, stream))
+    }
+
+    /// Starts accepting inbound streams of `protocol`: peers can open such streams from now on
+    /// until the returned [`InboundStreams`] is dropped. At most `queue` accepted streams wait
+    /// to be taken; while the queue is full further streams are dropped (their openers see a
+    /// reset). Only one acceptor per protocol and node.
+    pub fn accept_streams(&self, protocol: &str, queue: usize) -> Result<InboundStreams, P2pError> {
+        let proto = stream_protocol(protocol)?;
+        let mut control = self.streams.clone();
+        let mut incoming = control
+            .accept(proto)
+            .map_err(|_| P2pError::AlreadyAccepting(protocol.to_owned()))?;
+        let (tx, rx) = mpsc::channel(queue.max(1));
+        // Drain libp2p-stream's single slot as fast as we can (see the module doc).
+        let pump = tokio::spawn(async move {
+            while let Some((peer, stream)) = incoming.next().await {
+                if tx.send((peer, P2pStream::new(peer, stream))).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(InboundStreams { rx, pump })
+    }
+
     /// Stops the node: closes listeners and connections, ends the event loop.
     pub async fn shutdown(self) -> Result<(), P2pError> {
         self.call(|reply| swarm::Command::Shutdown { reply }).await
@@ -273,5 +395,90 @@ impl P2p {
             .await
             .map_err(|_| P2pError::Shutdown)?;
         rx.await.map_err(|_| P2pError::Shutdown)
+    }
+}
+
+fn stream_protocol(protocol: &str) -> Result<libp2p::StreamProtocol, P2pError> {
+    libp2p::StreamProtocol::try_from_owned(protocol.to_owned())
+        .map_err(|_| P2pError::BadProtocol(protocol.to_owned()))
+}
+
+/// Inbound streams of one protocol ([`P2p::accept_streams`]), in arrival order. Dropping it
+/// stops accepting: the protocol is no longer offered to peers.
+#[derive(Debug)]
+pub struct InboundStreams {
+    rx: mpsc::Receiver<(PeerId, P2pStream)>,
+    pump: tokio::task::JoinHandle<()>,
+}
+
+impl InboundStreams {
+    /// The next inbound stream and the (authenticated) peer that opened it; `None` once the
+    /// node has shut down.
+    pub async fn next(&mut self) -> Option<(PeerId, P2pStream)> {
+        self.rx.recv().await
+    }
+}
+
+impl Drop for InboundStreams {
+    fn drop(&mut self) {
+        self.pump.abort();
+    }
+}
+
+/// A libp2p stream (a yamux substream on a noise-encrypted connection, or a QUIC stream) as a
+/// tokio byte stream. Shutting down the write side closes it for writing; the peer reads end of
+/// stream. Drive it from spawned tasks (see `../shared/reference/dataplane.md` §5.4).
+pub struct P2pStream {
+    inner: Compat<libp2p::Stream>,
+    peer: PeerId,
+}
+
+impl std::fmt::Debug for P2pStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("P2pStream")
+            .field("peer", &self.peer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl P2pStream {
+    fn new(peer: PeerId, stream: libp2p::Stream) -> Self {
+        Self {
+            inner: stream.compat(),
+            peer,
+        }
+    }
+
+    /// The peer at the other end (authenticated by the connection's security handshake).
+    pub fn peer_id(&self) -> PeerId {
+        self.peer
+    }
+}
+
+impl AsyncRead for P2pStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for P2pStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }

@@ -7,8 +7,12 @@
 //! whose declared length exceeds the limit is rejected from its length prefix alone, and a frame
 //! under the limit grows the buffer only as its bytes arrive, so a peer claiming a 4 GiB frame
 //! costs the receiver nothing.
+//!
+//! Link setup frames ([`LinkMessage`]: Hello, Ack, Reject; see [`crate::links`]) are framed the
+//! same way with their own, small, limit ([`MAX_LINK_FRAME_BYTES`]).
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use libp2p::PeerId;
 use prost::Message as _;
 
 use crate::allreduce::{AbortReason, AveragedMessage, Message, PartMessage, PeerSet, Role};
@@ -27,6 +31,10 @@ pub const DEFAULT_MAX_FRAME_BYTES: usize = 16 << 20;
 pub const MAX_GROUP_ID_BYTES: usize = 64;
 /// Most contributor words in a reply (64 peers each): groups of up to 4096 peers.
 pub const MAX_CONTRIBUTOR_WORDS: usize = 64;
+/// Largest accepted link setup frame ([`LinkMessage`]).
+pub const MAX_LINK_FRAME_BYTES: usize = 1024;
+/// Longest [`Reject::detail`] sent (longer details are cut at a character boundary).
+pub const MAX_REJECT_DETAIL_BYTES: usize = 256;
 
 /// A malformed or oversized frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -63,6 +71,9 @@ pub enum WireError {
     /// The contributor set is too large.
     #[error("contributor set of {0} words (at most {MAX_CONTRIBUTOR_WORDS})")]
     Contributors(usize),
+    /// A peer id field does not hold a valid peer id.
+    #[error("invalid peer id: {0}")]
+    PeerId(String),
 }
 
 /// A validated frame: which round, and what.
@@ -217,6 +228,209 @@ impl TryFrom<proto::RoundFrame> for Frame {
             group_id: f.group_id,
             message,
         })
+    }
+}
+
+/// A link setup message (see [`crate::links`]): the first frame on a new link and its answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinkMessage {
+    /// Opener → acceptor: which round this link is for and who opens it.
+    Hello(Hello),
+    /// Acceptor → opener: the link is handed to the round; round frames may follow.
+    Ack,
+    /// Acceptor → opener: refused; the acceptor closes the link.
+    Reject(Reject),
+}
+
+/// The first frame on a new link.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The group (round) id, 1..=[`MAX_GROUP_ID_BYTES`] bytes.
+    pub group_id: Bytes,
+    /// The opener's index in the group's member order.
+    pub from_index: u32,
+    /// The opener's peer id (checked against the one the connection authenticated).
+    pub from_peer: PeerId,
+}
+
+/// A refused link.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reject {
+    /// Why.
+    pub reason: RejectReason,
+    /// Detail for logs (at most [`MAX_REJECT_DETAIL_BYTES`] are sent).
+    pub detail: String,
+}
+
+/// Why an acceptor refused a link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// No round with this group id waits for links at the acceptor (yet).
+    UnknownGroup,
+    /// The claimed member index does not hold the sender's peer id.
+    NotMember,
+    /// The peer id in the Hello is not the one the connection authenticated.
+    IdentityMismatch,
+    /// Only a lower member index opens a link to a higher one.
+    WrongDirection,
+    /// This pair is linked already.
+    Duplicate,
+}
+
+impl std::fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::UnknownGroup => "unknown group",
+            Self::NotMember => "not a member",
+            Self::IdentityMismatch => "identity mismatch",
+            Self::WrongDirection => "wrong direction",
+            Self::Duplicate => "duplicate link",
+        })
+    }
+}
+
+impl From<RejectReason> for proto::RejectReason {
+    fn from(r: RejectReason) -> Self {
+        match r {
+            RejectReason::UnknownGroup => Self::RejectUnknownGroup,
+            RejectReason::NotMember => Self::RejectNotMember,
+            RejectReason::IdentityMismatch => Self::RejectIdentityMismatch,
+            RejectReason::WrongDirection => Self::RejectWrongDirection,
+            RejectReason::Duplicate => Self::RejectDuplicate,
+        }
+    }
+}
+
+impl From<&LinkMessage> for proto::LinkFrame {
+    fn from(m: &LinkMessage) -> Self {
+        use proto::link_frame::Body;
+        let body = match m {
+            LinkMessage::Hello(h) => Body::Hello(proto::Hello {
+                group_id: h.group_id.clone(),
+                from_index: h.from_index,
+                from_peer: Bytes::from(h.from_peer.to_bytes()),
+            }),
+            LinkMessage::Ack => Body::Ack(proto::Ack {}),
+            LinkMessage::Reject(r) => {
+                let mut cut = r.detail.len().min(MAX_REJECT_DETAIL_BYTES);
+                while !r.detail.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                Body::Reject(proto::Reject {
+                    reason: proto::RejectReason::from(r.reason) as i32,
+                    detail: r.detail[..cut].to_owned(),
+                })
+            }
+        };
+        Self { body: Some(body) }
+    }
+}
+
+impl TryFrom<proto::LinkFrame> for LinkMessage {
+    type Error = WireError;
+
+    fn try_from(f: proto::LinkFrame) -> Result<Self, Self::Error> {
+        use proto::link_frame::Body;
+        Ok(match f.body.ok_or(WireError::Missing("body"))? {
+            Body::Hello(h) => {
+                if h.group_id.is_empty() || h.group_id.len() > MAX_GROUP_ID_BYTES {
+                    return Err(WireError::GroupId(h.group_id.len()));
+                }
+                let from_peer = PeerId::from_bytes(&h.from_peer)
+                    .map_err(|e| WireError::PeerId(e.to_string()))?;
+                LinkMessage::Hello(Hello {
+                    group_id: h.group_id,
+                    from_index: h.from_index,
+                    from_peer,
+                })
+            }
+            Body::Ack(proto::Ack {}) => LinkMessage::Ack,
+            Body::Reject(r) => {
+                let reason = match proto::RejectReason::try_from(r.reason) {
+                    Ok(proto::RejectReason::RejectUnknownGroup) => RejectReason::UnknownGroup,
+                    Ok(proto::RejectReason::RejectNotMember) => RejectReason::NotMember,
+                    Ok(proto::RejectReason::RejectIdentityMismatch) => {
+                        RejectReason::IdentityMismatch
+                    }
+                    Ok(proto::RejectReason::RejectWrongDirection) => RejectReason::WrongDirection,
+                    Ok(proto::RejectReason::RejectDuplicate) => RejectReason::Duplicate,
+                    Ok(proto::RejectReason::RejectUnspecified) | Err(_) => {
+                        return Err(WireError::UnknownEnum {
+                            field: "reject reason",
+                            value: r.reason,
+                        });
+                    }
+                };
+                LinkMessage::Reject(Reject {
+                    reason,
+                    detail: r.detail,
+                })
+            }
+        })
+    }
+}
+
+/// Appends `message`, length-delimited, to `out`.
+pub fn encode_link_frame(message: &LinkMessage, out: &mut BytesMut) {
+    let msg = proto::LinkFrame::from(message);
+    out.reserve(msg.encoded_len() + 10);
+    msg.encode_length_delimited(out)
+        .expect("BytesMut grows as needed, so encoding cannot run out of space");
+}
+
+/// Decodes one link frame body (without length prefix).
+pub fn decode_link_frame(body: Bytes) -> Result<LinkMessage, WireError> {
+    let msg = proto::LinkFrame::decode(body).map_err(|e| WireError::Decode(e.to_string()))?;
+    LinkMessage::try_from(msg)
+}
+
+/// Reads exactly one length-delimited link frame from `read`, never a byte more (the bytes
+/// after it belong to whoever reads the link next). The length prefix is checked against
+/// [`MAX_LINK_FRAME_BYTES`] before the body is read. Callers bound the wait.
+pub async fn read_link_frame(
+    read: &mut (impl tokio::io::AsyncRead + Unpin),
+) -> Result<LinkMessage, LinkReadError> {
+    use tokio::io::AsyncReadExt as _;
+    let mut len: u64 = 0;
+    let mut i = 0;
+    loop {
+        let byte = read.read_u8().await?;
+        len |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            break;
+        }
+        i += 1;
+        if i == 10 {
+            return Err(WireError::BadLength.into());
+        }
+    }
+    if len > MAX_LINK_FRAME_BYTES as u64 {
+        return Err(WireError::TooLarge {
+            len,
+            max: MAX_LINK_FRAME_BYTES,
+        }
+        .into());
+    }
+    let mut body = vec![0u8; len as usize];
+    read.read_exact(&mut body).await?;
+    Ok(decode_link_frame(Bytes::from(body))?)
+}
+
+/// Why [`read_link_frame`] got no frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkReadError {
+    /// The frame is malformed or oversized.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    /// The stream ended or failed before a whole frame arrived.
+    #[error("i/o: {0}")]
+    Io(String),
+}
+
+impl From<std::io::Error> for LinkReadError {
+    fn from(e: std::io::Error) -> Self {
+        Self::Io(e.to_string())
     }
 }
 
@@ -516,6 +730,105 @@ mod tests {
         assert_eq!(Frame::try_from(f), Err(WireError::Missing("body")));
     }
 
+    fn hello() -> LinkMessage {
+        LinkMessage::Hello(Hello {
+            group_id: Bytes::from_static(b"group-1"),
+            from_index: 3,
+            from_peer: PeerId::random(),
+        })
+    }
+
+    #[tokio::test]
+    async fn link_frames_round_trip_and_reads_stop_at_the_frame() {
+        let messages = [
+            hello(),
+            LinkMessage::Ack,
+            LinkMessage::Reject(Reject {
+                reason: RejectReason::Duplicate,
+                detail: "x".into(),
+            }),
+        ];
+        let mut buf = BytesMut::new();
+        for m in &messages {
+            encode_link_frame(m, &mut buf);
+        }
+        buf.extend_from_slice(b"rest");
+        let mut read = &buf[..];
+        for m in &messages {
+            assert_eq!(&read_link_frame(&mut read).await.unwrap(), m);
+        }
+        assert_eq!(read, b"rest");
+        // A long detail is cut at a character boundary.
+        let long = LinkMessage::Reject(Reject {
+            reason: RejectReason::NotMember,
+            detail: "é".repeat(MAX_REJECT_DETAIL_BYTES),
+        });
+        let mut buf = BytesMut::new();
+        encode_link_frame(&long, &mut buf);
+        let LinkMessage::Reject(r) = read_link_frame(&mut &buf[..]).await.unwrap() else {
+            panic!("not a reject")
+        };
+        assert_eq!(r.detail.len(), MAX_REJECT_DETAIL_BYTES);
+    }
+
+    #[tokio::test]
+    async fn bad_link_frames_are_typed_errors() {
+        let mut huge = BytesMut::new();
+        put_length_prefix(4 << 30, &mut huge);
+        assert_eq!(
+            read_link_frame(&mut &huge[..]).await,
+            Err(LinkReadError::Wire(WireError::TooLarge {
+                len: 4 << 30,
+                max: MAX_LINK_FRAME_BYTES
+            }))
+        );
+        assert_eq!(
+            read_link_frame(&mut &[0xffu8; 10][..]).await,
+            Err(LinkReadError::Wire(WireError::BadLength))
+        );
+        assert!(matches!(
+            read_link_frame(&mut &[5u8, 1, 2][..]).await,
+            Err(LinkReadError::Io(_))
+        ));
+        // A round frame is not a link frame.
+        let mut round = BytesMut::new();
+        encode_frame(&sample_frames()[2], &mut round);
+        assert!(matches!(
+            read_link_frame(&mut &round[..]).await,
+            Err(LinkReadError::Wire(_))
+        ));
+        let bad_peer = proto::LinkFrame {
+            body: Some(proto::link_frame::Body::Hello(proto::Hello {
+                group_id: Bytes::from_static(b"g"),
+                from_index: 0,
+                from_peer: Bytes::from_static(b"not a peer id"),
+            })),
+        };
+        assert!(matches!(
+            LinkMessage::try_from(bad_peer),
+            Err(WireError::PeerId(_))
+        ));
+        let no_reason = proto::LinkFrame {
+            body: Some(proto::link_frame::Body::Reject(proto::Reject {
+                reason: 0,
+                detail: String::new(),
+            })),
+        };
+        assert!(matches!(
+            LinkMessage::try_from(no_reason),
+            Err(WireError::UnknownEnum { .. })
+        ));
+        let empty_group = proto::LinkFrame::from(&hello());
+        let mut empty_group = empty_group;
+        if let Some(proto::link_frame::Body::Hello(h)) = empty_group.body.as_mut() {
+            h.group_id = Bytes::new();
+        }
+        assert_eq!(
+            LinkMessage::try_from(empty_group),
+            Err(WireError::GroupId(0))
+        );
+    }
+
     proptest! {
         #[test]
         fn random_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..512)) {
@@ -527,7 +840,8 @@ mod tests {
                     Ok(None) | Err(_) => break,
                 }
             }
-            let _ = decode_frame(Bytes::from(data));
+            let _ = decode_frame(Bytes::from(data.clone()));
+            let _ = decode_link_frame(Bytes::from(data));
         }
     }
 }

@@ -5,6 +5,12 @@
 //! connection or for listen addresses) park their reply sender in a pending map keyed by the
 //! Kademlia `QueryId` (or in a waiter list) and answer it when the matching event arrives.
 //! When every handle is gone the channel closes and the loop ends, dropping the swarm.
+//!
+//! Streams (`libp2p-stream`) bypass the loop: handles open and accept them through the
+//! behaviour's [`libp2p_stream::Control`], which talks to the behaviour through shared state.
+//! The loop only dials for them ([`Command::Connect`]): libp2p-stream's own dial request goes
+//! through a channel of capacity 0 with `try_send` and is lost when several opens to
+//! unconnected peers happen at once.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime};
@@ -12,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 use futures::StreamExt;
 use libp2p::kad::{self, store::MemoryStore, store::RecordStore};
 use libp2p::multiaddr::Protocol;
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, identify, identity::Keypair, noise, ping};
 use libp2p::{tcp, yamux};
@@ -24,6 +31,7 @@ pub(super) struct Behaviour {
     kad: kad::Behaviour<MemoryStore>,
     identify: identify::Behaviour,
     ping: ping::Behaviour,
+    stream: libp2p_stream::Behaviour,
 }
 
 /// Requests from handles to the event loop.
@@ -50,6 +58,15 @@ pub(super) enum Command {
         key: Vec<u8>,
         reply: oneshot::Sender<Result<Vec<Vec<u8>>, P2pError>>,
     },
+    AddAddresses {
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+        reply: oneshot::Sender<()>,
+    },
+    Connect {
+        peer: PeerId,
+        reply: oneshot::Sender<Result<(), P2pError>>,
+    },
     Shutdown {
         reply: oneshot::Sender<()>,
     },
@@ -73,6 +90,8 @@ pub(super) struct EventLoop {
     addr_waiters: Vec<oneshot::Sender<Vec<Multiaddr>>>,
     initial_peers: HashSet<PeerId>,
     connect_waiters: Vec<oneshot::Sender<Result<(), P2pError>>>,
+    /// Handles waiting for a connection to one peer ([`Command::Connect`]).
+    peer_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), P2pError>>>>,
 }
 
 fn kad_protocol() -> StreamProtocol {
@@ -132,6 +151,7 @@ impl EventLoop {
                         key.public(),
                     )),
                     ping: ping::Behaviour::default(),
+                    stream: libp2p_stream::Behaviour::new(),
                 }
             })
             .map_err(|e| build(&e))?
@@ -164,7 +184,13 @@ impl EventLoop {
             addr_waiters: Vec::new(),
             initial_peers: initial_peers.iter().map(|(p, _)| *p).collect(),
             connect_waiters: Vec::new(),
+            peer_waiters: HashMap::new(),
         })
+    }
+
+    /// A control for opening and accepting streams (used by handles, outside the loop).
+    pub(super) fn stream_control(&self) -> libp2p_stream::Control {
+        self.swarm.behaviour().stream.new_control()
     }
 
     pub(super) async fn run(mut self) {
@@ -246,7 +272,45 @@ impl EventLoop {
                     },
                 );
             }
+            Command::AddAddresses { peer, addrs, reply } => {
+                for addr in addrs {
+                    // Kademlia hands its routing table's addresses to dials by peer id.
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer, addr.clone());
+                    self.swarm.add_peer_address(peer, addr);
+                }
+                let _ = reply.send(());
+            }
+            Command::Connect { peer, reply } => self.connect(peer, reply),
             Command::Shutdown { .. } => unreachable!("handled in run()"),
+        }
+    }
+
+    /// Answers `reply` once `peer` is connected, dialing it (by peer id, addresses from the
+    /// behaviours) unless a connection or a dial exists already.
+    fn connect(&mut self, peer: PeerId, reply: oneshot::Sender<Result<(), P2pError>>) {
+        if self.swarm.is_connected(&peer) {
+            let _ = reply.send(Ok(()));
+            return;
+        }
+        let opts = DialOpts::peer_id(peer)
+            .condition(PeerCondition::DisconnectedAndNotDialing)
+            .build();
+        match self.swarm.dial(opts) {
+            Ok(()) | Err(libp2p::swarm::DialError::DialPeerConditionFalse(_)) => {
+                let waiters = self.peer_waiters.entry(peer).or_default();
+                // Waiters that gave up (their handle timed out) are pruned here.
+                waiters.retain(|w| !w.is_closed());
+                waiters.push(reply);
+            }
+            Err(e) => {
+                let _ = reply.send(Err(P2pError::Dial {
+                    addr: Multiaddr::empty().with(Protocol::P2p(peer)),
+                    detail: e.to_string(),
+                }));
+            }
         }
     }
 
@@ -327,15 +391,28 @@ impl EventLoop {
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 self.listen_addrs.retain(|a| a != &address);
             }
-            SwarmEvent::ConnectionEstablished { peer_id, .. }
-                if self.initial_peers.contains(&peer_id) =>
-            {
-                for w in self.connect_waiters.drain(..) {
+            SwarmEvent::ConnectionEstablished { peer_id, .. } => {
+                if self.initial_peers.contains(&peer_id) {
+                    for w in self.connect_waiters.drain(..) {
+                        let _ = w.send(Ok(()));
+                    }
+                }
+                for w in self.peer_waiters.remove(&peer_id).unwrap_or_default() {
                     let _ = w.send(Ok(()));
                 }
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
+                if let Some(peer) = peer_id
+                    && !self.swarm.is_connected(&peer)
+                {
+                    for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
+                        let _ = w.send(Err(P2pError::Dial {
+                            addr: Multiaddr::empty().with(Protocol::P2p(peer)),
+                            detail: error.to_string(),
+                        }));
+                    }
+                }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
                 peer_id,

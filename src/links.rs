@@ -1,0 +1,304 @@
+//! Links for a round: one authenticated byte stream per member pair, over either of two
+//! carriers, set up with a Hello/Ack handshake and handed to [`crate::runner`].
+//!
+//! # Carriers
+//!
+//! * **TLS direct** ([`Carrier::Tls`], the fast path): a [`crate::transport`] connection (TLS 1.3
+//!   over TCP, both ends authenticated by their libp2p identities) to the peer's data-plane
+//!   address. It costs a third of the CPU per byte of a libp2p stream, but needs a reachable
+//!   data address.
+//! * **libp2p stream** ([`Carrier::Stream`], the fallback): a [`PART_PROTOCOL`]
+//!   (`/hivemesh/part/1`) stream on the swarm's connection to the peer (noise + yamux or QUIC),
+//!   which works between any two peers the swarm can connect, relayed ones included.
+//!
+//! Both carry the same bytes: link frames first, then round frames ([`crate::wire`]).
+//!
+//! # The hub
+//!
+//! Each node runs one [`LinkHub`]. It owns the node's TLS [`crate::transport::DataListener`]
+//! (optional: a node may have no data listener) and its inbound [`PART_PROTOCOL`] streams, and
+//! serves both the same way: every inbound link gets its own task (at most
+//! [`HubConfig::max_pending_links`] at once; more are dropped), which reads the opener's Hello
+//! under [`HubConfig::hello_timeout`] and dispatches it by group id to the round that
+//! registered itself with [`LinkHub::expect`]. The registration lives as long as the returned
+//! [`Expectation`]: dropping it unregisters the group.
+//!
+//! The acceptor checks, in this order, and answers a failed check with a `Reject` carrying the
+//! reason, logs it as a typed [`HubError::Refused`] and drops the link; the hub keeps serving:
+//!
+//! 1. a round is registered for the group id, else `UnknownGroup`;
+//! 2. the peer id claimed in the Hello is the one the connection authenticated (the TLS client
+//!    certificate, or the libp2p connection's noise/QUIC handshake), else `IdentityMismatch`;
+//! 3. the claimed member index holds that peer id, else `NotMember`;
+//! 4. the opener's index is lower than ours, else `WrongDirection`;
+//! 5. the pair is not linked yet, else `Duplicate`.
+//!
+//! Then it writes `Ack` and hands the link to the round. A Hello that is malformed, oversized
+//! (the length prefix alone is checked against [`crate::wire::MAX_LINK_FRAME_BYTES`]), late, or
+//! not a Hello costs only its own task.
+//!
+//! # Establishing a round's links
+//!
+//! [`establish_links`] (or [`LinkHub::expect`] then [`Expectation::establish`]) builds the
+//! `Vec<Option<Box<dyn Link>>>` that [`crate::runner::run_round`] takes. For every pair the
+//! **lower member index opens** the link and the higher one waits for it; both sides stop at
+//! one deadline, and a member that never linked stays `None` (the runner fails it at once).
+//!
+//! The opener sends `Hello {group id, its index, its peer id}` and waits for the answer:
+//!
+//! * **Carrier choice**: TLS first if the peer has a data address (and we have a TLS
+//!   identity). If the TLS connection, its handshake (a server proving another identity than
+//!   the member's is refused by the client) or the link fails, or no answer comes within
+//!   [`HubConfig::ack_timeout`], the next attempt uses a stream. Without a data address streams
+//!   are used from the start.
+//! * **Silence means "re-open"**: libp2p-stream 0.5.0-alpha silently drops inbound streams
+//!   that arrive together (`../shared/reference/dataplane.md` §5.4). An attempt that gets no
+//!   answer within [`HubConfig::ack_timeout`] is therefore joined by a new one, up to
+//!   [`HubConfig::max_attempts`] attempts; failed attempts are retried the same way after a
+//!   short delay. Earlier attempts stay open: **the first Ack on any attempt wins**, and the
+//!   acceptor acks only the first Hello of a pair (`Duplicate` for the others), so both ends
+//!   always agree on which attempt is the link, whatever order the attempts arrive in.
+//! * **"Not yet" means "retry"**: a Hello can arrive before the acceptor's round has
+//!   registered. The acceptor does not buffer it: it answers `UnknownGroup` and the opener
+//!   retries after [`HubConfig::retry_delay`] (doubling up to 16×) until the deadline. This
+//!   keeps the hub free of state for groups it does not know, so a peer sending Hellos for
+//!   made-up groups costs it nothing beyond the answer, at the price of one more connection or
+//!   stream per retry (about 0.5 ms of TLS handshake).
+//! * Any other `Reject` is a verdict: the pair stays unlinked.
+//!
+//! Every wait is under a timeout, every queue is bounded, and the hub's tasks are owned by the
+//! hub: [`LinkHub::shutdown`] (or dropping it) stops them.
+
+mod establish;
+mod hub;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use libp2p::PeerId;
+
+use crate::p2p::P2pError;
+use crate::runner::Link;
+use crate::transport::{DataIdentity, PeerMismatch, TlsError};
+use crate::wire::{LinkReadError, RejectReason};
+
+pub use establish::establish_links;
+pub use hub::{Expectation, LinkHub};
+
+/// libp2p protocol of the fallback part carrier.
+pub const PART_PROTOCOL: &str = "/hivemesh/part/1";
+
+/// Which carrier a link uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Carrier {
+    /// A direct TLS 1.3 connection to the peer's data address ([`crate::transport`]).
+    Tls,
+    /// A [`PART_PROTOCOL`] libp2p stream.
+    Stream,
+}
+
+impl std::fmt::Display for Carrier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Tls => "tls",
+            Self::Stream => "stream",
+        })
+    }
+}
+
+/// A group member as the link layer needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkPeer {
+    /// Its libp2p identity (the swarm must be able to reach it: connected, or its addresses
+    /// known to Kademlia or given with [`crate::p2p::P2p::add_peer_addresses`]).
+    pub peer_id: PeerId,
+    /// Its TLS data-plane address, if it runs a data listener.
+    pub data_addr: Option<SocketAddr>,
+}
+
+/// The node's TLS data plane, for [`LinkHub::start`].
+#[derive(Clone, Debug)]
+pub struct DataPlane {
+    /// The TLS identity; must be the p2p node's keypair's.
+    pub identity: DataIdentity,
+    /// Where to listen for TLS links; `None` opens TLS links but accepts only streams.
+    pub listen: Option<SocketAddr>,
+}
+
+/// Parameters of a [`LinkHub`] and of the links it establishes.
+#[derive(Clone, Debug)]
+pub struct HubConfig {
+    /// Bound on waiting for the Hello of an inbound link, and on writing the answer.
+    pub hello_timeout: Duration,
+    /// Opener: an attempt without an answer for this long gets a new attempt beside it.
+    pub ack_timeout: Duration,
+    /// Bound on one TLS connect + handshake, or one stream open (dial included).
+    pub connect_timeout: Duration,
+    /// Most attempts per pair opened because earlier ones were silent or failed ("not yet"
+    /// retries are bounded by the deadline only).
+    pub max_attempts: usize,
+    /// First delay before retrying a failed or "not yet" attempt; doubles up to 16×.
+    pub retry_delay: Duration,
+    /// Inbound links waiting for their Hello at once; more are dropped.
+    pub max_pending_links: usize,
+    /// Tasks accepting TLS connections (each runs one TLS handshake at a time).
+    pub tls_acceptors: usize,
+    /// Inbound streams queued between the swarm and the hub.
+    pub stream_queue: usize,
+}
+
+impl Default for HubConfig {
+    fn default() -> Self {
+        Self {
+            hello_timeout: Duration::from_secs(5),
+            ack_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(5),
+            max_attempts: 8,
+            retry_delay: Duration::from_millis(25),
+            max_pending_links: 64,
+            tls_acceptors: 4,
+            stream_queue: 32,
+        }
+    }
+}
+
+/// Errors of the link layer: starting a hub, registering a round, and (logged, or reported per
+/// member in [`EstablishedLinks::errors`]) why a link was not made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HubError {
+    /// The p2p layer failed (accepting or opening streams).
+    #[error(transparent)]
+    P2p(#[from] P2pError),
+    /// The TLS data plane failed (binding, connecting, handshake).
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The TLS identity belongs to another peer than the p2p node (expected: the node's peer
+    /// id; actual: the identity's; boxed, a PeerId is 80 bytes).
+    #[error("the data-plane identity is not the node's: {0}")]
+    ForeignIdentity(Box<PeerMismatch>),
+    /// The group id is empty or too long.
+    #[error("group id of {0} bytes (must be 1..={max})", max = crate::wire::MAX_GROUP_ID_BYTES)]
+    BadGroupId(usize),
+    /// The member list or our index in it is invalid.
+    #[error("invalid members: {0}")]
+    BadMembers(String),
+    /// A round with this group id is registered already.
+    #[error("a round with this group id is registered already")]
+    AlreadyExpected,
+    /// The link's first frame was malformed, oversized, or the link failed before it came.
+    #[error("{carrier} link with {peer}: bad link frame: {error}")]
+    Frame {
+        /// The authenticated peer.
+        peer: PeerId,
+        /// The carrier.
+        carrier: Carrier,
+        /// What was wrong.
+        error: LinkReadError,
+    },
+    /// The Hello (acceptor) did not arrive in time.
+    #[error("{carrier} link with {peer}: no Hello within {timeout:?}")]
+    HelloTimeout {
+        /// The authenticated peer.
+        peer: PeerId,
+        /// The carrier.
+        carrier: Carrier,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// A link frame other than the one due (an Ack where a Hello was due, ...).
+    #[error("{carrier} link with {peer}: unexpected link frame")]
+    Unexpected {
+        /// The authenticated peer.
+        peer: PeerId,
+        /// The carrier.
+        carrier: Carrier,
+    },
+    /// We refused an inbound link.
+    #[error("refused {carrier} link from {peer}: {reason}: {detail}")]
+    Refused {
+        /// The authenticated peer.
+        peer: PeerId,
+        /// The carrier.
+        carrier: Carrier,
+        /// Why.
+        reason: RejectReason,
+        /// Detail.
+        detail: String,
+    },
+    /// The peer refused our link.
+    #[error("{peer} refused our {carrier} link: {reason}: {detail}")]
+    Rejected {
+        /// The peer.
+        peer: PeerId,
+        /// The carrier.
+        carrier: Carrier,
+        /// Why.
+        reason: RejectReason,
+        /// Its detail.
+        detail: String,
+    },
+    /// Writing a link frame failed or timed out.
+    #[error("{carrier} link with {peer}: cannot write: {detail}")]
+    Write {
+        /// The peer.
+        peer: PeerId,
+        /// The carrier.
+        carrier: Carrier,
+        /// Why.
+        detail: String,
+    },
+    /// No link with this member within the timeout.
+    #[error("no link with {peer} within {timeout:?}")]
+    NoLink {
+        /// The member.
+        peer: PeerId,
+        /// The timeout.
+        timeout: Duration,
+    },
+}
+
+/// Counters of a hub's inbound side (for tests and monitoring).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HubStats {
+    /// Links acked and handed to a round.
+    pub accepted: u64,
+    /// Hellos answered with a Reject.
+    pub refused: u64,
+    /// Inbound links that failed before a valid Hello (malformed, oversized, late, closed).
+    pub failed: u64,
+    /// Inbound links dropped because [`HubConfig::max_pending_links`] were pending.
+    pub dropped: u64,
+    /// TLS connections that failed their handshake.
+    pub tls_failed: u64,
+}
+
+/// The links of one round, as [`crate::runner::run_round`] takes them, and how they were made.
+pub struct EstablishedLinks {
+    /// `links[i]`: the link to member `i`; `None` for ourselves and for members not linked.
+    pub links: Vec<Option<Box<dyn Link>>>,
+    /// `carriers[i]`: the carrier of `links[i]`.
+    pub carriers: Vec<Option<Carrier>>,
+    /// `errors[i]`: why member `i` has no link (`None` for ourselves and linked members).
+    pub errors: Vec<Option<HubError>>,
+    /// Attempts we opened beyond the first because earlier ones were silent or failed (the
+    /// stream-drop recovery at work; "not yet" retries are not counted).
+    pub reopened: usize,
+}
+
+impl std::fmt::Debug for EstablishedLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EstablishedLinks")
+            .field("carriers", &self.carriers)
+            .field("errors", &self.errors)
+            .field("reopened", &self.reopened)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EstablishedLinks {
+    /// How many members we have a link with.
+    pub fn linked(&self) -> usize {
+        self.links.iter().filter(|l| l.is_some()).count()
+    }
+}

@@ -1,0 +1,273 @@
+//! The opener side and the collection of a round's links (protocol in the `links` module doc).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt as _;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use tokio::time::Instant;
+
+use super::hub::{Expectation, Shared, write_link_frame};
+use super::{Carrier, EstablishedLinks, HubError, LinkHub, LinkPeer, PART_PROTOCOL};
+use crate::runner::Link;
+use crate::transport;
+use crate::wire::{self, Hello, LinkMessage, RejectReason};
+
+/// Registers the round with `hub` ([`LinkHub::expect`]) and establishes its links
+/// ([`Expectation::establish`]): opens links to the members after `me`, collects those from
+/// the members before it, all within `timeout`. `members` is the group in member order (the
+/// order [`crate::runner::run_round`] uses); `members[me]` must be this node. Errors only for
+/// invalid arguments; links that could not be made are `None`, with their reason in
+/// [`EstablishedLinks::errors`].
+pub async fn establish_links(
+    hub: &LinkHub,
+    group_id: Bytes,
+    members: &[LinkPeer],
+    me: usize,
+    timeout: Duration,
+) -> Result<EstablishedLinks, HubError> {
+    Ok(hub.expect(group_id, members, me)?.establish(timeout).await)
+}
+
+impl Expectation {
+    /// Establishes the round's links within `timeout` and unregisters the round: opens a link
+    /// to every member after ours (TLS if it has a data address, streams otherwise or if TLS
+    /// fails) and waits for the links of the members before ours, over either carrier.
+    pub async fn establish(mut self, timeout: Duration) -> EstablishedLinks {
+        let deadline = Instant::now() + timeout;
+        let n = self.members.len();
+        let me = self.me;
+        let hello = LinkMessage::Hello(Hello {
+            group_id: self.group_id.clone(),
+            from_index: me as u32,
+            from_peer: self.shared.peer_id,
+        });
+        let shared = &*self.shared;
+        let openers = futures::future::join_all(
+            self.members[me + 1..]
+                .iter()
+                .map(|peer| open_link(shared, &hello, peer, deadline, timeout)),
+        );
+        let arrivals = &mut self.arrivals;
+        let collect = async {
+            let mut got = Vec::with_capacity(me);
+            while got.len() < me {
+                match tokio::time::timeout_at(deadline, arrivals.recv()).await {
+                    Ok(Some(arrival)) => got.push(arrival),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            got
+        };
+        let (opened, arrived) = tokio::join!(openers, collect);
+
+        let mut links: Vec<Option<Box<dyn Link>>> = (0..n).map(|_| None).collect();
+        let mut carriers = vec![None; n];
+        let mut errors: Vec<Option<HubError>> = vec![None; n];
+        let mut reopened = 0;
+        for a in arrived {
+            carriers[a.from] = Some(a.carrier);
+            links[a.from] = Some(a.link);
+        }
+        for (j, outcome) in (me + 1..n).zip(opened) {
+            reopened += outcome.reopened;
+            match outcome.result {
+                Ok((link, carrier)) => {
+                    links[j] = Some(link);
+                    carriers[j] = Some(carrier);
+                }
+                Err(e) => errors[j] = Some(e),
+            }
+        }
+        for i in 0..n {
+            if i != me && links[i].is_none() && errors[i].is_none() {
+                errors[i] = Some(HubError::NoLink {
+                    peer: self.members[i].peer_id,
+                    timeout,
+                });
+            }
+        }
+        for e in errors.iter().flatten() {
+            tracing::info!(error = %e, "member not linked");
+        }
+        tracing::debug!(?carriers, reopened, "links established");
+        EstablishedLinks {
+            links,
+            carriers,
+            errors,
+            reopened,
+        }
+    }
+}
+
+/// What one opener got.
+struct Opened {
+    result: Result<(Box<dyn Link>, Carrier), HubError>,
+    reopened: usize,
+}
+
+type Attempt<'a> = BoxFuture<'a, (Carrier, Result<Box<dyn Link>, HubError>)>;
+
+/// Opens the link to `peer`: attempts on the chosen carrier, re-opened on silence or failure,
+/// retried on "not yet"; the first Ack wins. Ends by `deadline`.
+async fn open_link(
+    shared: &Shared,
+    hello: &LinkMessage,
+    peer: &LinkPeer,
+    deadline: Instant,
+    timeout: Duration,
+) -> Opened {
+    let config = &shared.config;
+    let max_delay = config.retry_delay * 16;
+    let mut use_tls = peer.data_addr.is_some() && shared.identity.is_some();
+    let mut attempts: FuturesUnordered<Attempt<'_>> = FuturesUnordered::new();
+    let launch = |carrier: Carrier| -> Attempt<'_> {
+        Box::pin(async move { (carrier, attempt(shared, carrier, peer, hello).await) })
+    };
+    let carrier = |use_tls: bool| {
+        if use_tls {
+            Carrier::Tls
+        } else {
+            Carrier::Stream
+        }
+    };
+
+    attempts.push(launch(carrier(use_tls)));
+    let mut counted = 1; // attempts bounded by max_attempts
+    let mut reopened = 0;
+    let mut delay = config.retry_delay;
+    // When to launch the next attempt: after ack_timeout of silence, or a delay after a failure.
+    let mut next_at = Some(Instant::now() + config.ack_timeout);
+    // Whether the next launch is a "not yet" retry (not counted against max_attempts).
+    let mut not_yet = false;
+    let mut last_error = None;
+    loop {
+        tokio::select! {
+            biased;
+            Some((carrier_used, result)) = attempts.next(), if !attempts.is_empty() => {
+                let error = match result {
+                    Ok(link) => {
+                        tracing::debug!(peer = %peer.peer_id, carrier = %carrier_used, "link opened");
+                        return Opened { result: Ok((link, carrier_used)), reopened };
+                    }
+                    Err(e) => e,
+                };
+                tracing::debug!(%error, "link attempt failed");
+                match &error {
+                    HubError::Rejected { reason: RejectReason::UnknownGroup, .. } => {
+                        // Not yet registered there: retry on the same carrier.
+                        not_yet = true;
+                        next_at = Some(Instant::now() + delay);
+                        delay = (delay * 2).min(max_delay);
+                    }
+                    HubError::Rejected { reason: RejectReason::Duplicate, .. } => {
+                        // Another attempt of ours was accepted: its Ack is on its way, unless
+                        // that attempt has failed since (then the pair is lost).
+                        if attempts.is_empty() {
+                            return Opened { result: Err(error), reopened };
+                        }
+                    }
+                    HubError::Rejected { .. } => return Opened { result: Err(error), reopened },
+                    _ => {
+                        if carrier_used == Carrier::Tls {
+                            // The fast path is broken for this pair: fall back at once.
+                            use_tls = false;
+                            next_at = Some(Instant::now());
+                        } else if attempts.is_empty() {
+                            next_at = Some(Instant::now() + delay);
+                            delay = (delay * 2).min(max_delay);
+                        }
+                    }
+                }
+                last_error = Some(error);
+            }
+            () = sleep_until(next_at), if next_at.is_some() => {
+                if !not_yet && counted >= config.max_attempts {
+                    next_at = None;
+                } else {
+                    if !not_yet {
+                        counted += 1;
+                        reopened += 1;
+                        if !attempts.is_empty() {
+                            // Silence on TLS: the next attempts use the fallback.
+                            use_tls = false;
+                        }
+                    }
+                    not_yet = false;
+                    attempts.push(launch(carrier(use_tls)));
+                    next_at = Some(Instant::now() + config.ack_timeout);
+                }
+            }
+            () = tokio::time::sleep_until(deadline) => break,
+        }
+        if attempts.is_empty() && next_at.is_none() {
+            break;
+        }
+    }
+    let error = last_error.unwrap_or(HubError::NoLink {
+        peer: peer.peer_id,
+        timeout,
+    });
+    Opened {
+        result: Err(error),
+        reopened,
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// One attempt: connect on `carrier`, send the Hello, wait for the answer (bounded by the
+/// caller's deadline; the caller opens another attempt on silence).
+async fn attempt(
+    shared: &Shared,
+    carrier: Carrier,
+    peer: &LinkPeer,
+    hello: &LinkMessage,
+) -> Result<Box<dyn Link>, HubError> {
+    let config = &shared.config;
+    let peer_id = peer.peer_id;
+    let mut link: Box<dyn Link> = match (carrier, &shared.identity, peer.data_addr) {
+        (Carrier::Tls, Some(identity), Some(addr)) => {
+            Box::new(transport::connect(identity, addr, peer_id, config.connect_timeout).await?)
+        }
+        _ => Box::new(
+            shared
+                .p2p
+                .open_stream(peer_id, PART_PROTOCOL, config.connect_timeout)
+                .await?,
+        ),
+    };
+    let write_error = |detail: String| HubError::Write {
+        peer: peer_id,
+        carrier,
+        detail,
+    };
+    tokio::time::timeout(config.connect_timeout, write_link_frame(&mut link, hello))
+        .await
+        .map_err(|_| write_error(format!("timed out after {:?}", config.connect_timeout)))?
+        .map_err(|e| write_error(e.to_string()))?;
+    match wire::read_link_frame(&mut link).await {
+        Ok(LinkMessage::Ack) => Ok(link),
+        Ok(LinkMessage::Reject(r)) => Err(HubError::Rejected {
+            peer: peer_id,
+            carrier,
+            reason: r.reason,
+            detail: r.detail,
+        }),
+        Ok(LinkMessage::Hello(_)) => Err(HubError::Unexpected {
+            peer: peer_id,
+            carrier,
+        }),
+        Err(error) => Err(HubError::Frame {
+            peer: peer_id,
+            carrier,
+            error,
+        }),
+    }
+}

@@ -1,0 +1,502 @@
+//! The acceptor side: the hub's tasks, round registrations, and the Hello checks.
+//!
+//! Task tree (all owned by [`LinkHub::tasks`], aborted on shutdown or drop):
+//!
+//! * `tls_acceptors` tasks, each looping on [`DataListener::accept`] (wait + handshake under
+//!   one deadline), forward authenticated TLS streams;
+//! * one task forwards the node's inbound [`PART_PROTOCOL`] streams;
+//! * the *supervisor* receives both (one bounded queue) and runs one task per inbound link in
+//!   its own `JoinSet` (dropped, so aborted, with it), at most `max_pending_links` at once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use libp2p::PeerId;
+use tokio::io::{AsyncWrite, AsyncWriteExt as _};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+
+use super::{Carrier, DataPlane, HubConfig, HubError, HubStats, LinkPeer, PART_PROTOCOL};
+use crate::p2p::{InboundStreams, P2p};
+use crate::runner::Link;
+use crate::transport::{DataIdentity, DataListener, PeerMismatch, TlsError};
+use crate::wire::{self, Hello, LinkMessage, Reject, RejectReason};
+
+/// A node's link hub: accepts links over both carriers and dispatches them to the rounds that
+/// expect them; opens links through [`Expectation::establish`]. Dropping it (or
+/// [`LinkHub::shutdown`]) stops its tasks and closes its TLS listener. It holds a [`P2p`]
+/// handle, so the p2p node runs at least as long as the hub.
+pub struct LinkHub {
+    shared: Arc<Shared>,
+    tasks: JoinSet<()>,
+}
+
+impl std::fmt::Debug for LinkHub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkHub")
+            .field("peer_id", &self.shared.peer_id)
+            .field("data_addr", &self.shared.data_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// State shared by the hub's tasks and the rounds using it.
+pub(super) struct Shared {
+    pub(super) peer_id: PeerId,
+    pub(super) p2p: P2p,
+    pub(super) identity: Option<DataIdentity>,
+    pub(super) data_addr: Option<SocketAddr>,
+    pub(super) config: HubConfig,
+    groups: Mutex<HashMap<Bytes, Registration>>,
+    next_token: AtomicU64,
+    stats: watch::Sender<HubStats>,
+}
+
+/// Counts one event in the hub's stats.
+fn bump(shared: &Shared, count: impl FnOnce(&mut HubStats) -> &mut u64) {
+    shared.stats.send_modify(|s| *count(s) += 1);
+}
+
+/// A round waiting for links.
+struct Registration {
+    /// Tells this registration from a later one with the same group id.
+    token: u64,
+    members: Vec<PeerId>,
+    me: usize,
+    /// Which lower members have a link already (first Hello wins).
+    linked: Vec<bool>,
+    /// To the round; room for one link per lower member, so `try_send` never finds it full.
+    arrivals: mpsc::Sender<Arrival>,
+}
+
+/// An acked inbound link, on its way to its round.
+pub(super) struct Arrival {
+    pub(super) from: usize,
+    pub(super) carrier: Carrier,
+    pub(super) link: Box<dyn Link>,
+}
+
+/// An inbound link before its Hello.
+struct Inbound {
+    peer: PeerId,
+    carrier: Carrier,
+    link: Box<dyn Link>,
+}
+
+/// A round registered with the hub ([`LinkHub::expect`]): Hellos for its group id are checked
+/// against its members and acked links are queued for it. Dropping it unregisters the group;
+/// later Hellos for it are refused as unknown.
+pub struct Expectation {
+    pub(super) shared: Arc<Shared>,
+    pub(super) group_id: Bytes,
+    pub(super) members: Vec<LinkPeer>,
+    pub(super) me: usize,
+    token: u64,
+    pub(super) arrivals: mpsc::Receiver<Arrival>,
+}
+
+impl std::fmt::Debug for Expectation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Expectation")
+            .field("members", &self.members.len())
+            .field("me", &self.me)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Expectation {
+    fn drop(&mut self) {
+        let mut groups = self.shared.groups();
+        if groups
+            .get(&self.group_id)
+            .is_some_and(|r| r.token == self.token)
+        {
+            groups.remove(&self.group_id);
+        }
+    }
+}
+
+impl LinkHub {
+    /// Starts the hub: accepts [`PART_PROTOCOL`] streams on `p2p` (one hub per node) and, if
+    /// `data_plane` has a listen address, TLS links on it. Without `data_plane` the node uses
+    /// streams only.
+    pub async fn start(
+        p2p: P2p,
+        data_plane: Option<DataPlane>,
+        config: HubConfig,
+    ) -> Result<Self, HubError> {
+        let peer_id = p2p.peer_id();
+        let (identity, listener) = match data_plane {
+            None => (None, None),
+            Some(DataPlane { identity, listen }) => {
+                if identity.peer_id() != peer_id {
+                    return Err(HubError::ForeignIdentity(Box::new(PeerMismatch {
+                        expected: peer_id,
+                        actual: identity.peer_id(),
+                    })));
+                }
+                let listener = match listen {
+                    Some(addr) => Some(DataListener::bind(&identity, addr).await?),
+                    None => None,
+                };
+                (Some(identity), listener)
+            }
+        };
+        let streams = p2p.accept_streams(PART_PROTOCOL, config.stream_queue)?;
+        let shared = Arc::new(Shared {
+            peer_id,
+            p2p,
+            identity,
+            data_addr: listener.as_ref().map(DataListener::local_addr),
+            config,
+            groups: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(0),
+            stats: watch::Sender::new(HubStats::default()),
+        });
+        let (tx, rx) = mpsc::channel(shared.config.max_pending_links.max(1));
+        let mut tasks = JoinSet::new();
+        if let Some(listener) = listener {
+            let listener = Arc::new(listener);
+            for _ in 0..shared.config.tls_acceptors.max(1) {
+                tasks.spawn(accept_tls(
+                    Arc::clone(&shared),
+                    Arc::clone(&listener),
+                    tx.clone(),
+                ));
+            }
+        }
+        tasks.spawn(accept_streams(streams, tx));
+        tasks.spawn(supervise(Arc::clone(&shared), rx));
+        Ok(Self { shared, tasks })
+    }
+
+    /// This node's peer id.
+    pub fn peer_id(&self) -> PeerId {
+        self.shared.peer_id
+    }
+
+    /// The TLS listener's address (to advertise as this node's data address), if it has one.
+    pub fn data_addr(&self) -> Option<SocketAddr> {
+        self.shared.data_addr
+    }
+
+    /// Counters of the inbound side so far.
+    pub fn stats(&self) -> HubStats {
+        *self.shared.stats.borrow()
+    }
+
+    /// The counters as they change (for waiting on an event, e.g. in tests).
+    pub fn watch_stats(&self) -> watch::Receiver<HubStats> {
+        self.shared.stats.subscribe()
+    }
+
+    /// Registers a round: from now on Hellos for `group_id` from members below `me` are acked
+    /// and their links queued for the returned [`Expectation`], until it is dropped.
+    /// `members` is the group in member order; `members[me]` must be this node.
+    pub fn expect(
+        &self,
+        group_id: Bytes,
+        members: &[LinkPeer],
+        me: usize,
+    ) -> Result<Expectation, HubError> {
+        if group_id.is_empty() || group_id.len() > wire::MAX_GROUP_ID_BYTES {
+            return Err(HubError::BadGroupId(group_id.len()));
+        }
+        if u32::try_from(members.len()).is_err() {
+            return Err(HubError::BadMembers(format!("{} members", members.len())));
+        }
+        match members.get(me) {
+            None => {
+                return Err(HubError::BadMembers(format!(
+                    "index {me} in a group of {}",
+                    members.len()
+                )));
+            }
+            Some(m) if m.peer_id != self.shared.peer_id => {
+                return Err(HubError::BadMembers(format!(
+                    "member {me} is {}, this node is {}",
+                    m.peer_id, self.shared.peer_id
+                )));
+            }
+            Some(_) => {}
+        }
+        let mut seen = std::collections::HashSet::with_capacity(members.len());
+        if let Some(dup) = members.iter().find(|m| !seen.insert(m.peer_id)) {
+            return Err(HubError::BadMembers(format!(
+                "{} appears more than once",
+                dup.peer_id
+            )));
+        }
+        let token = self.shared.next_token.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(me.max(1));
+        let mut groups = self.shared.groups();
+        if groups.contains_key(&group_id) {
+            return Err(HubError::AlreadyExpected);
+        }
+        groups.insert(
+            group_id.clone(),
+            Registration {
+                token,
+                members: members.iter().map(|m| m.peer_id).collect(),
+                me,
+                linked: vec![false; members.len()],
+                arrivals: tx,
+            },
+        );
+        drop(groups);
+        Ok(Expectation {
+            shared: Arc::clone(&self.shared),
+            group_id,
+            members: members.to_vec(),
+            me,
+            token,
+            arrivals: rx,
+        })
+    }
+
+    /// Stops the hub's tasks and waits for them; closes the TLS listener and stops accepting
+    /// streams. Links already handed out are not affected.
+    pub async fn shutdown(mut self) {
+        self.tasks.shutdown().await;
+    }
+}
+
+/// An admitted Hello.
+struct Admitted {
+    from: usize,
+    token: u64,
+    arrivals: mpsc::Sender<Arrival>,
+}
+
+impl Shared {
+    fn groups(&self) -> MutexGuard<'_, HashMap<Bytes, Registration>> {
+        // No code panics while holding the lock; recover the map anyway.
+        self.groups.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The acceptor's checks (module doc of `links`); marks the pair linked on success.
+    fn admit(&self, hello: &Hello, peer: PeerId) -> Result<Admitted, Reject> {
+        let reject = |reason, detail: String| Reject { reason, detail };
+        let mut groups = self.groups();
+        let Some(reg) = groups.get_mut(&hello.group_id) else {
+            return Err(reject(
+                RejectReason::UnknownGroup,
+                "no round with this group id is waiting for links".into(),
+            ));
+        };
+        if hello.from_peer != peer {
+            return Err(reject(
+                RejectReason::IdentityMismatch,
+                format!(
+                    "the hello claims {}, the connection authenticated {peer}",
+                    hello.from_peer
+                ),
+            ));
+        }
+        let from = hello.from_index as usize;
+        if reg.members.get(from) != Some(&peer) {
+            return Err(reject(
+                RejectReason::NotMember,
+                format!("{peer} is not member {from}"),
+            ));
+        }
+        if from >= reg.me {
+            return Err(reject(
+                RejectReason::WrongDirection,
+                format!("member {from} does not open links to member {}", reg.me),
+            ));
+        }
+        if reg.linked[from] {
+            return Err(reject(
+                RejectReason::Duplicate,
+                format!("member {from} is linked already"),
+            ));
+        }
+        reg.linked[from] = true;
+        Ok(Admitted {
+            from,
+            token: reg.token,
+            arrivals: reg.arrivals.clone(),
+        })
+    }
+
+    /// Undoes [`Shared::admit`] when the Ack could not be written.
+    fn unlink(&self, group_id: &Bytes, token: u64, from: usize) {
+        if let Some(reg) = self.groups().get_mut(group_id)
+            && reg.token == token
+        {
+            reg.linked[from] = false;
+        }
+    }
+}
+
+/// Writes one link frame and flushes.
+pub(super) async fn write_link_frame(
+    link: &mut (impl AsyncWrite + Unpin + ?Sized),
+    message: &LinkMessage,
+) -> std::io::Result<()> {
+    let mut buf = BytesMut::new();
+    wire::encode_link_frame(message, &mut buf);
+    link.write_all(&buf).await?;
+    link.flush().await
+}
+
+async fn accept_tls(shared: Arc<Shared>, listener: Arc<DataListener>, tx: mpsc::Sender<Inbound>) {
+    loop {
+        match listener.accept(shared.config.hello_timeout).await {
+            Ok((peer, stream)) => {
+                let inbound = Inbound {
+                    peer,
+                    carrier: Carrier::Tls,
+                    link: Box::new(stream),
+                };
+                if tx.send(inbound).await.is_err() {
+                    return;
+                }
+            }
+            Err(TlsError::AcceptTimeout(_)) => {}
+            Err(TlsError::Accept(detail)) => {
+                // The socket itself failed (e.g. out of file descriptors): do not spin.
+                tracing::warn!(%detail, "accepting a TLS link failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(error) => {
+                bump(&shared, |s| &mut s.tls_failed);
+                tracing::debug!(%error, "inbound TLS link failed its handshake");
+            }
+        }
+    }
+}
+
+async fn accept_streams(mut streams: InboundStreams, tx: mpsc::Sender<Inbound>) {
+    while let Some((peer, stream)) = streams.next().await {
+        let inbound = Inbound {
+            peer,
+            carrier: Carrier::Stream,
+            link: Box::new(stream),
+        };
+        if tx.send(inbound).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn supervise(shared: Arc<Shared>, mut rx: mpsc::Receiver<Inbound>) {
+    let mut handlers = JoinSet::new();
+    loop {
+        tokio::select! {
+            inbound = rx.recv() => {
+                let Some(inbound) = inbound else { break };
+                if handlers.len() >= shared.config.max_pending_links {
+                    bump(&shared, |s| &mut s.dropped);
+                    tracing::info!(
+                        peer = %inbound.peer, carrier = %inbound.carrier,
+                        "too many links waiting for their Hello: dropped"
+                    );
+                    continue;
+                }
+                handlers.spawn(serve(Arc::clone(&shared), inbound));
+            }
+            Some(done) = handlers.join_next(), if !handlers.is_empty() => {
+                if let Err(e) = done {
+                    tracing::error!(error = %e, "inbound link task failed");
+                }
+            }
+        }
+    }
+}
+
+/// One inbound link: its Hello, the checks, the answer, the hand-over.
+async fn serve(shared: Arc<Shared>, inbound: Inbound) {
+    let Inbound {
+        peer,
+        carrier,
+        mut link,
+    } = inbound;
+    let timeout = shared.config.hello_timeout;
+    let hello = match tokio::time::timeout(timeout, wire::read_link_frame(&mut link)).await {
+        Ok(Ok(LinkMessage::Hello(hello))) => hello,
+        Ok(Ok(_)) => {
+            bump(&shared, |s| &mut s.failed);
+            let error = HubError::Unexpected { peer, carrier };
+            tracing::info!(%error, "dropped inbound link");
+            return;
+        }
+        Ok(Err(error)) => {
+            bump(&shared, |s| &mut s.failed);
+            let error = HubError::Frame {
+                peer,
+                carrier,
+                error,
+            };
+            tracing::info!(%error, "dropped inbound link");
+            return;
+        }
+        Err(_) => {
+            bump(&shared, |s| &mut s.failed);
+            let error = HubError::HelloTimeout {
+                peer,
+                carrier,
+                timeout,
+            };
+            tracing::info!(%error, "dropped inbound link");
+            return;
+        }
+    };
+    match shared.admit(&hello, peer) {
+        Err(reject) => {
+            bump(&shared, |s| &mut s.refused);
+            let error = HubError::Refused {
+                peer,
+                carrier,
+                reason: reject.reason,
+                detail: reject.detail.clone(),
+            };
+            if reject.reason == RejectReason::UnknownGroup {
+                // Usually "not yet": the opener retries.
+                tracing::debug!(%error);
+            } else {
+                tracing::info!(%error);
+            }
+            let _ = tokio::time::timeout(timeout, async {
+                write_link_frame(&mut link, &LinkMessage::Reject(reject)).await?;
+                link.shutdown().await
+            })
+            .await;
+        }
+        Ok(admitted) => {
+            let acked =
+                tokio::time::timeout(timeout, write_link_frame(&mut link, &LinkMessage::Ack))
+                    .await
+                    .map_err(|_| format!("timed out after {timeout:?}"))
+                    .and_then(|r| r.map_err(|e| e.to_string()));
+            if let Err(detail) = acked {
+                shared.unlink(&hello.group_id, admitted.token, admitted.from);
+                bump(&shared, |s| &mut s.failed);
+                let error = HubError::Write {
+                    peer,
+                    carrier,
+                    detail,
+                };
+                tracing::info!(%error, "could not ack an inbound link");
+                return;
+            }
+            let arrival = Arrival {
+                from: admitted.from,
+                carrier,
+                link,
+            };
+            if admitted.arrivals.try_send(arrival).is_ok() {
+                bump(&shared, |s| &mut s.accepted);
+                tracing::debug!(%peer, %carrier, from = admitted.from, "inbound link accepted");
+            } else {
+                // The round stopped waiting between the check and now.
+                tracing::debug!(%peer, %carrier, "inbound link acked after its round stopped waiting");
+            }
+        }
+    }
+}
