@@ -25,6 +25,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod allreduce;
+pub mod averager;
 pub mod buffers;
 pub mod compression;
 pub mod dht;

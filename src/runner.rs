@@ -237,6 +237,7 @@ fn compute_loop(
     cancel: &mut watch::Receiver<bool>,
 ) -> Result<(), RunnerError> {
     let mut inbound_open = true;
+    let mut cancel_open = true;
     loop {
         let now = Instant::now();
         while let Some(t) = machine.poll_transmit(now, |to| {
@@ -277,10 +278,10 @@ fn compute_loop(
             };
             tokio::select! {
                 ev = inbound.recv(), if inbound_open => Some(ev),
-                changed = cancel.changed() => {
+                changed = cancel.changed(), if cancel_open => {
                     if changed.is_err() {
-                        // The cancel sender is gone: treat as "never cancelled".
-                        std::future::pending::<()>().await;
+                        // The cancel sender is gone: "never cancelled" from now on.
+                        cancel_open = false;
                     }
                     None
                 }

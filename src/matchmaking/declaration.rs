@@ -4,7 +4,7 @@
 use bytes::Bytes;
 
 use super::PeerId;
-use crate::dht::{DhtTime, DhtValue};
+use crate::dht::{DhtTime, DhtValue, OWNER_SUBKEY_PREFIX};
 
 /// Value of a declaration: looking for a group (hivemind's `True`).
 pub const DECLARED_VALUE: &[u8] = &[1];
@@ -12,18 +12,21 @@ pub const DECLARED_VALUE: &[u8] = &[1];
 /// nudged up, so it supersedes the declaration in every merge.
 pub const LEFT_VALUE: &[u8] = &[0];
 
-/// The subkey under which `peer` declares itself: its id bytes.
-///
-/// The DHT will accept a subkey write only from the peer the subkey names (an owner-bound
-/// subkey encoding is being added to the record policy); this function and [`subkey_owner`] are
-/// the only places that know the encoding, so switching to that encoding changes nothing else.
+/// The subkey under which `peer` declares itself: the DHT's owner subkey of that peer
+/// ([`crate::dht::owner_subkey`]: [`OWNER_SUBKEY_PREFIX`] followed by the id bytes), so the
+/// record policy accepts it only signed by that peer and nobody can declare, re-declare or
+/// "leave" for another peer. This function and [`subkey_owner`] are the only places that know
+/// the encoding.
 pub fn declaration_subkey(peer: &PeerId) -> Bytes {
-    peer.to_bytes()
+    let mut subkey = OWNER_SUBKEY_PREFIX.to_vec();
+    subkey.extend_from_slice(peer.as_bytes());
+    Bytes::from(subkey)
 }
 
 /// The peer a declaration subkey names, or `None` for a subkey that is not a valid encoding.
 pub fn subkey_owner(subkey: &[u8]) -> Option<PeerId> {
-    PeerId::from_bytes(Bytes::copy_from_slice(subkey))
+    let id = subkey.strip_prefix(OWNER_SUBKEY_PREFIX)?;
+    PeerId::from_bytes(Bytes::copy_from_slice(id))
 }
 
 /// The peers actively declared in `value` at `now`, with their expirations: subkeys that name
@@ -48,6 +51,21 @@ mod tests {
 
     fn t(s: f64) -> DhtTime {
         DhtTime::from_secs(s).unwrap()
+    }
+
+    /// For a libp2p peer id the declaration subkey is exactly the DHT's owner subkey, so the
+    /// record policy binds it to that peer's signature.
+    #[test]
+    fn declaration_subkeys_are_dht_owner_subkeys() {
+        let libp2p_id = libp2p::identity::Keypair::generate_ed25519()
+            .public()
+            .to_peer_id();
+        let peer = PeerId::from_bytes(libp2p_id.to_bytes()).unwrap();
+        let subkey = declaration_subkey(&peer);
+        assert_eq!(subkey, crate::dht::owner_subkey(&libp2p_id));
+        assert_eq!(crate::dht::subkey_owner(&subkey), Ok(Some(libp2p_id)));
+        assert_eq!(subkey_owner(&subkey), Some(peer));
+        assert_eq!(subkey_owner(libp2p_id.to_bytes().as_slice()), None);
     }
 
     /// hivemind's `test_key_manager`: declare, re-declare, leave, unknown key.

@@ -1,7 +1,10 @@
-//! The `hivemesh` command line: `hivemesh sim` runs one simulated all-reduce round;
-//! `hivemesh dht` runs a bootstrap/DHT peer.
+//! The `hivemesh` command line: `hivemesh demo` (the main job) averages vectors among local
+//! peers; `hivemesh sim` runs one simulated all-reduce round; `hivemesh dht` runs a
+//! bootstrap/DHT peer; `hivemesh bench` measures.
 
 mod bench;
+mod demo;
+mod steps;
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -26,6 +29,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The main job: a swarm of local peers in one process averaging random vectors on a
+    /// Moshpit grid, with progress bars; ends with `demo peers=P rounds=R max_dev=E`.
+    Demo(demo::DemoArgs),
     /// Run one butterfly all-reduce round among simulated peers in virtual time.
     Sim(SimArgs),
     /// Run a bootstrap/DHT peer; prints one dialable address per line, then serves until
@@ -37,6 +43,9 @@ enum Command {
     /// Internal: one process of `bench allreduce`.
     #[command(hide = true)]
     BenchWorker(bench::WorkerArgs),
+    /// Internal: one process of `bench steps`.
+    #[command(hide = true)]
+    BenchStepsWorker(steps::StepsWorkerArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -44,6 +53,9 @@ enum BenchCommand {
     /// N peers as OS processes on loopback run timed all-reduce rounds over TLS data links and
     /// print `hivemesh world=N mib=M median_s=S algbw_gbs=A busbw_gbs=B`.
     Allreduce(bench::BenchArgs),
+    /// P peers as OS processes each call `step()` R times (matchmaking + all-reduce) and print
+    /// `hivemesh_steps peers=P group=G ok=K total=T median_step_s=S`.
+    Steps(steps::StepsArgs),
 }
 
 #[derive(Args, Debug)]
@@ -135,10 +147,13 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Demo(args) => demo::run(args),
         Command::Sim(args) => run_sim(args),
         Command::Dht(args) => run_dht(args),
         Command::Bench(BenchCommand::Allreduce(args)) => bench::run_bench(args),
         Command::BenchWorker(args) => bench::run_worker(args),
+        Command::Bench(BenchCommand::Steps(args)) => steps::run(args),
+        Command::BenchStepsWorker(args) => steps::run_worker(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

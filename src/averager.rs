@@ -1,0 +1,918 @@
+//! The Averager: what a training loop talks to. `step()` finds a group through the DHT
+//! ([`crate::matchmaking`]), links to its members ([`crate::links`]), runs one butterfly
+//! all-reduce ([`crate::runner`]) and adds the resulting deltas to the local tensors.
+//!
+//! # Shape
+//!
+//! [`Averager::start`] spawns one **actor task** that owns the step machinery; the
+//! [`Averager`] handle and every [`StepControl`] talk to it over bounded channels. The actor:
+//!
+//! * serves this averager's matchmaking protocol (`/hivemesh/mm/1/<prefix>`,
+//!   [`control`]) all the time: between steps it answers join requests with
+//!   `NotLookingForGroup`, so a peer asking a stale declaration learns at once;
+//! * runs one step at a time, in request order. A step is: build a [`Matchmaker`] for the key of
+//!   this step (hivemind-style rotating bits from a [`KeyManager`], or a Moshpit [`Grid`]
+//!   line), drive it with wall-clock time, DHT reads/writes and messages until the group is
+//!   assembled or matchmaking fails; wait for the step's trigger; link to the members (TLS
+//!   where a data address is known, libp2p streams otherwise); run the round; add the deltas.
+//!
+//! # Tensors stay usable
+//!
+//! The averager holds the tensors behind a mutex ([`Averager::tensors`]). A round works on a
+//! snapshot taken when the all-reduce begins and, at the end, adds `average − snapshot` to the
+//! *current* tensors, holding the lock only for that addition. Local updates made while the
+//! round ran are kept (hivemind's delta rule).
+//!
+//! # Cancellation
+//!
+//! [`StepControl::cancel`] stops a step in any stage: during matchmaking the matchmaker leaves
+//! its group cleanly; during the all-reduce the round is cancelled through
+//! [`crate::runner::run_round_cancellable`], which sends aborts to the peers (so they finish
+//! without us instead of waiting for timeouts); the tensors are left unchanged.
+
+pub mod control;
+pub mod node;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::allreduce::{Mode, Outcome, RoundConfig, RoundReport, TensorDescriptor};
+use crate::buffers::BufferPool;
+use crate::compression::Compression;
+use crate::dht::{Dht, DhtTime};
+use crate::links::{Carrier, LinkHub, LinkPeer};
+use crate::matchmaking::{
+    self, Config as MmConfig, DhtRequest, Event, Grid, GroupKey, KeyManager, Matchmaker,
+    MatchmakingError, MemberInfo, Message, RejectReason, Reply, ReplyBody,
+};
+use crate::runner::{self, RunnerConfig};
+use crate::tensor::Tensor;
+
+/// Where a step's group key comes from.
+#[derive(Clone, Debug)]
+pub enum KeySchedule {
+    /// hivemind's scheme: `"{prefix}.0b{bits}"`, the bits rotated after every group.
+    Bits {
+        /// Initial bits (`""`: one bucket).
+        initial_bits: String,
+    },
+    /// Moshpit grid: this peer sits at `coords` of `grid`; step `t` groups along dimension
+    /// `t mod dims`.
+    Grid {
+        /// The grid.
+        grid: Grid,
+        /// This peer's coordinates.
+        coords: Vec<usize>,
+    },
+}
+
+/// Averager parameters (hivemind's `DecentralizedAverager` arguments).
+#[derive(Clone, Debug)]
+pub struct AveragerConfig {
+    /// Averaging prefix: peers with the same prefix (and tensor schema) average together.
+    pub prefix: String,
+    /// Close a group as soon as it has this many members.
+    pub target_group_size: Option<usize>,
+    /// Smallest group worth averaging in.
+    pub min_group_size: usize,
+    /// How long to look for peers before closing a smaller group.
+    pub min_matchmaking_time: Duration,
+    /// Bound on every matchmaking request.
+    pub request_timeout: Duration,
+    /// All-reduce: a sender silent this long is banned.
+    pub sender_timeout: Duration,
+    /// All-reduce: a reducer silent this long is failed.
+    pub reducer_timeout: Duration,
+    /// All-reduce: bound on the whole round.
+    pub round_timeout: Duration,
+    /// Bound on linking to a group's members.
+    pub link_timeout: Duration,
+    /// Target part size in bytes.
+    pub part_size_bytes: usize,
+    /// Codec for parts.
+    pub compression: Compression,
+    /// Node (sends and reduces), client (sends only; cannot be dialled) or aux (reduces only).
+    pub mode: Mode,
+    /// Advertised bandwidth for load balancing (any unit shared by the group).
+    pub bandwidth: Option<f64>,
+    /// Group keys.
+    pub keys: KeySchedule,
+}
+
+impl AveragerConfig {
+    /// Defaults for `prefix` (hivemind's where it has them; shorter matchmaking time).
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: prefix.into(),
+            target_group_size: None,
+            min_group_size: matchmaking::DEFAULT_MIN_GROUP_SIZE,
+            min_matchmaking_time: matchmaking::DEFAULT_MIN_MATCHMAKING_TIME,
+            request_timeout: matchmaking::DEFAULT_REQUEST_TIMEOUT,
+            sender_timeout: crate::allreduce::DEFAULT_SENDER_TIMEOUT,
+            reducer_timeout: crate::allreduce::DEFAULT_REDUCER_TIMEOUT,
+            round_timeout: Duration::from_secs(300),
+            link_timeout: Duration::from_secs(10),
+            part_size_bytes: crate::allreduce::DEFAULT_PART_SIZE_BYTES,
+            compression: Compression::default(),
+            mode: Mode::Node,
+            bandwidth: None,
+            keys: KeySchedule::Bits {
+                initial_bits: String::new(),
+            },
+        }
+    }
+}
+
+/// Options of one step.
+#[derive(Clone, Debug)]
+pub struct StepOptions {
+    /// This peer's averaging weight.
+    pub weight: f64,
+    /// Bytes shared with every member of the group (hivemind's `gather`).
+    pub gather: Bytes,
+    /// Give up (typed error) if the step has not finished after this long.
+    pub timeout: Option<Duration>,
+    /// When matchmaking fails, look again until the timeout instead of failing.
+    pub allow_retries: bool,
+    /// Begin the all-reduce only after [`StepControl::trigger`] (else at once).
+    pub wait_for_trigger: bool,
+    /// When the all-reduce should begin at the earliest (matchmaking's scheduled time).
+    pub scheduled_in: Option<Duration>,
+    /// Grid round to use (default: this averager's count of successful steps).
+    pub round: Option<u64>,
+}
+
+impl Default for StepOptions {
+    fn default() -> Self {
+        Self {
+            weight: 1.0,
+            gather: Bytes::new(),
+            timeout: None,
+            allow_retries: true,
+            wait_for_trigger: false,
+            scheduled_in: None,
+            round: None,
+        }
+    }
+}
+
+/// What a successful step did.
+#[derive(Clone, Debug)]
+pub struct StepOutcome {
+    /// The round's group id.
+    pub group_id: Bytes,
+    /// The members, in group order (libp2p peer ids).
+    pub members: Vec<libp2p::PeerId>,
+    /// Our index in `members`.
+    pub me: usize,
+    /// Every member's gathered bytes, in group order.
+    pub gathered: Vec<Bytes>,
+    /// The carrier of our link to each member (`None`: ourselves, or no link).
+    pub carriers: Vec<Option<Carrier>>,
+    /// Part by part, whose values we now hold the mean of.
+    pub report: RoundReport,
+    /// The group key the step used.
+    pub key: GroupKey,
+}
+
+/// Why a step failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum AveragerError {
+    /// No group formed in time (too few peers, or the deadline passed).
+    #[error(transparent)]
+    Matchmaking(#[from] MatchmakingError),
+    /// The step was cancelled.
+    #[error("step cancelled")]
+    Cancelled,
+    /// The step did not finish within its timeout.
+    #[error("step timed out after {0:?}")]
+    Timeout(Duration),
+    /// Linking to the group failed.
+    #[error("linking to the group: {0}")]
+    Links(String),
+    /// The all-reduce failed.
+    #[error("all-reduce: {0}")]
+    Round(String),
+    /// Bad configuration or tensors.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The averager has shut down.
+    #[error("the averager has shut down")]
+    Shutdown,
+}
+
+/// Where a step is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Queued behind another step.
+    Queued,
+    /// Looking for a group.
+    Matchmaking,
+    /// Group assembled; waiting for [`StepControl::trigger`].
+    AwaitingTrigger,
+    /// Linking to the group and running the all-reduce.
+    AllReduce,
+    /// Done (successfully or not).
+    Finished,
+}
+
+/// A scheduled step: trigger it, cancel it, watch its stage, await its result.
+#[derive(Debug)]
+pub struct StepControl {
+    stage: watch::Receiver<Stage>,
+    trigger: watch::Sender<bool>,
+    cancel: watch::Sender<bool>,
+    result: oneshot::Receiver<Result<StepOutcome, AveragerError>>,
+}
+
+impl StepControl {
+    /// Allows the all-reduce to begin once the group is assembled.
+    pub fn trigger(&self) {
+        let _ = self.trigger.send(true);
+    }
+
+    /// Cancels the step in whatever stage it is (see the module docs).
+    pub fn cancel(&self) {
+        let _ = self.cancel.send(true);
+    }
+
+    /// The current stage.
+    pub fn stage(&self) -> Stage {
+        *self.stage.borrow()
+    }
+
+    /// Waits until the stage is `stage` or later.
+    pub async fn reached(&mut self, stage: Stage) {
+        let order = |s: Stage| s as u8;
+        let _ = self.stage.wait_for(|s| order(*s) >= order(stage)).await;
+    }
+
+    /// The step's result.
+    pub async fn result(self) -> Result<StepOutcome, AveragerError> {
+        self.result.await.unwrap_or(Err(AveragerError::Shutdown))
+    }
+}
+
+struct StepRequest {
+    options: StepOptions,
+    stage: watch::Sender<Stage>,
+    trigger: watch::Receiver<bool>,
+    cancel: watch::Receiver<bool>,
+    result: oneshot::Sender<Result<StepOutcome, AveragerError>>,
+}
+
+struct Shared {
+    tensors: Mutex<Vec<Tensor>>,
+}
+
+/// One peer's averager (see the module docs).
+pub struct Averager {
+    shared: Arc<Shared>,
+    steps: mpsc::Sender<StepRequest>,
+    actor: Option<JoinHandle<()>>,
+    shutdown: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for Averager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Averager").finish_non_exhaustive()
+    }
+}
+
+impl Averager {
+    /// Starts an averager over `tensors` on a node's DHT and link hub.
+    pub fn start(
+        dht: Dht,
+        hub: Arc<LinkHub>,
+        tensors: Vec<Tensor>,
+        config: AveragerConfig,
+    ) -> Result<Self, AveragerError> {
+        let protocol = control::protocol(&config.prefix);
+        let key_manager = match &config.keys {
+            KeySchedule::Bits { initial_bits } => Some(
+                KeyManager::new(&config.prefix, initial_bits, config.target_group_size)
+                    .map_err(|e| AveragerError::Config(e.to_string()))?,
+            ),
+            KeySchedule::Grid { grid, coords } => {
+                grid.key(&config.prefix, coords, 0)
+                    .map_err(|e| AveragerError::Config(e.to_string()))?;
+                None
+            }
+        };
+        if tensors.is_empty() {
+            return Err(AveragerError::Config("no tensors".into()));
+        }
+        let inbound = dht
+            .p2p()
+            .accept_streams(&protocol, 64)
+            .map_err(|e| AveragerError::Config(e.to_string()))?;
+        let (inbox_tx, inbox) = mpsc::channel(256);
+        let serve_timeout = config.request_timeout;
+        let server = tokio::spawn(control::serve(inbound, inbox_tx, serve_timeout));
+        let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
+        let shared = Arc::new(Shared {
+            tensors: Mutex::new(tensors),
+        });
+        let (steps_tx, steps) = mpsc::channel(16);
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let bytes: usize = descriptors.iter().map(|d| d.numel() * 4).sum();
+        let actor = Actor {
+            schema_hash: schema_hash(&config, &descriptors),
+            descriptors,
+            pool: BufferPool::new(bytes + crate::buffers::DEFAULT_RETAIN_BYTES),
+            protocol,
+            dht,
+            hub,
+            config,
+            key_manager,
+            successes: 0,
+            shared: shared.clone(),
+            inbox,
+            sends: JoinSet::new(),
+            rng: StdRng::from_rng(&mut rand::rng()),
+        };
+        let task = tokio::spawn(async move {
+            actor.run(steps, shutdown_rx).await;
+            server.abort();
+            let _ = server.await;
+        });
+        Ok(Self {
+            shared,
+            steps: steps_tx,
+            actor: Some(task),
+            shutdown,
+        })
+    }
+
+    /// The local tensors (lock briefly: a finishing round waits for this lock to add its
+    /// deltas).
+    pub fn tensors(&self) -> MutexGuard<'_, Vec<Tensor>> {
+        self.shared
+            .tensors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Schedules a step; use the returned control to trigger, cancel or await it.
+    pub async fn schedule_step(&self, options: StepOptions) -> Result<StepControl, AveragerError> {
+        let (stage_tx, stage) = watch::channel(Stage::Queued);
+        let (trigger, trigger_rx) = watch::channel(!options.wait_for_trigger);
+        let (cancel, cancel_rx) = watch::channel(false);
+        let (result_tx, result) = oneshot::channel();
+        self.steps
+            .send(StepRequest {
+                options,
+                stage: stage_tx,
+                trigger: trigger_rx,
+                cancel: cancel_rx,
+                result: result_tx,
+            })
+            .await
+            .map_err(|_| AveragerError::Shutdown)?;
+        Ok(StepControl {
+            stage,
+            trigger,
+            cancel,
+            result,
+        })
+    }
+
+    /// One averaging step: find a group, all-reduce, apply. See [`StepOptions`].
+    pub async fn step(&self, options: StepOptions) -> Result<StepOutcome, AveragerError> {
+        self.schedule_step(options).await?.result().await
+    }
+
+    /// Stops the actor (a step in progress is cancelled) and waits for it.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.actor.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Averager {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.actor.take() {
+            task.abort();
+        }
+    }
+}
+
+/// A blocking wrapper for synchronous training loops: owns a tokio runtime handle and blocks
+/// on the averager's async calls. Must not be used from inside an async context.
+#[derive(Debug)]
+pub struct BlockingAverager {
+    averager: Averager,
+    runtime: tokio::runtime::Handle,
+}
+
+impl BlockingAverager {
+    /// Wraps `averager`, whose tasks run on `runtime`.
+    pub fn new(averager: Averager, runtime: tokio::runtime::Handle) -> Self {
+        Self { averager, runtime }
+    }
+
+    /// [`Averager::step`], blocking.
+    pub fn step(&self, options: StepOptions) -> Result<StepOutcome, AveragerError> {
+        self.runtime.block_on(self.averager.step(options))
+    }
+
+    /// [`Averager::tensors`].
+    pub fn tensors(&self) -> MutexGuard<'_, Vec<Tensor>> {
+        self.averager.tensors()
+    }
+
+    /// The wrapped averager.
+    pub fn into_inner(self) -> Averager {
+        self.averager
+    }
+}
+
+/// A stable hash of what must match for peers to average together: the tensors' shapes and
+/// dtypes and the codec (hivemind hashes shapes and dtypes).
+fn schema_hash(config: &AveragerConfig, descriptors: &[TensorDescriptor]) -> Bytes {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"hivemesh/schema/v1\0");
+    for d in descriptors {
+        h.update((d.shape.len() as u64).to_le_bytes());
+        for &s in &d.shape {
+            h.update((s as u64).to_le_bytes());
+        }
+        h.update(d.dtype.name().as_bytes());
+        h.update([0]);
+    }
+    h.update(format!("{:?}", config.compression).as_bytes());
+    Bytes::copy_from_slice(&h.finalize()[..20])
+}
+
+fn to_mm(peer: &libp2p::PeerId) -> matchmaking::PeerId {
+    matchmaking::PeerId::from_bytes(peer.to_bytes()).expect("libp2p peer ids are 1..=128 bytes")
+}
+
+fn from_mm(peer: &matchmaking::PeerId) -> Option<libp2p::PeerId> {
+    libp2p::PeerId::from_bytes(peer.as_bytes()).ok()
+}
+
+/// Wall-clock time `t` as a tokio instant.
+fn instant_of(t: DhtTime) -> tokio::time::Instant {
+    let now = DhtTime::now().as_secs();
+    let ahead = (t.as_secs() - now).clamp(0.0, 86_400.0);
+    tokio::time::Instant::now() + Duration::from_secs_f64(ahead)
+}
+
+enum Wake {
+    Inbound(libp2p::PeerId, Message),
+    DhtGet(u64, Option<crate::dht::DhtValue>),
+    Unreachable(libp2p::PeerId),
+    Cancel,
+    Timeout,
+    StepTimeout,
+    Shutdown,
+}
+
+struct Actor {
+    schema_hash: Bytes,
+    descriptors: Vec<TensorDescriptor>,
+    pool: BufferPool,
+    protocol: String,
+    dht: Dht,
+    hub: Arc<LinkHub>,
+    config: AveragerConfig,
+    key_manager: Option<KeyManager>,
+    successes: u64,
+    shared: Arc<Shared>,
+    inbox: mpsc::Receiver<(libp2p::PeerId, Message)>,
+    /// Outgoing messages and DHT writes in flight (owned; aborted at shutdown).
+    sends: JoinSet<()>,
+    rng: StdRng,
+}
+
+impl Actor {
+    async fn run(
+        mut self,
+        mut steps: mpsc::Receiver<StepRequest>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            while self.sends.try_join_next().is_some() {}
+            tokio::select! {
+                request = steps.recv() => {
+                    let Some(request) = request else { break };
+                    self.run_step(request, &mut shutdown).await;
+                }
+                message = self.inbox.recv() => {
+                    let Some((from, message)) = message else { break };
+                    self.refuse(from, &message);
+                }
+                _ = shutdown.changed() => break,
+            }
+            if *shutdown.borrow() {
+                break;
+            }
+        }
+        // Fail queued steps rather than leaving their callers waiting.
+        steps.close();
+        while let Some(request) = steps.recv().await {
+            let _ = request.stage.send(Stage::Finished);
+            let _ = request.result.send(Err(AveragerError::Shutdown));
+        }
+        self.sends.shutdown().await;
+    }
+
+    /// Answers a join request that arrives while we are not looking.
+    fn refuse(&mut self, from: libp2p::PeerId, message: &Message) {
+        if let Message::Join(request) = message {
+            self.send(
+                from,
+                Message::Reply(Reply {
+                    request_id: request.request_id,
+                    body: ReplyBody::Rejected(RejectReason::NotLookingForGroup),
+                }),
+                None,
+            );
+        }
+    }
+
+    fn send(
+        &mut self,
+        to: libp2p::PeerId,
+        message: Message,
+        unreachable: Option<mpsc::Sender<libp2p::PeerId>>,
+    ) {
+        let p2p = self.dht.p2p().clone();
+        let protocol = self.protocol.clone();
+        let timeout = self.config.request_timeout;
+        self.sends.spawn(async move {
+            if let Err(e) = control::send(&p2p, to, &protocol, &message, timeout).await {
+                tracing::debug!(peer = %to, error = %e, "matchmaking message not delivered");
+                if let Some(tx) = unreachable {
+                    let _ = tx.send(to).await;
+                }
+            }
+        });
+    }
+
+    fn step_key(&self, options: &StepOptions) -> Result<GroupKey, AveragerError> {
+        match (&self.config.keys, &self.key_manager) {
+            (KeySchedule::Grid { grid, coords }, _) => grid
+                .key(
+                    &self.config.prefix,
+                    coords,
+                    options.round.unwrap_or(self.successes),
+                )
+                .map_err(|e| AveragerError::Config(e.to_string())),
+            (_, Some(km)) => Ok(km.key()),
+            (_, None) => Err(AveragerError::Config("no key schedule".into())),
+        }
+    }
+
+    fn member_info(&self, options: &StepOptions) -> MemberInfo {
+        let mut info = MemberInfo::new(self.config.mode);
+        info.bandwidth = self.config.bandwidth;
+        info.gathered = options.gather.clone();
+        if self.config.mode != Mode::Client
+            && let Some(addr) = self.hub.data_addr()
+        {
+            info.addrs.push(addr.to_string());
+        }
+        info
+    }
+
+    async fn run_step(&mut self, request: StepRequest, shutdown: &mut watch::Receiver<bool>) {
+        let StepRequest {
+            options,
+            stage,
+            mut trigger,
+            mut cancel,
+            result,
+        } = request;
+        let started = Instant::now();
+        let step_deadline = options
+            .timeout
+            .map(|t| tokio::time::Instant::from_std(started + t));
+        let outcome = self
+            .step(
+                &options,
+                &stage,
+                &mut trigger,
+                &mut cancel,
+                shutdown,
+                step_deadline,
+            )
+            .await;
+        if outcome.is_ok() {
+            self.successes += 1;
+        }
+        let _ = stage.send(Stage::Finished);
+        let _ = result.send(outcome);
+    }
+
+    async fn step(
+        &mut self,
+        options: &StepOptions,
+        stage: &watch::Sender<Stage>,
+        trigger: &mut watch::Receiver<bool>,
+        cancel: &mut watch::Receiver<bool>,
+        shutdown: &mut watch::Receiver<bool>,
+        step_deadline: Option<tokio::time::Instant>,
+    ) -> Result<StepOutcome, AveragerError> {
+        let _ = stage.send(Stage::Matchmaking);
+        let group = loop {
+            match self
+                .matchmake(options, cancel, shutdown, step_deadline)
+                .await
+            {
+                Ok(group) => break group,
+                Err(AveragerError::Matchmaking(MatchmakingError::NoGroup { .. }))
+                    if options.allow_retries
+                        && step_deadline.is_some_and(|d| tokio::time::Instant::now() < d) =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        if let Some(km) = self.key_manager.as_mut() {
+            km.update_on_group_assembled(&group);
+        }
+        let _ = stage.send(Stage::AwaitingTrigger);
+        let wait = async {
+            tokio::select! {
+                r = trigger.wait_for(|t| *t) => r.map(|_| ()).map_err(|_| AveragerError::Shutdown),
+                _ = cancel.wait_for(|c| *c) => Err(AveragerError::Cancelled),
+                _ = shutdown.wait_for(|s| *s) => Err(AveragerError::Shutdown),
+            }
+        };
+        self.while_serving(wait, step_deadline).await?;
+        let _ = stage.send(Stage::AllReduce);
+        self.all_reduce(options, group, cancel, step_deadline).await
+    }
+
+    /// Runs `fut` while refusing join requests that arrive meanwhile, bounded by the step's
+    /// deadline.
+    async fn while_serving<T>(
+        &mut self,
+        fut: impl std::future::Future<Output = Result<T, AveragerError>>,
+        step_deadline: Option<tokio::time::Instant>,
+    ) -> Result<T, AveragerError> {
+        tokio::pin!(fut);
+        let deadline = step_deadline;
+        loop {
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                r = &mut fut => return r,
+                message = self.inbox.recv() => {
+                    if let Some((from, message)) = message {
+                        self.refuse(from, &message);
+                    }
+                }
+                () = sleep => {
+                    let limit = deadline.map(|d| d.into_std()).unwrap_or_else(Instant::now);
+                    return Err(AveragerError::Timeout(limit.saturating_duration_since(Instant::now())));
+                }
+            }
+        }
+    }
+
+    async fn matchmake(
+        &mut self,
+        options: &StepOptions,
+        cancel: &mut watch::Receiver<bool>,
+        shutdown: &mut watch::Receiver<bool>,
+        step_deadline: Option<tokio::time::Instant>,
+    ) -> Result<matchmaking::Group, AveragerError> {
+        let me = to_mm(&self.dht.p2p().peer_id());
+        let mut mm_config = MmConfig::new(self.schema_hash.clone());
+        mm_config.target_group_size = self.config.target_group_size;
+        mm_config.min_group_size = self.config.min_group_size;
+        mm_config.min_matchmaking_time = self.config.min_matchmaking_time;
+        mm_config.request_timeout = self.config.request_timeout;
+        let key = self.step_key(options)?;
+        let mut step = matchmaking::Step::new(key, self.member_info(options));
+        let now = DhtTime::now();
+        step.scheduled_time = options.scheduled_in.map(|d| now.saturating_add(d));
+        step.deadline = step_deadline
+            .map(|d| now.saturating_add(d.saturating_duration_since(tokio::time::Instant::now())));
+        let mut machine = Matchmaker::new(me, mm_config, step, now, &mut self.rng)
+            .map_err(|e| AveragerError::Config(e.to_string()))?;
+        let (unreachable_tx, mut unreachable) = mpsc::channel(64);
+        let (gets_tx, mut gets) = mpsc::channel(16);
+        let mut result = None;
+        loop {
+            // Outputs first: messages, DHT requests, events.
+            while let Some(t) = machine.poll_transmit() {
+                match from_mm(&t.to) {
+                    Some(to) => self.send(to, t.message, Some(unreachable_tx.clone())),
+                    None => machine.handle_unreachable(DhtTime::now(), &t.to),
+                }
+            }
+            while let Some(request) = machine.poll_dht() {
+                let dht = self.dht.clone();
+                match request {
+                    DhtRequest::Store {
+                        key,
+                        subkey,
+                        value,
+                        expiration,
+                    } => {
+                        self.sends.spawn(async move {
+                            if let Err(e) = dht
+                                .store(key.as_bytes(), Some(&subkey), &value, expiration)
+                                .await
+                            {
+                                tracing::debug!(error = %e, "declaration not stored");
+                            }
+                        });
+                    }
+                    DhtRequest::Get { id, key } => {
+                        let tx = gets_tx.clone();
+                        self.sends.spawn(async move {
+                            let value = dht.get(key.as_bytes()).await.ok().flatten();
+                            let _ = tx.send((id, value)).await;
+                        });
+                    }
+                }
+            }
+            while let Some(event) = machine.poll_event() {
+                result = Some(match event {
+                    Event::Assembled(group) => Ok(group),
+                    Event::Failed(e) => Err(AveragerError::Matchmaking(e)),
+                });
+            }
+            if let Some(r) = result.take_if(|_| machine.is_finished()) {
+                return r;
+            }
+            if machine.is_finished() {
+                return Err(AveragerError::Matchmaking(MatchmakingError::Cancelled));
+            }
+            let timeout = machine.poll_timeout().map(instant_of);
+            let wake = tokio::select! {
+                m = self.inbox.recv() => match m {
+                    Some((from, message)) => Wake::Inbound(from, message),
+                    None => Wake::Shutdown,
+                },
+                Some((id, value)) = gets.recv() => Wake::DhtGet(id, value),
+                Some(peer) = unreachable.recv() => Wake::Unreachable(peer),
+                _ = cancel.wait_for(|c| *c) => Wake::Cancel,
+                _ = shutdown.wait_for(|s| *s) => Wake::Shutdown,
+                () = async { match timeout { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => Wake::Timeout,
+                () = async { match step_deadline { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => Wake::StepTimeout,
+            };
+            let now = DhtTime::now();
+            match wake {
+                Wake::Inbound(from, message) => machine.handle_message(now, to_mm(&from), message),
+                Wake::DhtGet(id, value) => machine.handle_dht_get(now, id, value),
+                Wake::Unreachable(peer) => machine.handle_unreachable(now, &to_mm(&peer)),
+                Wake::Timeout => machine.handle_timeout(now),
+                Wake::Cancel | Wake::Shutdown | Wake::StepTimeout => {
+                    machine.cancel(now);
+                    // Flush the leave record and disband messages, then report.
+                    while let Some(t) = machine.poll_transmit() {
+                        if let Some(to) = from_mm(&t.to) {
+                            self.send(to, t.message, None);
+                        }
+                    }
+                    while let Some(DhtRequest::Store {
+                        key,
+                        subkey,
+                        value,
+                        expiration,
+                    }) = machine.poll_dht()
+                    {
+                        let dht = self.dht.clone();
+                        self.sends.spawn(async move {
+                            let _ = dht
+                                .store(key.as_bytes(), Some(&subkey), &value, expiration)
+                                .await;
+                        });
+                    }
+                    return Err(match wake {
+                        Wake::Cancel => AveragerError::Cancelled,
+                        Wake::Shutdown => AveragerError::Shutdown,
+                        _ => AveragerError::Timeout(options.timeout.unwrap_or_default()),
+                    });
+                }
+            }
+        }
+    }
+
+    async fn all_reduce(
+        &mut self,
+        options: &StepOptions,
+        group: matchmaking::Group,
+        cancel: &mut watch::Receiver<bool>,
+        step_deadline: Option<tokio::time::Instant>,
+    ) -> Result<StepOutcome, AveragerError> {
+        let members: Vec<libp2p::PeerId> = group
+            .members
+            .iter()
+            .map(|m| from_mm(&m.peer))
+            .collect::<Option<_>>()
+            .ok_or_else(|| AveragerError::Links("a member id is not a libp2p peer id".into()))?;
+        let link_peers: Vec<LinkPeer> = group
+            .members
+            .iter()
+            .zip(&members)
+            .map(|(m, &peer_id)| LinkPeer {
+                peer_id,
+                data_addr: m.info.addrs.iter().find_map(|a| a.parse().ok()),
+            })
+            .collect();
+        let elements: usize = self.descriptors.iter().map(TensorDescriptor::numel).sum();
+        let round_members = matchmaking::load_balancing::round_members(&group, elements as u64, 1)
+            .map_err(|e| AveragerError::Round(e.to_string()))?;
+        let mut cfg = RoundConfig::new(round_members, group.me);
+        cfg.weight = options.weight;
+        cfg.part_size_bytes = self.config.part_size_bytes;
+        cfg.compression = self.config.compression.clone();
+        cfg.sender_timeout = self.config.sender_timeout;
+        cfg.reducer_timeout = self.config.reducer_timeout;
+        cfg.round_timeout = Some(self.config.round_timeout);
+
+        let expectation = self
+            .hub
+            .expect(group.group_id.clone(), &link_peers, group.me)
+            .map_err(|e| AveragerError::Links(e.to_string()))?;
+        let link_timeout = self.config.link_timeout;
+        let established = self
+            .while_serving(
+                async { Ok(expectation.establish(link_timeout).await) },
+                step_deadline,
+            )
+            .await?;
+        let carriers = established.carriers.clone();
+        let snapshot: Vec<Tensor> = self
+            .shared
+            .tensors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let runner_cfg = RunnerConfig {
+            pool: self.pool.clone(),
+            ..RunnerConfig::default()
+        };
+        let round = runner::run_round_cancellable(
+            cfg,
+            group.group_id.clone(),
+            snapshot,
+            established.links,
+            runner_cfg,
+            cancel.clone(),
+        );
+        let (_, outcome): (Vec<Tensor>, Outcome) = self
+            .while_serving(
+                async {
+                    round.await.map_err(|e| match e {
+                        runner::RunnerError::Round(crate::allreduce::RoundError::Cancelled) => {
+                            AveragerError::Cancelled
+                        }
+                        other => AveragerError::Round(other.to_string()),
+                    })
+                },
+                step_deadline,
+            )
+            .await?;
+        {
+            let mut tensors = self
+                .shared
+                .tensors
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            outcome
+                .apply(&mut tensors, 1.0)
+                .map_err(|e| AveragerError::Round(e.to_string()))?;
+        }
+        let report = outcome.report.clone();
+        for delta in outcome.deltas.into_iter().flatten() {
+            self.pool.put_f32(delta);
+        }
+        Ok(StepOutcome {
+            group_id: group.group_id.clone(),
+            gathered: group
+                .members
+                .iter()
+                .map(|m| m.info.gathered.clone())
+                .collect(),
+            members,
+            me: group.me,
+            carriers,
+            report,
+            key: group.key,
+        })
+    }
+}

@@ -1,0 +1,175 @@
+//! Matchmaking messages between peers: one libp2p stream per message.
+//!
+//! Protocol `/hivemesh/mm/1/<prefix>` (one protocol per averaging prefix, so several averagers
+//! can share a node). The sender opens a stream, writes one length-delimited
+//! [`matchmaking::wire`] message and waits for a one-byte acknowledgement, which the receiver
+//! writes once the message is queued for its matchmaker. No acknowledgement within
+//! `ack_timeout` (libp2p-stream 0.5.0-alpha drops inbound streams that arrive together, see
+//! `crate::links`) means "re-send", up to [`SEND_ATTEMPTS`] times; a peer that never
+//! acknowledges is reported unreachable, which the matchmaker treats like a peer that left.
+//! The matchmaking protocol tolerates a message delivered twice (requests carry ids and are
+//! answered once).
+//!
+//! The receiving side reads each stream in its own task, at most [`MAX_INBOUND`] at once
+//! (more are dropped: their senders re-send), each under a timeout and with the message size
+//! checked from its length prefix before anything is buffered.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use libp2p::PeerId;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
+
+use crate::matchmaking::{self, Message};
+use crate::p2p::{InboundStreams, P2p, P2pStream};
+use crate::wire::FrameDecoder;
+
+/// Attempts per message before the peer counts as unreachable.
+pub const SEND_ATTEMPTS: usize = 3;
+/// Inbound message streams read at once.
+pub const MAX_INBOUND: usize = 64;
+const ACK: u8 = 0x06;
+
+/// Why a message could not be delivered (logged; the matchmaker sees "unreachable").
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// Opening a stream failed.
+    #[error("opening a stream: {0}")]
+    Open(String),
+    /// Writing or reading the stream failed.
+    #[error("i/o: {0}")]
+    Io(String),
+    /// No acknowledgement in time.
+    #[error("no acknowledgement within {0:?}")]
+    NoAck(Duration),
+}
+
+/// The protocol name for `prefix`.
+pub fn protocol(prefix: &str) -> String {
+    format!("/hivemesh/mm/1/{prefix}")
+}
+
+/// Sends `message` to `peer`, retrying silent attempts (see the module docs).
+pub async fn send(
+    p2p: &P2p,
+    peer: PeerId,
+    protocol: &str,
+    message: &Message,
+    ack_timeout: Duration,
+) -> Result<(), ControlError> {
+    let body = matchmaking::wire::encode(message);
+    let mut frame = BytesMut::with_capacity(body.len() + 10);
+    crate::wire::put_length_prefix(body.len(), &mut frame);
+    frame.extend_from_slice(&body);
+    let mut last = ControlError::NoAck(ack_timeout);
+    for _ in 0..SEND_ATTEMPTS {
+        match send_once(p2p, peer, protocol, &frame, ack_timeout).await {
+            Ok(()) => return Ok(()),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+async fn send_once(
+    p2p: &P2p,
+    peer: PeerId,
+    protocol: &str,
+    frame: &[u8],
+    ack_timeout: Duration,
+) -> Result<(), ControlError> {
+    let mut stream = p2p
+        .open_stream(peer, protocol, ack_timeout)
+        .await
+        .map_err(|e| ControlError::Open(e.to_string()))?;
+    let exchange = async {
+        stream.write_all(frame).await?;
+        stream.flush().await?;
+        let mut ack = [0u8; 1];
+        stream.read_exact(&mut ack).await?;
+        let _ = stream.shutdown().await;
+        std::io::Result::Ok(ack[0])
+    };
+    match tokio::time::timeout(ack_timeout, exchange).await {
+        Ok(Ok(ACK)) => Ok(()),
+        Ok(Ok(other)) => Err(ControlError::Io(format!(
+            "bad acknowledgement byte {other}"
+        ))),
+        Ok(Err(e)) => Err(ControlError::Io(e.to_string())),
+        Err(_) => Err(ControlError::NoAck(ack_timeout)),
+    }
+}
+
+/// Serves inbound message streams: decodes each message and hands `(sender, message)` to
+/// `inbox`, acknowledging only what was queued. Runs until the node shuts down or `inbox`
+/// closes.
+pub async fn serve(
+    mut inbound: InboundStreams,
+    inbox: mpsc::Sender<(PeerId, Message)>,
+    read_timeout: Duration,
+) {
+    let permits = Arc::new(Semaphore::new(MAX_INBOUND));
+    let mut tasks = JoinSet::new();
+    while let Some((peer, stream)) = inbound.next().await {
+        while tasks.try_join_next().is_some() {}
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "too many inbound matchmaking streams; dropping one");
+            continue;
+        };
+        let tx = inbox.clone();
+        tasks.spawn(async move {
+            let _permit = permit;
+            if let Err(e) = receive(peer, stream, &tx, read_timeout).await {
+                tracing::debug!(%peer, error = %e, "bad matchmaking message");
+            }
+        });
+        if inbox.is_closed() {
+            break;
+        }
+    }
+    tasks.shutdown().await;
+}
+
+async fn receive(
+    peer: PeerId,
+    mut stream: P2pStream,
+    inbox: &mpsc::Sender<(PeerId, Message)>,
+    read_timeout: Duration,
+) -> Result<(), String> {
+    let decoder = FrameDecoder::new(matchmaking::wire::MAX_MESSAGE_BYTES);
+    let read = async {
+        let mut buf = BytesMut::with_capacity(1024);
+        loop {
+            if let Some((prefix, len)) = decoder.peek_len(&buf).map_err(|e| e.to_string())? {
+                while buf.len() < prefix + len {
+                    buf.reserve((prefix + len - buf.len()).min(64 << 10));
+                    if stream.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {
+                        return Err("stream closed mid-message".to_owned());
+                    }
+                }
+                return Ok(buf.split_off(prefix).split_to(len).freeze());
+            }
+            if stream.read_buf(&mut buf).await.map_err(|e| e.to_string())? == 0 {
+                return Err("stream closed before a message".to_owned());
+            }
+        }
+    };
+    let body = tokio::time::timeout(read_timeout, read)
+        .await
+        .map_err(|_| format!("no message within {read_timeout:?}"))??;
+    let message = matchmaking::wire::decode(&body).map_err(|e| e.to_string())?;
+    tokio::time::timeout(read_timeout, inbox.send((peer, message)))
+        .await
+        .map_err(|_| "averager inbox full".to_owned())?
+        .map_err(|_| "averager gone".to_owned())?;
+    let _ = tokio::time::timeout(read_timeout, async {
+        stream.write_all(&[ACK]).await?;
+        stream.shutdown().await
+    })
+    .await;
+    Ok(())
+}

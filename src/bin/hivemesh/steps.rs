@@ -1,0 +1,357 @@
+//! `hivemesh bench steps`: P peers as OS processes, each running a node and an averager and
+//! calling `step()` R times (matchmaking + all-reduce); prints
+//! `hivemesh_steps peers=P group=G ok=K total=T median_step_s=S`.
+//!
+//! The parent runs the bootstrap node in-process and re-executes this binary as P
+//! `bench-steps-worker`s, passing the bootstrap address. Each worker joins, prints `READY`,
+//! and for every round waits for `GO <r>` on stdin (the parent sends it once every worker has
+//! finished the previous round, so steps start together), runs one step and prints
+//! `STEP <r> ok <seconds> <group size>` or `STEP <r> err <seconds> <message>`. Results are
+//! checked: every member gathers its index, and after the first step a worker verifies a
+//! sample of its elements against the mean of its group's initial values (recomputed from the
+//! generator); later steps are checked for finiteness.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use clap::Args;
+use hivemesh::averager::node::{Node, NodeConfig};
+use hivemesh::averager::{Averager, AveragerConfig, StepOptions};
+use hivemesh::tensor::Tensor;
+
+const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Options shared by the harness and its workers.
+#[derive(Args, Debug, Clone)]
+pub struct StepsArgs {
+    /// Number of peer processes.
+    #[arg(long, default_value_t = 16)]
+    peers: usize,
+    /// Target group size.
+    #[arg(long, default_value_t = 4)]
+    group_size: usize,
+    /// Steps per peer.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// MiB of f32 values per peer.
+    #[arg(long, default_value_t = 4)]
+    mib: usize,
+    /// Matchmaking time before a smaller group is closed, in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    min_matchmaking_time: f64,
+    /// Step timeout in seconds.
+    #[arg(long, default_value_t = 60.0)]
+    step_timeout: f64,
+}
+
+/// A worker's options.
+#[derive(Args, Debug, Clone)]
+pub struct StepsWorkerArgs {
+    #[command(flatten)]
+    steps: StepsArgs,
+    /// This worker's index.
+    #[arg(long)]
+    index: usize,
+    /// The bootstrap node's address.
+    #[arg(long)]
+    bootstrap: libp2p::Multiaddr,
+}
+
+impl StepsArgs {
+    fn validate(&self) -> anyhow::Result<()> {
+        ensure!(
+            (2..=64).contains(&self.peers),
+            "--peers must be between 2 and 64"
+        );
+        ensure!(
+            (2..=self.peers).contains(&self.group_size),
+            "--group-size must be between 2 and --peers"
+        );
+        ensure!(
+            (1..=100).contains(&self.rounds),
+            "--rounds must be between 1 and 100"
+        );
+        ensure!(
+            (1..=1024).contains(&self.mib),
+            "--mib must be between 1 and 1024"
+        );
+        ensure!(
+            self.min_matchmaking_time > 0.0 && self.min_matchmaking_time <= 60.0,
+            "--min-matchmaking-time must be in (0, 60]"
+        );
+        ensure!(
+            self.step_timeout > 0.0 && self.step_timeout <= 3600.0,
+            "--step-timeout must be in (0, 3600]"
+        );
+        Ok(())
+    }
+
+    fn elements(&self) -> usize {
+        self.mib * (1 << 20) / 4
+    }
+}
+
+/// Kills the workers if the harness returns early.
+struct Workers(Vec<Child>);
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The parent.
+pub fn run(args: StepsArgs) -> anyhow::Result<()> {
+    args.validate()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let (bootstrap, addr) = runtime.block_on(async {
+        let node = Node::start(
+            NodeConfig {
+                data_listen: None,
+                ..NodeConfig::loopback()
+            },
+            libp2p::identity::Keypair::generate_ed25519(),
+        )
+        .await?;
+        let addr = node
+            .dht()
+            .p2p()
+            .listen_addrs()
+            .await?
+            .into_iter()
+            .next()
+            .context("the bootstrap node has no address")?
+            .with(libp2p::multiaddr::Protocol::P2p(node.dht().p2p().peer_id()));
+        anyhow::Ok((node, addr))
+    })?;
+
+    let exe = std::env::current_exe().context("locating the hivemesh binary")?;
+    let mut workers = Workers(Vec::new());
+    let (tx, rx) = std_mpsc::channel::<(usize, String)>();
+    for i in 0..args.peers {
+        let mut child = Command::new(&exe)
+            .arg("bench-steps-worker")
+            .args(["--index", &i.to_string()])
+            .args(["--bootstrap", &addr.to_string()])
+            .args(["--peers", &args.peers.to_string()])
+            .args(["--group-size", &args.group_size.to_string()])
+            .args(["--rounds", &args.rounds.to_string()])
+            .args(["--mib", &args.mib.to_string()])
+            .args([
+                "--min-matchmaking-time",
+                &args.min_matchmaking_time.to_string(),
+            ])
+            .args(["--step-timeout", &args.step_timeout.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting a worker process")?;
+        let stdout = child.stdout.take().context("worker stdout")?;
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send((i, line)).is_err() {
+                    break;
+                }
+            }
+            let _ = tx.send((i, "EOF".to_owned()));
+        });
+        workers.0.push(child);
+    }
+    drop(tx);
+
+    let mut ready = 0;
+    while ready < args.peers {
+        let (i, line) = rx
+            .recv_timeout(SETUP_TIMEOUT)
+            .context("workers did not report ready in time")?;
+        match line.as_str() {
+            "READY" => ready += 1,
+            "EOF" => bail!("worker {i} exited during setup"),
+            other => bail!("worker {i}: unexpected line '{other}'"),
+        }
+    }
+    let mut ok = 0usize;
+    let mut times = Vec::new();
+    let mut done = vec![false; args.peers];
+    let step_limit = Duration::from_secs_f64(args.step_timeout) + SETUP_TIMEOUT;
+    for round in 0..args.rounds {
+        for c in &mut workers.0 {
+            let stdin = c.stdin.as_mut().context("worker stdin")?;
+            writeln!(stdin, "GO {round}")?;
+            stdin.flush()?;
+        }
+        let mut reported = 0;
+        let mut failures = Vec::new();
+        while reported < args.peers {
+            let (i, line) = rx
+                .recv_timeout(step_limit)
+                .context("a step did not end in time")?;
+            let fields: Vec<&str> = line.splitn(5, ' ').collect();
+            match fields.as_slice() {
+                ["STEP", r, "ok", secs, _size] if r.parse::<usize>()? == round => {
+                    ok += 1;
+                    times.push(secs.parse::<f64>()?);
+                    reported += 1;
+                }
+                ["STEP", r, "err", _secs, message] if r.parse::<usize>()? == round => {
+                    failures.push(format!("worker {i}: {message}"));
+                    reported += 1;
+                }
+                // A worker ends after reporting its last step; only an end before that is
+                // an error.
+                ["EOF"] if round + 1 == args.rounds && done[i] => {}
+                ["EOF"] => bail!("worker {i} exited early"),
+                _ => bail!("worker {i}: unexpected line '{line}'"),
+            }
+            if line.starts_with("STEP ") {
+                done[i] = round + 1 == args.rounds;
+            }
+        }
+        let mut sorted = times[times.len().saturating_sub(args.peers - failures.len())..].to_vec();
+        sorted.sort_by(f64::total_cmp);
+        eprintln!(
+            "round {round}: {}/{} steps ok, slowest {:.3} s{}",
+            args.peers - failures.len(),
+            args.peers,
+            sorted.last().copied().unwrap_or(0.0),
+            if failures.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", failures.join("; "))
+            }
+        );
+    }
+    for c in &mut workers.0 {
+        drop(c.stdin.take());
+    }
+    for c in &mut workers.0 {
+        let status = c.wait()?;
+        ensure!(status.success(), "a worker failed: {status}");
+    }
+    workers.0.clear();
+    runtime.block_on(bootstrap.shutdown());
+    times.sort_by(f64::total_cmp);
+    let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+    println!(
+        "hivemesh_steps peers={} group={} ok={ok} total={} median_step_s={median:.4}",
+        args.peers,
+        args.group_size,
+        args.peers * args.rounds
+    );
+    Ok(())
+}
+
+/// One worker process.
+pub fn run_worker(args: StepsWorkerArgs) -> anyhow::Result<()> {
+    args.steps.validate()?;
+    ensure!(args.index < args.steps.peers, "--index out of range");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(worker(args))
+}
+
+/// The value every peer's element `e` starts with (so any peer can recompute a group's mean
+/// from the members' indices).
+fn initial(peer: usize, e: usize) -> f32 {
+    hivemesh::sim::generated_value(7, peer, e)
+}
+
+async fn worker(args: StepsWorkerArgs) -> anyhow::Result<()> {
+    let steps = &args.steps;
+    let mut config = NodeConfig::loopback();
+    config.p2p.initial_peers = vec![args.bootstrap.clone()];
+    let node = Node::start(config, libp2p::identity::Keypair::generate_ed25519()).await?;
+    let n = steps.elements();
+    let values: Vec<f32> = (0..n).map(|e| initial(args.index, e)).collect();
+    let mut cfg = AveragerConfig::new("bench-steps");
+    cfg.target_group_size = Some(steps.group_size);
+    cfg.min_matchmaking_time = Duration::from_secs_f64(steps.min_matchmaking_time);
+    let averager = Averager::start(
+        node.dht().clone(),
+        node.hub().clone(),
+        vec![Tensor::from_f32(&[n], values)?],
+        cfg,
+    )?;
+    println!("READY");
+
+    let (line_tx, mut lines) = tokio::sync::mpsc::channel::<String>(4);
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            let Ok(line) = line else { break };
+            if line_tx.blocking_send(line).is_err() {
+                break;
+            }
+        }
+    });
+    for round in 0..steps.rounds {
+        let go = lines.recv().await.context("parent closed stdin")?;
+        ensure!(
+            go == format!("GO {round}"),
+            "expected GO {round}, got '{go}'"
+        );
+        let started = Instant::now();
+        let result = averager
+            .step(StepOptions {
+                gather: bytes::Bytes::from(args.index.to_le_bytes().to_vec()),
+                timeout: Some(Duration::from_secs_f64(steps.step_timeout)),
+                ..StepOptions::default()
+            })
+            .await;
+        let secs = started.elapsed().as_secs_f64();
+        match result {
+            Ok(outcome) => {
+                let after: Vec<f32> = averager.tensors()[0].to_f32_vec();
+                ensure!(
+                    after.iter().all(|x| x.is_finite()),
+                    "non-finite values after step {round}"
+                );
+                let members: Vec<usize> = outcome
+                    .gathered
+                    .iter()
+                    .map(|g| {
+                        let bytes: [u8; 8] = g[..].try_into().unwrap_or([0xff; 8]);
+                        usize::from_le_bytes(bytes)
+                    })
+                    .collect();
+                ensure!(
+                    members.iter().all(|&m| m < steps.peers),
+                    "bad gathered bytes"
+                );
+                if round == 0 {
+                    // First step: everyone starts from the generator, so the mean is known.
+                    for e in (0..n).step_by(4099) {
+                        let mean = members
+                            .iter()
+                            .map(|&m| f64::from(initial(m, e)))
+                            .sum::<f64>()
+                            / members.len() as f64;
+                        ensure!(
+                            (f64::from(after[e]) - mean).abs() < 1e-5,
+                            "element {e}: {} vs group mean {mean}",
+                            after[e]
+                        );
+                    }
+                }
+                println!("STEP {round} ok {secs:.6} {}", outcome.members.len());
+            }
+            Err(e) => println!("STEP {round} err {secs:.6} {e}"),
+        }
+    }
+    averager.shutdown().await;
+    node.shutdown().await;
+    Ok(())
+}

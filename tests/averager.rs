@@ -1,0 +1,539 @@
+//! The Averager on real in-process swarms (libp2p on loopback, TLS data links): hivemind's
+//! `test_averaging.py` scenarios (digest §9.2) plus cancellation of a running all-reduce.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hivemesh::allreduce::Mode;
+use hivemesh::averager::node::{Node, NodeConfig};
+use hivemesh::averager::{
+    Averager, AveragerConfig, AveragerError, KeySchedule, Stage, StepOptions, StepOutcome,
+};
+use hivemesh::matchmaking::Grid;
+use hivemesh::tensor::Tensor;
+use libp2p::Multiaddr;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+/// A bootstrap node and `n` nodes joined through it (node `i` has a TLS data listener unless
+/// `no_listener(i)`).
+struct Swarm {
+    bootstrap: Node,
+    nodes: Vec<Node>,
+}
+
+impl Swarm {
+    async fn start(n: usize, no_listener: impl Fn(usize) -> bool) -> Self {
+        let bootstrap = Node::start(
+            NodeConfig {
+                data_listen: None,
+                ..NodeConfig::loopback()
+            },
+            libp2p::identity::Keypair::generate_ed25519(),
+        )
+        .await
+        .unwrap();
+        let addr: Multiaddr = bootstrap
+            .dht()
+            .p2p()
+            .listen_addrs()
+            .await
+            .unwrap()
+            .remove(0)
+            .with(libp2p::multiaddr::Protocol::P2p(
+                bootstrap.dht().p2p().peer_id(),
+            ));
+        let mut nodes = Vec::new();
+        for i in 0..n {
+            let mut config = NodeConfig::loopback();
+            config.p2p.initial_peers = vec![addr.clone()];
+            if no_listener(i) {
+                config.data_listen = None;
+            }
+            nodes.push(
+                Node::start(config, libp2p::identity::Keypair::generate_ed25519())
+                    .await
+                    .unwrap(),
+            );
+        }
+        Self { bootstrap, nodes }
+    }
+
+    fn averager(&self, i: usize, values: Vec<Vec<f32>>, config: AveragerConfig) -> Arc<Averager> {
+        let tensors = values
+            .into_iter()
+            .map(|v| Tensor::from_f32(&[v.len()], v).unwrap())
+            .collect();
+        Arc::new(
+            Averager::start(
+                self.nodes[i].dht().clone(),
+                self.nodes[i].hub().clone(),
+                tensors,
+                config,
+            )
+            .unwrap(),
+        )
+    }
+
+    async fn shutdown(self, averagers: Vec<Arc<Averager>>) {
+        for a in averagers {
+            if let Ok(a) = Arc::try_unwrap(a) {
+                a.shutdown().await;
+            }
+        }
+        for n in self.nodes {
+            n.shutdown().await;
+        }
+        self.bootstrap.shutdown().await;
+    }
+}
+
+fn config(prefix: &str, mode: Mode, target: Option<usize>) -> AveragerConfig {
+    let mut c = AveragerConfig::new(prefix);
+    c.mode = mode;
+    c.target_group_size = target;
+    c.min_matchmaking_time = Duration::from_secs(2);
+    c.request_timeout = Duration::from_secs(1);
+    c
+}
+
+fn random_tensors(rng: &mut StdRng) -> Vec<Vec<f32>> {
+    vec![
+        (0..123).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        (0..3).map(|_| rng.random_range(-1.0..1.0)).collect(),
+    ]
+}
+
+fn values(a: &Averager) -> Vec<Vec<f32>> {
+    a.tensors().iter().map(Tensor::to_f32_vec).collect()
+}
+
+/// Runs one step on every averager concurrently.
+async fn step_all(
+    averagers: &[Arc<Averager>],
+    options: impl Fn(usize) -> StepOptions,
+) -> Vec<Result<StepOutcome, AveragerError>> {
+    let futures = averagers.iter().enumerate().map(|(i, a)| {
+        let a = a.clone();
+        let o = options(i);
+        async move { a.step(o).await }
+    });
+    futures::future::join_all(futures).await
+}
+
+fn assert_close(got: &[Vec<f32>], want: &[Vec<f64>], tol: f64, what: &str) {
+    for (g, w) in got.iter().zip(want) {
+        for (x, m) in g.iter().zip(w) {
+            assert!(
+                (f64::from(*x) - m).abs() <= tol,
+                "{what}: {x} vs {m} (tolerance {tol})"
+            );
+        }
+    }
+}
+
+fn weighted_mean(inputs: &[(Vec<Vec<f32>>, f64)]) -> Vec<Vec<f64>> {
+    let total: f64 = inputs.iter().map(|(_, w)| w).sum();
+    (0..inputs[0].0.len())
+        .map(|t| {
+            (0..inputs[0].0[t].len())
+                .map(|e| {
+                    inputs
+                        .iter()
+                        .map(|(v, w)| f64::from(v[t][e]) * w)
+                        .sum::<f64>()
+                        / total
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// hivemind's `test_allreduce_once` over 0-2 clients × 0-2 aux peers, plus its edge cases
+/// (1 client + 3 aux, 1 node + 3 aux): every member is in the group, every non-aux peer holds
+/// the mean over the non-aux peers, aux peers keep their values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allreduce_once_with_clients_and_aux() {
+    let swarm = Swarm::start(4, |_| false).await;
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut cases = Vec::new();
+    for clients in 0..=2 {
+        for aux in 0..=2 {
+            cases.push((clients, aux));
+        }
+    }
+    cases.extend([(1, 3), (0, 3)]);
+    let mut all = Vec::new();
+    for (case, &(clients, aux)) in cases.iter().enumerate() {
+        let mut modes: Vec<Mode> = (0..4)
+            .map(|i| {
+                if i < clients {
+                    Mode::Client
+                } else if i < clients + aux {
+                    Mode::Aux
+                } else {
+                    Mode::Node
+                }
+            })
+            .collect();
+        // Shuffle which node plays which mode.
+        for i in (1..4).rev() {
+            modes.swap(i, rng.random_range(0..=i));
+        }
+        let inputs: Vec<Vec<Vec<f32>>> = (0..4).map(|_| random_tensors(&mut rng)).collect();
+        let prefix = format!("once{case}");
+        let averagers: Vec<_> = (0..4)
+            .map(|i| swarm.averager(i, inputs[i].clone(), config(&prefix, modes[i], Some(4))))
+            .collect();
+        let results = step_all(&averagers, |_| StepOptions {
+            timeout: Some(Duration::from_secs(30)),
+            ..StepOptions::default()
+        })
+        .await;
+        let contributing: Vec<(Vec<Vec<f32>>, f64)> = (0..4)
+            .filter(|&i| modes[i] != Mode::Aux)
+            .map(|i| (inputs[i].clone(), 1.0))
+            .collect();
+        let mean = weighted_mean(&contributing);
+        for (i, r) in results.iter().enumerate() {
+            let outcome = r
+                .as_ref()
+                .unwrap_or_else(|e| panic!("case {clients} clients {aux} aux, peer {i}: {e}"));
+            assert_eq!(outcome.members.len(), 4, "every peer is in the group");
+            if modes[i] == Mode::Aux {
+                assert_eq!(
+                    values(&averagers[i]),
+                    inputs[i],
+                    "aux peers keep their values"
+                );
+            } else {
+                assert_close(
+                    &values(&averagers[i]),
+                    &mean,
+                    1e-6,
+                    "non-aux peer holds the mean",
+                );
+            }
+        }
+        all.extend(averagers);
+    }
+    swarm.shutdown(all).await;
+}
+
+/// hivemind's `test_allreduce_weighted`: 4 peers, 2 of them clients, random weights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allreduce_weighted() {
+    let swarm = Swarm::start(4, |i| i % 2 == 0).await;
+    let mut rng = StdRng::seed_from_u64(2);
+    let inputs: Vec<Vec<Vec<f32>>> = (0..4).map(|_| random_tensors(&mut rng)).collect();
+    let weights: Vec<f64> = (0..4).map(|_| rng.random_range(0.01..10.01)).collect();
+    let averagers: Vec<_> = (0..4)
+        .map(|i| {
+            let mode = if i % 2 == 0 { Mode::Client } else { Mode::Node };
+            swarm.averager(i, inputs[i].clone(), config("weighted", mode, Some(4)))
+        })
+        .collect();
+    let results = step_all(&averagers, |i| StepOptions {
+        weight: weights[i],
+        timeout: Some(Duration::from_secs(30)),
+        ..StepOptions::default()
+    })
+    .await;
+    let mean = weighted_mean(
+        &inputs
+            .iter()
+            .cloned()
+            .zip(weights.iter().copied())
+            .collect::<Vec<_>>(),
+    );
+    for (i, r) in results.iter().enumerate() {
+        let outcome = r.as_ref().unwrap();
+        assert_eq!(outcome.members.len(), 4);
+        // Clients have no data listener: their links are libp2p streams.
+        if i % 2 == 0 {
+            assert!(
+                outcome
+                    .carriers
+                    .iter()
+                    .flatten()
+                    .all(|c| *c == hivemesh::links::Carrier::Stream)
+            );
+        }
+        assert_close(&values(&averagers[i]), &mean, 1e-5, "weighted mean");
+    }
+    swarm.shutdown(averagers).await;
+}
+
+/// 16 peers in groups of 4 (rotating bits) for 3 rounds: every step succeeds, groups have 4
+/// members, gathered bytes reach every member, and the global mean is preserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_peers_groups_of_four_three_rounds() {
+    let swarm = Swarm::start(16, |_| false).await;
+    let mut rng = StdRng::seed_from_u64(3);
+    let inputs: Vec<Vec<Vec<f32>>> = (0..16).map(|_| random_tensors(&mut rng)).collect();
+    let global = weighted_mean(&inputs.iter().map(|v| (v.clone(), 1.0)).collect::<Vec<_>>());
+    let averagers: Vec<_> = (0..16)
+        .map(|i| {
+            let mut c = config("sixteen", Mode::Node, Some(4));
+            c.keys = KeySchedule::Bits {
+                initial_bits: format!("{:02b}", i / 4),
+            };
+            swarm.averager(i, inputs[i].clone(), c)
+        })
+        .collect();
+    for round in 0..3 {
+        let results = step_all(&averagers, |i| StepOptions {
+            gather: bytes::Bytes::from(format!("peer {i} round {round}")),
+            timeout: Some(Duration::from_secs(60)),
+            ..StepOptions::default()
+        })
+        .await;
+        for (i, r) in results.iter().enumerate() {
+            let o = r
+                .as_ref()
+                .unwrap_or_else(|e| panic!("round {round} peer {i}: {e}"));
+            assert_eq!(o.members.len(), 4, "round {round} peer {i}");
+            assert_eq!(
+                o.gathered[o.me],
+                format!("peer {i} round {round}").as_bytes()
+            );
+            assert!(
+                o.gathered
+                    .iter()
+                    .all(|g| g.ends_with(format!("round {round}").as_bytes()))
+            );
+        }
+        let now: Vec<Vec<Vec<f32>>> = averagers.iter().map(|a| values(a)).collect();
+        let mean_now = weighted_mean(&now.into_iter().map(|v| (v, 1.0)).collect::<Vec<_>>());
+        assert_close(
+            &mean_now
+                .iter()
+                .map(|t| t.iter().map(|&x| x as f32).collect())
+                .collect::<Vec<Vec<f32>>>(),
+            &global,
+            1e-5,
+            "the global mean is preserved",
+        );
+    }
+    swarm.shutdown(averagers).await;
+}
+
+/// The Moshpit grid on real swarms: 16 peers on a 4×4 grid reach the exact global mean in two
+/// rounds (the 64-peer 4×4×4 case runs in the matchmaking simulator).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grid_reaches_the_exact_mean() {
+    let swarm = Swarm::start(16, |_| false).await;
+    let mut rng = StdRng::seed_from_u64(4);
+    let inputs: Vec<Vec<Vec<f32>>> = (0..16).map(|_| random_tensors(&mut rng)).collect();
+    let global = weighted_mean(&inputs.iter().map(|v| (v.clone(), 1.0)).collect::<Vec<_>>());
+    let grid = Grid::new(4, 2).unwrap();
+    let averagers: Vec<_> = (0..16)
+        .map(|i| {
+            let mut c = config("grid", Mode::Node, Some(4));
+            c.min_group_size = 4;
+            c.keys = KeySchedule::Grid {
+                grid,
+                coords: grid.coords_of_index(i),
+            };
+            swarm.averager(i, inputs[i].clone(), c)
+        })
+        .collect();
+    for round in 0..2u64 {
+        let results = step_all(&averagers, |_| StepOptions {
+            round: Some(round),
+            timeout: Some(Duration::from_secs(60)),
+            ..StepOptions::default()
+        })
+        .await;
+        for r in &results {
+            assert_eq!(r.as_ref().unwrap().members.len(), 4);
+        }
+    }
+    for a in &averagers {
+        assert_close(
+            &values(a),
+            &global,
+            1e-5,
+            "exact global mean after 2 grid rounds",
+        );
+    }
+    swarm.shutdown(averagers).await;
+}
+
+/// hivemind's `test_too_few_peers`: every peer alone in its bucket; every step fails with a
+/// typed error within its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_few_peers_fail_in_time() {
+    let swarm = Swarm::start(4, |_| false).await;
+    let mut rng = StdRng::seed_from_u64(5);
+    let averagers: Vec<_> = (0..4)
+        .map(|i| {
+            let mut c = config("few", Mode::Node, Some(2));
+            c.min_matchmaking_time = Duration::from_secs(1);
+            c.request_timeout = Duration::from_millis(500);
+            c.keys = KeySchedule::Bits {
+                initial_bits: format!("{i:03b}"),
+            };
+            swarm.averager(i, random_tensors(&mut rng), c)
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let results = step_all(&averagers, |_| StepOptions {
+        timeout: Some(Duration::from_secs(2)),
+        allow_retries: false,
+        ..StepOptions::default()
+    })
+    .await;
+    for r in results {
+        assert!(
+            matches!(
+                r,
+                Err(AveragerError::Matchmaking(_)) | Err(AveragerError::Timeout(_))
+            ),
+            "{r:?}"
+        );
+    }
+    // Generous bound: the steps end by their own deadline, not by some outer timeout.
+    assert!(started.elapsed() < Duration::from_secs(20));
+    swarm.shutdown(averagers).await;
+}
+
+/// hivemind's `test_averaging_trigger`: peers 1 and 2 wait for a trigger; the others cannot
+/// finish without them; after the trigger everyone finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trigger_holds_the_all_reduce() {
+    let swarm = Swarm::start(4, |_| false).await;
+    let mut rng = StdRng::seed_from_u64(6);
+    let averagers: Vec<_> = (0..4)
+        .map(|i| {
+            let mut c = config("trigger", Mode::Node, Some(4));
+            c.link_timeout = Duration::from_secs(30);
+            swarm.averager(i, random_tensors(&mut rng), c)
+        })
+        .collect();
+    let mut controls = Vec::new();
+    for (i, a) in averagers.iter().enumerate() {
+        controls.push(
+            a.schedule_step(StepOptions {
+                wait_for_trigger: i == 1 || i == 2,
+                timeout: Some(Duration::from_secs(60)),
+                ..StepOptions::default()
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    for i in [1, 2] {
+        controls[i].reached(Stage::AwaitingTrigger).await;
+    }
+    for i in [0, 3] {
+        controls[i].reached(Stage::AllReduce).await;
+        assert_eq!(
+            controls[i].stage(),
+            Stage::AllReduce,
+            "peer {i} waits for 1 and 2"
+        );
+    }
+    for i in [1, 2] {
+        assert_eq!(controls[i].stage(), Stage::AwaitingTrigger);
+        controls[i].trigger();
+        controls[i].trigger(); // a second trigger is harmless
+    }
+    for c in controls {
+        c.result().await.unwrap();
+    }
+    swarm.shutdown(averagers).await;
+}
+
+/// hivemind's `test_averaging_cancel`: two of four peers cancel during matchmaking; the others
+/// still average (in a group of 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_during_matchmaking() {
+    let swarm = Swarm::start(4, |i| i % 2 == 0).await;
+    let mut rng = StdRng::seed_from_u64(7);
+    let averagers: Vec<_> = (0..4)
+        .map(|i| {
+            let mode = if i % 2 == 0 { Mode::Client } else { Mode::Node };
+            let mut c = config("cancel", mode, Some(2));
+            c.min_matchmaking_time = Duration::from_millis(500);
+            swarm.averager(i, random_tensors(&mut rng), c)
+        })
+        .collect();
+    let mut controls = Vec::new();
+    for a in &averagers {
+        controls.push(
+            a.schedule_step(StepOptions {
+                wait_for_trigger: true,
+                timeout: Some(Duration::from_secs(60)),
+                ..StepOptions::default()
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    controls[0].cancel();
+    controls[1].cancel();
+    controls[2].trigger();
+    controls[3].trigger();
+    let results: Vec<_> = futures::future::join_all(controls.into_iter().map(|c| c.result())).await;
+    assert!(
+        matches!(results[0], Err(AveragerError::Cancelled)),
+        "{:?}",
+        results[0]
+    );
+    assert!(
+        matches!(results[1], Err(AveragerError::Cancelled)),
+        "{:?}",
+        results[1]
+    );
+    for r in &results[2..] {
+        assert_eq!(r.as_ref().unwrap().members.len(), 2);
+    }
+    swarm.shutdown(averagers).await;
+}
+
+/// Cancelling a step whose all-reduce is running stops it cleanly: the cancelled peer's
+/// tensors are unchanged, its partner finishes (without it) instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_during_all_reduce() {
+    let swarm = Swarm::start(2, |_| false).await;
+    // Large enough that the round is still running when the cancel lands.
+    let big: Vec<f32> = (0..4 << 20).map(|i| i as f32).collect();
+    let averagers: Vec<_> = (0..2)
+        .map(|i| {
+            let mut c = config("cancel-ar", Mode::Node, Some(2));
+            c.part_size_bytes = 64 << 10;
+            swarm.averager(i, vec![big.iter().map(|x| x + i as f32).collect()], c)
+        })
+        .collect();
+    let before = values(&averagers[0]);
+    let mut a = averagers[0]
+        .schedule_step(StepOptions {
+            timeout: Some(Duration::from_secs(60)),
+            ..StepOptions::default()
+        })
+        .await
+        .unwrap();
+    let b = averagers[1]
+        .schedule_step(StepOptions {
+            timeout: Some(Duration::from_secs(60)),
+            ..StepOptions::default()
+        })
+        .await
+        .unwrap();
+    a.reached(Stage::AllReduce).await;
+    a.cancel();
+    let (ra, rb) = tokio::join!(a.result(), b.result());
+    match ra {
+        Err(AveragerError::Cancelled) => assert_eq!(values(&averagers[0]), before),
+        // The round may have finished before the cancel landed: then it is a normal result.
+        Ok(_) => {}
+        Err(e) => panic!("unexpected: {e}"),
+    }
+    // The partner is not left hanging: it ends with a result or a typed round error.
+    match rb {
+        Ok(_) | Err(AveragerError::Round(_)) => {}
+        Err(e) => panic!("partner: {e}"),
+    }
+    swarm.shutdown(averagers).await;
+}
