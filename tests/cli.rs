@@ -203,25 +203,17 @@ mod bench {
     use std::io::{BufRead, BufReader, Write};
     use std::process::{Child, ChildStdout, Command, Stdio};
 
-    #[test]
-    fn allreduce_bench_prints_its_line() {
+    /// Runs a small `bench allreduce` over `transport` and checks its one line.
+    fn bench_line(transport: &str) {
         let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-            .args([
-                "bench",
-                "allreduce",
-                "--peers",
-                "3",
-                "--mib",
-                "2",
-                "--rounds",
-                "2",
-            ])
+            .args(["bench", "allreduce", "--peers", "3", "--mib", "2"])
+            .args(["--rounds", "2", "--transport", transport])
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
-            "{stdout}{}",
+            "{transport}: {stdout}{}",
             String::from_utf8_lossy(&out.stderr)
         );
         let line = stdout.lines().last().unwrap();
@@ -249,14 +241,32 @@ mod bench {
         assert!(busbw > 0.0);
     }
 
+    /// The default carrier: direct TLS links (the workers check every link is TLS and every
+    /// result against the exact mean; a failed check fails the bench).
     #[test]
-    fn quic_data_transport_is_refused_clearly() {
+    fn allreduce_bench_prints_its_line() {
+        bench_line("tcp");
+    }
+
+    /// The fallback carrier, `/hivemesh/part/1` libp2p streams, over QUIC and over TCP.
+    #[test]
+    fn allreduce_bench_over_libp2p_streams() {
+        bench_line("quic");
+        bench_line("stream");
+    }
+
+    #[test]
+    fn unknown_transport_is_refused_clearly() {
         let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-            .args(["bench", "allreduce", "--transport", "quic"])
+            .args(["bench", "allreduce", "--transport", "carrier-pigeon"])
             .output()
             .unwrap();
         assert!(!out.status.success());
-        assert!(String::from_utf8_lossy(&out.stderr).contains("only tcp"));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("possible values: tcp, quic, stream"),
+            "{stderr}"
+        );
     }
 
     struct Worker {

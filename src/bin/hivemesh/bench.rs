@@ -1,16 +1,18 @@
 //! `hivemesh bench allreduce`: N peers as separate OS processes on loopback, one butterfly
-//! all-reduce per round over PeerId-authenticated TLS data links.
+//! all-reduce per round over the link layer ([`hivemesh::links`]).
 //!
-//! The parent re-executes this binary as N `bench-worker`s. Each worker binds a TLS data
-//! listener and prints `READY <peer id> <addr>`; the parent sends every worker the roster
-//! (`ROSTER <id>@<addr> ...`). For every round each worker connects to the higher-indexed peers
-//! and accepts the lower-indexed ones (a full mesh, which doubles as a start barrier), runs the
-//! round, checks its result against the exact mean (computed from the generator, without
-//! holding the other peers' data) and against the weighted mean over the contributors its
-//! report names, and prints `START <r>` before and
-//! `ROUND <r> <seconds> <cpu seconds>` after each round, then, once the parent says `CHECK`,
-//! `CHECKED <r> <err_vs_report> <err_vs_mean> <local_parts>`. The parent prints each round's
-//! slowest time and the workers' total CPU time on stderr.
+//! The parent re-executes this binary as N `bench-worker`s. Each worker starts a node (swarm +
+//! link hub; with a TLS data listener for `--transport tcp`, listening on QUIC only for
+//! `--transport quic`) and prints `READY <peer id> <multiaddr> <data addr or ->`; the parent
+//! sends every worker the roster (`ROSTER <id>@<multiaddr>@<data> ...`). For every round each
+//! worker registers the round with its hub and links to the others (the lower index opens;
+//! TLS where a data address is given, `/hivemesh/part/1` streams otherwise; the links double as
+//! a start barrier), checks that every link uses the requested carrier, runs the round, checks
+//! its result against the exact mean (computed from the generator, without holding the other
+//! peers' data) and against the weighted mean over the contributors its report names, and
+//! prints `START <r>` before and `ROUND <r> <seconds> <cpu seconds>` after each round, then,
+//! once the parent says `CHECK`, `CHECKED <r> <err_vs_report> <err_vs_mean> <local_parts>`.
+//! The parent prints each round's slowest time and the workers' total CPU time on stderr.
 //! Round 0 is a warm-up. A round's time is the slowest worker's; the parent prints the median.
 
 use std::io::{BufRead, BufReader, Write};
@@ -23,16 +25,45 @@ use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
 use clap::Args;
 use hivemesh::allreduce::{Member, Mode, Partition, RoundConfig, TensorDescriptor};
+use hivemesh::averager::node::{Node, NodeConfig};
 use hivemesh::buffers::BufferPool;
 use hivemesh::compression::{Compression, CompressionType};
-use hivemesh::runner::{self, Link, RunnerConfig};
+use hivemesh::links::{Carrier, LinkPeer};
+use hivemesh::runner::{self, RunnerConfig};
 use hivemesh::sim::{generated_value, make_tensors};
 use hivemesh::tensor::DType;
-use hivemesh::transport::{DataIdentity, DataListener, connect};
 use libp2p::PeerId;
 
 const SEED: u64 = 1;
 const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How the bench's peers carry parts.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Direct TLS 1.3 over TCP (the fast path).
+    Tcp,
+    /// libp2p streams over QUIC.
+    Quic,
+    /// libp2p streams over TCP + noise + yamux.
+    Stream,
+}
+
+impl Transport {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Quic => "quic",
+            Self::Stream => "stream",
+        }
+    }
+
+    fn carrier(self) -> Carrier {
+        match self {
+            Self::Tcp => Carrier::Tls,
+            Self::Quic | Self::Stream => Carrier::Stream,
+        }
+    }
+}
 
 /// Options shared by the harness and its workers.
 #[derive(Args, Debug, Clone)]
@@ -52,9 +83,11 @@ pub struct BenchArgs {
     /// none, float16, bfloat16, uniform8, quantile8, blockwise8 or adaptive.
     #[arg(long, default_value = "none")]
     compression: Compression,
-    /// Data transport: tcp (TLS 1.3 over TCP, authenticated by peer ids).
-    #[arg(long, default_value = "tcp")]
-    transport: String,
+    /// Carrier of the parts: tcp (direct TLS 1.3 over TCP, authenticated by peer ids: the
+    /// fast path), quic (`/hivemesh/part/1` libp2p streams over QUIC), or stream
+    /// (`/hivemesh/part/1` libp2p streams over TCP + noise + yamux).
+    #[arg(long, value_enum, default_value_t = Transport::Tcp)]
+    transport: Transport,
 }
 
 /// A worker's options: the shared ones plus its index.
@@ -85,13 +118,6 @@ impl BenchArgs {
             self.part_bytes >= 1024,
             "--part-bytes must be at least 1024"
         );
-        if self.transport != "tcp" {
-            bail!(
-                "--transport {}: only tcp (TLS over TCP) is implemented so far; QUIC carries \
-                 control traffic only",
-                self.transport
-            );
-        }
         Ok(())
     }
 
@@ -161,7 +187,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             .args(["--rounds", &args.rounds.to_string()])
             .args(["--part-bytes", &args.part_bytes.to_string()])
             .args(["--compression", &compression_name(&args.compression)])
-            .args(["--transport", &args.transport])
+            .args(["--transport", args.transport.name()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -190,8 +216,11 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         let rest = line
             .strip_prefix("READY ")
             .with_context(|| format!("worker {i}: unexpected line '{line}'"))?;
-        let (id, addr) = rest.split_once(' ').context("READY <id> <addr>")?;
-        ready[i] = Some(format!("{id}@{addr}"));
+        let fields: Vec<&str> = rest.split(' ').collect();
+        let [id, maddr, data] = fields[..] else {
+            bail!("worker {i}: expected READY <id> <multiaddr> <data addr or ->, got '{line}'");
+        };
+        ready[i] = Some(format!("{id}@{maddr}@{data}"));
     }
     let roster = format!(
         "ROSTER {}\n",
@@ -308,9 +337,29 @@ pub fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
 async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
     let keypair = libp2p::identity::Keypair::generate_ed25519();
     let peer_id = keypair.public().to_peer_id();
-    let identity = DataIdentity::new(&keypair)?;
-    let listener = DataListener::bind(&identity, "127.0.0.1:0".parse()?).await?;
-    println!("READY {peer_id} {}", listener.local_addr());
+    let mut config = NodeConfig::loopback();
+    match bench.transport {
+        Transport::Tcp => {}
+        Transport::Stream => config.data_listen = None,
+        Transport::Quic => {
+            config.data_listen = None;
+            config.p2p.listen = vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse()?];
+        }
+    }
+    let node = Node::start(config, keypair).await?;
+    let maddr = node
+        .dht()
+        .p2p()
+        .listen_addrs()
+        .await?
+        .into_iter()
+        .next()
+        .context("the node has no listen address")?;
+    let data = node
+        .hub()
+        .data_addr()
+        .map_or_else(|| "-".to_owned(), |a| a.to_string());
+    println!("READY {peer_id} {maddr} {data}");
 
     // Lines from the parent: the roster, then one CHECK per round.
     let (line_tx, mut lines) = tokio::sync::mpsc::channel::<String>(4);
@@ -323,20 +372,45 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         }
     });
     let roster_line = lines.recv().await.context("parent closed stdin")?;
-    let roster: Vec<(PeerId, SocketAddr)> = roster_line
+    let roster: Vec<(PeerId, libp2p::Multiaddr, Option<SocketAddr>)> = roster_line
         .trim()
         .strip_prefix("ROSTER ")
         .context("expected ROSTER")?
         .split(' ')
         .map(|entry| {
-            let (id, addr) = entry.split_once('@').context("id@addr")?;
-            Ok((id.parse()?, addr.parse()?))
+            let mut parts = entry.split('@');
+            let (Some(id), Some(maddr), Some(data), None) =
+                (parts.next(), parts.next(), parts.next(), parts.next())
+            else {
+                bail!("roster entry '{entry}' is not id@multiaddr@data");
+            };
+            let data = if data == "-" {
+                None
+            } else {
+                Some(data.parse()?)
+            };
+            Ok((id.parse()?, maddr.parse()?, data))
         })
         .collect::<anyhow::Result<_>>()?;
     ensure!(
         roster.len() == bench.peers && roster[me].0 == peer_id,
         "bad roster"
     );
+    for (i, (id, maddr, _)) in roster.iter().enumerate() {
+        if i != me {
+            node.dht()
+                .p2p()
+                .add_peer_addresses(*id, vec![maddr.clone()])
+                .await?;
+        }
+    }
+    let link_peers: Vec<LinkPeer> = roster
+        .iter()
+        .map(|(peer_id, _, data_addr)| LinkPeer {
+            peer_id: *peer_id,
+            data_addr: *data_addr,
+        })
+        .collect();
 
     let descriptors = bench.descriptors();
     let mut tensors = make_tensors(&descriptors, SEED, me)?;
@@ -353,13 +427,35 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         ..RunnerConfig::default()
     };
     for round in 0..=bench.rounds {
-        let links = mesh(&identity, &listener, &roster, me).await?;
+        // Fresh links every round, through the node's link hub (they double as the start
+        // barrier: a peer links only once it is ready for the round).
         let group = Bytes::from(format!("bench-round-{round}"));
+        let established = node
+            .hub()
+            .expect(group.clone(), &link_peers, me)?
+            .establish(SETUP_TIMEOUT)
+            .await;
+        for (j, carrier) in established.carriers.iter().enumerate() {
+            if j == me {
+                continue;
+            }
+            match (carrier, &established.errors[j]) {
+                (Some(c), _) if *c == bench.transport.carrier() => {}
+                (Some(c), _) => bail!("link to peer {j} uses {c}, not {}", bench.transport.name()),
+                (None, error) => bail!("no link to peer {j}: {error:?}"),
+            }
+        }
         println!("START {round}");
         let started = Instant::now();
         let cpu_before = process_cpu_seconds();
-        let (start, outcome) =
-            runner::run_round(cfg.clone(), group, tensors, links, runner_cfg.clone()).await?;
+        let (start, outcome) = runner::run_round(
+            cfg.clone(),
+            group,
+            tensors,
+            established.links,
+            runner_cfg.clone(),
+        )
+        .await?;
         let secs = started.elapsed().as_secs_f64();
         let cpu = process_cpu_seconds() - cpu_before;
         println!("ROUND {round} {secs:.6} {cpu:.3}");
@@ -373,41 +469,8 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         tensors = start;
     }
     println!("DONE");
+    node.shutdown().await;
     Ok(())
-}
-
-/// Connects to every higher-indexed peer and accepts every lower-indexed one.
-async fn mesh(
-    identity: &DataIdentity,
-    listener: &DataListener,
-    roster: &[(PeerId, SocketAddr)],
-    me: usize,
-) -> anyhow::Result<Vec<Option<Box<dyn Link>>>> {
-    let mut links: Vec<Option<Box<dyn Link>>> = (0..roster.len()).map(|_| None).collect();
-    let dials = futures::future::join_all(roster.iter().enumerate().skip(me + 1).map(
-        |(j, &(id, addr))| async move { (j, connect(identity, addr, id, SETUP_TIMEOUT).await) },
-    ));
-    let accepts = async {
-        let mut got = Vec::new();
-        while got.len() < me {
-            let (id, stream) = listener.accept(SETUP_TIMEOUT).await?;
-            match roster[..me].iter().position(|(p, _)| *p == id) {
-                Some(j) if !got.iter().any(|(k, _)| *k == j) => got.push((j, stream)),
-                _ => tracing::warn!(%id, "ignoring a data connection from outside the group"),
-            }
-        }
-        anyhow::Ok(got)
-    };
-    let (dialed, accepted) = tokio::join!(dials, accepts);
-    for (j, stream) in dialed {
-        links[j] = Some(Box::new(
-            stream.with_context(|| format!("connecting to peer {j}"))?,
-        ));
-    }
-    for (j, stream) in accepted? {
-        links[j] = Some(Box::new(stream));
-    }
-    Ok(links)
 }
 
 /// CPU time (user + system) this process has used so far, from `/proc/self/stat` (0 where
