@@ -576,14 +576,25 @@ impl Actor {
         }
     }
 
-    fn member_info(&self, options: &StepOptions) -> MemberInfo {
+    /// What we bring to a group: mode, bandwidth, gathered bytes, and where to reach us: the
+    /// TLS data address (`ip:port`) and our libp2p listen addresses (multiaddrs), so members
+    /// that never talked to us can link over either carrier.
+    async fn member_info(&self, options: &StepOptions) -> MemberInfo {
         let mut info = MemberInfo::new(self.config.mode);
         info.bandwidth = self.config.bandwidth;
         info.gathered = options.gather.clone();
-        if self.config.mode != Mode::Client
-            && let Some(addr) = self.hub.data_addr()
-        {
-            info.addrs.push(addr.to_string());
+        if self.config.mode != Mode::Client {
+            if let Some(addr) = self.hub.data_addr() {
+                info.addrs.push(addr.to_string());
+            }
+            let listen = self.dht.p2p().listen_addrs().await.unwrap_or_default();
+            info.addrs.extend(
+                listen
+                    .into_iter()
+                    .map(|a| a.to_string())
+                    .filter(|a| a.len() <= matchmaking::MAX_ADDR_BYTES)
+                    .take(matchmaking::MAX_ADDRS - 1),
+            );
         }
         info
     }
@@ -703,7 +714,7 @@ impl Actor {
         mm_config.min_matchmaking_time = self.config.min_matchmaking_time;
         mm_config.request_timeout = self.config.request_timeout;
         let key = self.step_key(options)?;
-        let mut step = matchmaking::Step::new(key, self.member_info(options));
+        let mut step = matchmaking::Step::new(key, self.member_info(options).await);
         let now = DhtTime::now();
         step.scheduled_time = options.scheduled_in.map(|d| now.saturating_add(d));
         step.deadline = step_deadline
@@ -833,6 +844,15 @@ impl Actor {
                 data_addr: m.info.addrs.iter().find_map(|a| a.parse().ok()),
             })
             .collect();
+        let p2p = self.dht.p2p().clone();
+        for (i, (m, &peer)) in group.members.iter().zip(&members).enumerate() {
+            let maddrs: Vec<libp2p::Multiaddr> =
+                m.info.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+            if i != group.me && !maddrs.is_empty() {
+                // Best effort: the swarm may know the peer already.
+                let _ = p2p.add_peer_addresses(peer, maddrs).await;
+            }
+        }
         let elements: usize = self.descriptors.iter().map(TensorDescriptor::numel).sum();
         let round_members = matchmaking::load_balancing::round_members(&group, elements as u64, 1)
             .map_err(|e| AveragerError::Round(e.to_string()))?;

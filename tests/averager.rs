@@ -537,3 +537,48 @@ async fn cancel_during_all_reduce() {
     }
     swarm.shutdown(averagers).await;
 }
+
+/// A member whose node dies while the all-reduce runs (the leader killed right after
+/// `Begin`, as seen by the others): the survivors' steps end within their timeouts, each with
+/// a result (its report naming whose values it holds) or a typed round error; nothing hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn member_dying_mid_round_does_not_hang_the_others() {
+    let mut swarm = Swarm::start(4, |_| false).await;
+    let big: Vec<f32> = (0..1 << 20).map(|i| (i % 1000) as f32).collect();
+    let averagers: Vec<_> = (0..4)
+        .map(|i| {
+            let mut c = config("dying", Mode::Node, Some(4));
+            c.part_size_bytes = 16 << 10;
+            c.sender_timeout = Duration::from_secs(2);
+            c.reducer_timeout = Duration::from_secs(4);
+            swarm.averager(i, vec![big.iter().map(|x| x + i as f32).collect()], c)
+        })
+        .collect();
+    let mut controls = Vec::new();
+    for a in &averagers {
+        controls.push(
+            a.schedule_step(StepOptions {
+                timeout: Some(Duration::from_secs(60)),
+                ..StepOptions::default()
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let mut victim = controls.remove(0);
+    victim.reached(Stage::AllReduce).await;
+    // Kill peer 0: its averager's tasks and its node go away without a word.
+    let mut averagers = averagers;
+    let dead = averagers.remove(0);
+    drop(victim);
+    drop(Arc::try_unwrap(dead).unwrap());
+    swarm.nodes.remove(0).shutdown().await;
+    for (i, c) in controls.into_iter().enumerate() {
+        match c.result().await {
+            Ok(outcome) => assert_eq!(outcome.members.len(), 4, "survivor {i}"),
+            Err(AveragerError::Round(_)) | Err(AveragerError::Links(_)) => {}
+            Err(e) => panic!("survivor {i}: {e}"),
+        }
+    }
+    swarm.shutdown(averagers).await;
+}
