@@ -411,14 +411,17 @@ impl Drop for Averager {
 /// on the averager's async calls. Must not be used from inside an async context.
 #[derive(Debug)]
 pub struct BlockingAverager {
-    averager: Averager,
+    averager: Arc<Averager>,
     runtime: tokio::runtime::Handle,
 }
 
 impl BlockingAverager {
-    /// Wraps `averager`, whose tasks run on `runtime`.
-    pub fn new(averager: Averager, runtime: tokio::runtime::Handle) -> Self {
-        Self { averager, runtime }
+    /// Wraps `averager` (owned or shared), whose tasks run on `runtime`.
+    pub fn new(averager: impl Into<Arc<Averager>>, runtime: tokio::runtime::Handle) -> Self {
+        Self {
+            averager: averager.into(),
+            runtime,
+        }
     }
 
     /// [`Averager::step`], blocking.
@@ -432,7 +435,7 @@ impl BlockingAverager {
     }
 
     /// The wrapped averager.
-    pub fn into_inner(self) -> Averager {
+    pub fn into_inner(self) -> Arc<Averager> {
         self.averager
     }
 }

@@ -93,8 +93,16 @@ fn config(prefix: &str, mode: Mode, target: Option<usize>) -> AveragerConfig {
     c.mode = mode;
     c.target_group_size = target;
     c.min_matchmaking_time = Duration::from_secs(2);
-    c.request_timeout = Duration::from_secs(1);
     c
+}
+
+/// The tests of this file run one at a time: each starts a swarm of real nodes, and on a
+/// 2-core machine several at once would slow matchmaking messages past their timeouts, which
+/// is a different scenario from the one a test means to check.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().await
 }
 
 fn random_tensors(rng: &mut StdRng) -> Vec<Vec<f32>> {
@@ -154,6 +162,7 @@ fn weighted_mean(inputs: &[(Vec<Vec<f32>>, f64)]) -> Vec<Vec<f64>> {
 /// the mean over the non-aux peers, aux peers keep their values.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allreduce_once_with_clients_and_aux() {
+    let _serial = serial().await;
     let swarm = Swarm::start(4, |_| false).await;
     let mut rng = StdRng::seed_from_u64(1);
     let mut cases = Vec::new();
@@ -223,6 +232,7 @@ async fn allreduce_once_with_clients_and_aux() {
 /// hivemind's `test_allreduce_weighted`: 4 peers, 2 of them clients, random weights.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allreduce_weighted() {
+    let _serial = serial().await;
     let swarm = Swarm::start(4, |i| i % 2 == 0).await;
     let mut rng = StdRng::seed_from_u64(2);
     let inputs: Vec<Vec<Vec<f32>>> = (0..4).map(|_| random_tensors(&mut rng)).collect();
@@ -268,6 +278,7 @@ async fn allreduce_weighted() {
 /// members, gathered bytes reach every member, and the global mean is preserved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_peers_groups_of_four_three_rounds() {
+    let _serial = serial().await;
     let swarm = Swarm::start(16, |_| false).await;
     let mut rng = StdRng::seed_from_u64(3);
     let inputs: Vec<Vec<Vec<f32>>> = (0..16).map(|_| random_tensors(&mut rng)).collect();
@@ -322,6 +333,7 @@ async fn sixteen_peers_groups_of_four_three_rounds() {
 /// rounds (the 64-peer 4×4×4 case runs in the matchmaking simulator).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grid_reaches_the_exact_mean() {
+    let _serial = serial().await;
     let swarm = Swarm::start(16, |_| false).await;
     let mut rng = StdRng::seed_from_u64(4);
     let inputs: Vec<Vec<Vec<f32>>> = (0..16).map(|_| random_tensors(&mut rng)).collect();
@@ -364,6 +376,7 @@ async fn grid_reaches_the_exact_mean() {
 /// typed error within its timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_few_peers_fail_in_time() {
+    let _serial = serial().await;
     let swarm = Swarm::start(4, |_| false).await;
     let mut rng = StdRng::seed_from_u64(5);
     let averagers: Vec<_> = (0..4)
@@ -402,6 +415,7 @@ async fn too_few_peers_fail_in_time() {
 /// finish without them; after the trigger everyone finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trigger_holds_the_all_reduce() {
+    let _serial = serial().await;
     let swarm = Swarm::start(4, |_| false).await;
     let mut rng = StdRng::seed_from_u64(6);
     let averagers: Vec<_> = (0..4)
@@ -449,6 +463,7 @@ async fn trigger_holds_the_all_reduce() {
 /// still average (in a group of 2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_during_matchmaking() {
+    let _serial = serial().await;
     let swarm = Swarm::start(4, |i| i % 2 == 0).await;
     let mut rng = StdRng::seed_from_u64(7);
     let averagers: Vec<_> = (0..4)
@@ -496,6 +511,7 @@ async fn cancel_during_matchmaking() {
 /// tensors are unchanged, its partner finishes (without it) instead of hanging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_during_all_reduce() {
+    let _serial = serial().await;
     let swarm = Swarm::start(2, |_| false).await;
     // Large enough that the round is still running when the cancel lands.
     let big: Vec<f32> = (0..4 << 20).map(|i| i as f32).collect();
@@ -540,9 +556,10 @@ async fn cancel_during_all_reduce() {
 
 /// A member whose node dies while the all-reduce runs (the leader killed right after
 /// `Begin`, as seen by the others): the survivors' steps end within their timeouts, each with
-/// a result (its report naming whose values it holds) or a typed round error; nothing hangs.
+/// a result or a typed error; nothing hangs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn member_dying_mid_round_does_not_hang_the_others() {
+    let _serial = serial().await;
     let mut swarm = Swarm::start(4, |_| false).await;
     let big: Vec<f32> = (0..1 << 20).map(|i| (i % 1000) as f32).collect();
     let averagers: Vec<_> = (0..4)
@@ -558,7 +575,7 @@ async fn member_dying_mid_round_does_not_hang_the_others() {
     for a in &averagers {
         controls.push(
             a.schedule_step(StepOptions {
-                timeout: Some(Duration::from_secs(60)),
+                timeout: Some(Duration::from_secs(15)),
                 ..StepOptions::default()
             })
             .await
@@ -575,10 +592,63 @@ async fn member_dying_mid_round_does_not_hang_the_others() {
     swarm.nodes.remove(0).shutdown().await;
     for (i, c) in controls.into_iter().enumerate() {
         match c.result().await {
-            Ok(outcome) => assert_eq!(outcome.members.len(), 4, "survivor {i}"),
-            Err(AveragerError::Round(_)) | Err(AveragerError::Links(_)) => {}
+            // The victim may have died before every follower got its `Begin`: survivors then
+            // regroup without it.
+            Ok(outcome) => assert!((2..=4).contains(&outcome.members.len()), "survivor {i}"),
+            // A follower that never got its `Begin` looks for a new group until its timeout.
+            Err(
+                AveragerError::Round(_)
+                | AveragerError::Links(_)
+                | AveragerError::Timeout(_)
+                | AveragerError::Matchmaking(_),
+            ) => {}
             Err(e) => panic!("survivor {i}: {e}"),
         }
     }
+    swarm.shutdown(averagers).await;
+}
+
+/// A synchronous training loop: `BlockingAverager::step` from a plain thread averages with an
+/// async peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_wrapper_steps_from_a_plain_thread() {
+    let _serial = serial().await;
+    let swarm = Swarm::start(2, |_| false).await;
+    let averagers: Vec<_> = (0..2)
+        .map(|i| {
+            swarm.averager(
+                i,
+                vec![vec![i as f32; 10]],
+                config("blocking", Mode::Node, Some(2)),
+            )
+        })
+        .collect();
+    let async_peer = averagers[1].clone();
+    let blocking = hivemesh::averager::BlockingAverager::new(
+        Arc::clone(&averagers[0]),
+        tokio::runtime::Handle::current(),
+    );
+    let thread = std::thread::spawn(move || {
+        let outcome = blocking.step(StepOptions {
+            timeout: Some(Duration::from_secs(30)),
+            ..StepOptions::default()
+        });
+        (
+            outcome.map(|o| o.members.len()),
+            blocking.tensors()[0].to_f32_vec(),
+        )
+    });
+    let other = async_peer
+        .step(StepOptions {
+            timeout: Some(Duration::from_secs(30)),
+            ..StepOptions::default()
+        })
+        .await;
+    let (members, values) = tokio::task::spawn_blocking(move || thread.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(members.unwrap(), 2);
+    assert_eq!(other.unwrap().members.len(), 2);
+    assert_eq!(values, vec![0.5; 10]);
     swarm.shutdown(averagers).await;
 }
