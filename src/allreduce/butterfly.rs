@@ -11,6 +11,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -84,6 +85,22 @@ fn check_encoding(
     }
 }
 
+/// The bytes of one part of one tensor, kept alive by a share of the round's tensors: the
+/// zero-copy payload of a lossless part.
+struct TensorBytes {
+    tensors: Arc<Vec<Tensor>>,
+    tensor: usize,
+    range: Range<usize>,
+}
+
+impl AsRef<[u8]> for TensorBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.tensors[self.tensor]
+            .part(self.range.clone())
+            .as_bytes()
+    }
+}
+
 /// One peer's side of one butterfly all-reduce round (see the [module docs](super)).
 #[derive(Debug)]
 pub struct Butterfly {
@@ -91,7 +108,8 @@ pub struct Butterfly {
     modes: Vec<Mode>,
     partition: Partition,
     codecs: Vec<&'static dyn Codec>,
-    tensors: Vec<Tensor>,
+    /// Shared so that lossless parts go out as views of the tensors themselves (no copy).
+    tensors: Arc<Vec<Tensor>>,
     deltas: Option<Vec<Vec<f32>>>,
     out_links: Vec<Option<OutLink>>,
     reducer: Option<Reducer>,
@@ -217,7 +235,7 @@ impl Butterfly {
             results: vec![None; partition.num_parts()],
             partition,
             codecs,
-            tensors,
+            tensors: Arc::new(tensors),
             deltas,
             out_links,
             reducer,
@@ -246,7 +264,7 @@ impl Butterfly {
 
     /// This peer's values as they were when the round started.
     pub fn tensors(&self) -> &[Tensor] {
-        &self.tensors
+        self.tensors.as_slice()
     }
 
     /// Whether the round finished (successfully).
@@ -283,8 +301,12 @@ impl Butterfly {
             State::Cancelled => Err(RoundError::Cancelled),
             State::Finished => {
                 let report = self.report();
+                // Outgoing parts borrow the tensors; once every message is gone (the runner
+                // joins its writers first) this is a move, else a copy.
+                let tensors =
+                    Arc::try_unwrap(self.tensors).unwrap_or_else(|shared| (*shared).clone());
                 Ok((
-                    self.tensors,
+                    tensors,
                     Outcome {
                         deltas: self.deltas,
                         report,
@@ -492,14 +514,25 @@ impl Butterfly {
         let spec = *self.partition.part(g);
         let codec = self.codecs[spec.tensor];
         let view = self.tensors[spec.tensor].part(spec.range());
-        let mut buf = self.pool.take_bytes(view.as_bytes().len());
-        codec.encode(view, &mut buf);
+        let dtype = codec.wire_dtype(view.dtype());
+        let payload = if codec.kind() == CompressionType::None && cfg!(target_endian = "little") {
+            // The raw little-endian elements are the encoding: send the tensor's own bytes.
+            Bytes::from_owner(TensorBytes {
+                tensors: Arc::clone(&self.tensors),
+                tensor: spec.tensor,
+                range: spec.range(),
+            })
+        } else {
+            let mut buf = self.pool.take_bytes(view.as_bytes().len());
+            codec.encode(view, &mut buf);
+            self.pool.freeze(buf)
+        };
         Message::Part(PartMessage {
             part: g as u32,
             weight: self.cfg.weight,
             codec: codec.kind(),
-            dtype: codec.wire_dtype(view.dtype()),
-            payload: self.pool.freeze(buf),
+            dtype,
+            payload,
         })
     }
 
