@@ -29,9 +29,16 @@
 //! its group cleanly; during the all-reduce the round is cancelled through
 //! [`crate::runner::run_round_cancellable`], which sends aborts to the peers (so they finish
 //! without us instead of waiting for timeouts); the tensors are left unchanged.
+//!
+//! # State sharing
+//!
+//! Next to the actor, the averager serves its state to newcomers and announces itself as a
+//! donor; [`Averager::load_state_from_peers`] downloads a state from such donors (see
+//! [`state`]).
 
 pub mod control;
 pub mod node;
+pub mod state;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -103,6 +110,13 @@ pub struct AveragerConfig {
     pub bandwidth: Option<f64>,
     /// Group keys.
     pub keys: KeySchedule,
+    /// Serve this averager's state to newcomers ([`state`]). Only [`Mode::Node`] averagers
+    /// share: for clients and aux peers this is ignored. Default `true`.
+    pub allow_state_sharing: bool,
+    /// Donor priority announced to newcomers (finite; higher is asked first). Default 0.
+    pub state_priority: f64,
+    /// State download and serving parameters.
+    pub state: state::StateConfig,
 }
 
 impl AveragerConfig {
@@ -125,6 +139,9 @@ impl AveragerConfig {
             keys: KeySchedule::Bits {
                 initial_bits: String::new(),
             },
+            allow_state_sharing: true,
+            state_priority: 0.0,
+            state: state::StateConfig::default(),
         }
     }
 }
@@ -278,6 +295,7 @@ pub struct Averager {
     steps: mpsc::Sender<StepRequest>,
     actor: Option<JoinHandle<()>>,
     shutdown: watch::Sender<bool>,
+    state: state::StateSharing,
 }
 
 impl std::fmt::Debug for Averager {
@@ -323,8 +341,21 @@ impl Averager {
         let (steps_tx, steps) = mpsc::channel(16);
         let (shutdown, shutdown_rx) = watch::channel(false);
         let bytes: usize = descriptors.iter().map(|d| d.numel() * 4).sum();
+        let schema_hash = schema_hash(&config, &descriptors);
+        let state = match state::StateSharing::start(
+            dht.clone(),
+            shared.clone(),
+            &config,
+            schema_hash.clone(),
+        ) {
+            Ok(state) => state,
+            Err(e) => {
+                server.abort();
+                return Err(e);
+            }
+        };
         let actor = Actor {
-            schema_hash: schema_hash(&config, &descriptors),
+            schema_hash,
             descriptors,
             pool: BufferPool::new(bytes + crate::buffers::DEFAULT_RETAIN_BYTES),
             protocol,
@@ -348,6 +379,7 @@ impl Averager {
             steps: steps_tx,
             actor: Some(task),
             shutdown,
+            state,
         })
     }
 
@@ -389,12 +421,14 @@ impl Averager {
         self.schedule_step(options).await?.result().await
     }
 
-    /// Stops the actor (a step in progress is cancelled) and waits for it.
+    /// Stops the actor (a step in progress is cancelled) and waits for it; stops serving the
+    /// state and withdraws its announcement.
     pub async fn shutdown(mut self) {
         let _ = self.shutdown.send(true);
         if let Some(task) = self.actor.take() {
             let _ = task.await;
         }
+        self.state.shutdown().await;
     }
 }
 

@@ -1,0 +1,1402 @@
+//! State sharing: a newcomer downloads the current tensors (and the user metadata shared with
+//! them) from averagers that already hold them, [`Averager::load_state_from_peers`].
+//!
+//! # Donors announce themselves
+//!
+//! An averager that shares its state ([`AveragerConfig::allow_state_sharing`], only
+//! [`Mode::Node`] averagers can) writes an [`Announcement`] under the DHT key
+//! `"{prefix}.all_averagers"` ([`registry_key`]), subkey = its own owner subkey (signed, so
+//! nobody can announce or withdraw in its name), value = its priority
+//! ([`AveragerConfig::state_priority`]) and its listen addresses (dials go by peer id, and a
+//! newcomer may not know the donor yet), expiring [`StateConfig::declare_period`] ahead and
+//! re-written every half period by a task the averager owns. Disabling sharing (or shutting
+//! down) writes "not sharing" once, at a later expiration, so it supersedes the last
+//! announcement; the setters ([`Averager::set_allow_state_sharing`],
+//! [`Averager::set_state_priority`]) return once that write is stored. This is hivemind's
+//! `declare_state_period` loop, with the priority `None` of a withdrawn peer as a typed value.
+//!
+//! # The protocol
+//!
+//! `/hivemesh/state/1/<prefix>` ([`protocol`]) on libp2p streams. The newcomer writes one
+//! length-delimited request at a time and reads its answer ([`wire`]):
+//!
+//! * `Metadata` → the donor snapshots its tensors and metadata (the raw bytes of every tensor,
+//!   little-endian as on every target hivemesh builds for, concatenated; copied under the
+//!   tensor lock, hashed on a blocking thread),
+//!   opens a **session** for the newcomer and answers with the session id, its schema hash, the
+//!   tensor shapes and dtypes, the total size, the chunk size ([`StateConfig::chunk_bytes`]),
+//!   the SHA-256 of every chunk and a **content hash** over all of that and the metadata
+//!   ([`wire::content_hash`]).
+//! * `Chunk{session, index}` → the chunk's bytes, from the session's snapshot: the donor keeps
+//!   serving exactly the state it described even while its tensors change.
+//! * `Release{session}` → no answer; the session is dropped.
+//! * Any request may be answered `Refused(reason)` ([`Refusal`]): not sharing (sharing is off:
+//!   every session is dropped too), busy, unknown session, chunk out of range.
+//!
+//! Sessions are bounded: one per newcomer (a new `Metadata` request replaces it), at most
+//! [`StateConfig::max_sessions`] in all (then `Busy`), dropped after
+//! [`StateConfig::session_idle_timeout`] without a request; sessions whose snapshots have
+//! equal content hashes share one copy. At most one snapshot is built at a time. Inbound
+//! streams are served each in its own task, at most [`StateConfig::max_inbound`] at once (more
+//! are dropped: their openers retry), each request read under the idle timeout with its
+//! length checked from its prefix before anything is buffered ([`wire::MAX_REQUEST_BYTES`]);
+//! garbage, an oversized prefix or a second request sent before the first is answered closes
+//! that stream only.
+//!
+//! # The download
+//!
+//! 1. Read the registry; keep the peers announcing a finite priority, skip ourselves, sort by
+//!    priority (highest first, ties by peer id); add their announced addresses to the swarm.
+//! 2. Ask the first [`StateConfig::max_donors`] of them for metadata at once. Keep the answers
+//!    whose schema (hash and tensor descriptors) is ours; the decoder has already checked that
+//!    sizes add up and that the content hash matches the description.
+//! 3. The best-priority usable answer is the **reference**; every answer with the same content
+//!    hash serves the same bytes, so the download runs from all of them **in parallel**:
+//!    [`StateConfig::streams_per_donor`] streams per donor (the first is the metadata stream),
+//!    each asking one chunk at a time from a shared queue, so faster donors take more chunks.
+//!    Every chunk is checked on arrival (index, length, SHA-256 against the reference's list):
+//!    a donor that sends a bad chunk, refuses or breaks the protocol is dropped and its chunk
+//!    goes back to the queue for the others; a stream that fails (I/O, timeout: including the
+//!    streams libp2p-stream 0.5.0-alpha drops, see [`crate::p2p`]) is re-opened, up to
+//!    [`StateConfig::attempts`] consecutive failures per stream.
+//! 4. Once every chunk is verified, the tensors are replaced in one go under the tensor lock
+//!    (after checking that they still have the schema) and the metadata is replaced too, so the
+//!    newcomer can serve the state it loaded. If the set of donors fails, the next content hash
+//!    among the answers is tried, then the next batch of candidates.
+//!
+//! Everything runs under [`StateConfig::request_timeout`] per request and
+//! [`StateConfig::load_timeout`] overall. Nothing is installed unless the whole state arrived
+//! and verified: a partial or corrupt download is an error, never a silently wrong state.
+//! `Ok(None)` means no donor was available (none announced, or every one refused or could not be
+//! reached); donors that answered with another schema give [`StateError::SchemaMismatch`].
+//!
+//! What verification cannot catch: the reference donor itself lying consistently (a wrong state
+//! with matching hashes). Nothing distinguishes it from an honest donor with a different state;
+//! priorities are the caller's trust. Donors with different states (any local update, or the
+//! last-ulp differences an all-reduce leaves between peers) have different content hashes, so
+//! in practice a download is parallel only across donors whose states are byte-identical.
+
+pub mod wire;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId};
+use rand::RngExt;
+use tokio::sync::{Semaphore, watch};
+use tokio::task::{JoinHandle, JoinSet};
+
+use super::{Averager, AveragerConfig, AveragerError, Shared};
+use crate::allreduce::{Mode, TensorDescriptor};
+use crate::dht::{Dht, DhtError, DhtTime};
+use crate::p2p::{InboundStreams, P2p, P2pError, P2pStream};
+use crate::tensor::{PartViewMut, Tensor};
+
+pub use wire::{Metadata, Refusal, Request, Response, WireError};
+
+/// Default [`StateConfig::declare_period`] (hivemind's `declare_state_period`).
+pub const DEFAULT_DECLARE_PERIOD: Duration = Duration::from_secs(30);
+/// Default [`StateConfig::chunk_bytes`].
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+/// Default [`StateConfig::request_timeout`].
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`StateConfig::load_timeout`] (hivemind's `load_state_timeout`).
+pub const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// State-sharing parameters, both sides.
+#[derive(Clone, Debug)]
+pub struct StateConfig {
+    /// Donor: how long an announcement lives; it is re-written every half period.
+    pub declare_period: Duration,
+    /// Donor: chunk size of its snapshots (clamped to
+    /// [`wire::MIN_CHUNK_BYTES`]`..=`[`wire::MAX_CHUNK_BYTES`]).
+    pub chunk_bytes: usize,
+    /// Donor: most sessions held at once (each may hold a copy of the state).
+    pub max_sessions: usize,
+    /// Donor: a session (and a stream) without requests for this long is dropped.
+    pub session_idle_timeout: Duration,
+    /// Donor: most inbound streams served at once.
+    pub max_inbound: usize,
+    /// Both: bound on one request and its answer, stream opening included (donor: on writing
+    /// an answer). A metadata answer includes the donor's snapshot time.
+    pub request_timeout: Duration,
+    /// Newcomer: bound on a whole [`Averager::load_state_from_peers`].
+    pub load_timeout: Duration,
+    /// Newcomer: donors asked for metadata at once (and at most downloaded from at once).
+    pub max_donors: usize,
+    /// Newcomer: streams per donor during a download.
+    pub streams_per_donor: usize,
+    /// Newcomer: attempts per metadata request and consecutive failures per stream.
+    pub attempts: usize,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        Self {
+            declare_period: DEFAULT_DECLARE_PERIOD,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            max_sessions: 4,
+            session_idle_timeout: Duration::from_secs(60),
+            max_inbound: 32,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            load_timeout: DEFAULT_LOAD_TIMEOUT,
+            max_donors: 4,
+            streams_per_donor: 2,
+            attempts: 3,
+        }
+    }
+}
+
+/// The protocol name for `prefix`.
+pub fn protocol(prefix: &str) -> String {
+    format!("/hivemesh/state/1/{prefix}")
+}
+
+/// The DHT key under which the donors of `prefix` announce themselves.
+pub fn registry_key(prefix: &str) -> String {
+    format!("{prefix}.all_averagers")
+}
+
+/// Most addresses an [`Announcement`] carries.
+pub const MAX_ANNOUNCED_ADDRS: usize = 4;
+/// Longest announced address, in bytes (binary multiaddr).
+pub const MAX_ANNOUNCED_ADDR_BYTES: usize = 128;
+
+/// A donor's entry in the registry ([`registry_key`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Announcement {
+    /// Sharing, with this priority (finite; higher is asked first).
+    Sharing {
+        /// The priority.
+        priority: f64,
+        /// Where the donor listens (without `/p2p/<id>`), so that a newcomer that does not know
+        /// it yet can dial it; at most [`MAX_ANNOUNCED_ADDRS`].
+        addrs: Vec<Multiaddr>,
+    },
+    /// Not sharing (written once when sharing is switched off).
+    NotSharing,
+}
+
+impl Announcement {
+    /// The value bytes: `[1]`, the priority as little-endian f64 and each address as one length
+    /// byte and its binary multiaddr (the first [`MAX_ANNOUNCED_ADDRS`] of at most
+    /// [`MAX_ANNOUNCED_ADDR_BYTES`] bytes; a trailing `/p2p/<id>` is dropped); or `[0]`.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Self::Sharing { priority, addrs } => {
+                let mut v = vec![1];
+                v.extend_from_slice(&priority.to_le_bytes());
+                let addrs = addrs
+                    .iter()
+                    .map(|a| {
+                        a.iter()
+                            .filter(|p| !matches!(p, Protocol::P2p(_)))
+                            .collect::<Multiaddr>()
+                    })
+                    .filter(|a| !a.is_empty() && a.as_ref().len() <= MAX_ANNOUNCED_ADDR_BYTES)
+                    .take(MAX_ANNOUNCED_ADDRS);
+                for a in addrs {
+                    v.push(a.as_ref().len() as u8);
+                    v.extend_from_slice(a.as_ref());
+                }
+                v
+            }
+            Self::NotSharing => vec![0],
+        }
+    }
+
+    /// Parses [`Announcement::encode`]; `None` for anything else (a non-finite priority, a
+    /// malformed or oversized address, too many addresses).
+    pub fn decode(value: &[u8]) -> Option<Self> {
+        match value {
+            [0] => Some(Self::NotSharing),
+            [1, rest @ ..] => {
+                let (priority, mut rest) = rest.split_first_chunk::<8>()?;
+                let priority = f64::from_le_bytes(*priority);
+                if !priority.is_finite() {
+                    return None;
+                }
+                let mut addrs = Vec::new();
+                while let Some((&len, tail)) = rest.split_first() {
+                    let len = usize::from(len);
+                    if len == 0
+                        || len > MAX_ANNOUNCED_ADDR_BYTES
+                        || addrs.len() == MAX_ANNOUNCED_ADDRS
+                    {
+                        return None;
+                    }
+                    let (addr, tail) = tail.split_at_checked(len)?;
+                    addrs.push(Multiaddr::try_from(addr.to_vec()).ok()?);
+                    rest = tail;
+                }
+                Some(Self::Sharing { priority, addrs })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A peer announcing that it shares its state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Donor {
+    /// Its peer id.
+    pub peer: PeerId,
+    /// Its announced priority.
+    pub priority: f64,
+    /// Its announced addresses.
+    pub addrs: Vec<Multiaddr>,
+}
+
+/// What one donor contributed to a download.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DonorReport {
+    /// The donor.
+    pub peer: PeerId,
+    /// Its announced priority.
+    pub priority: f64,
+    /// Verified chunks it served.
+    pub chunks: u64,
+    /// Verified bytes it served.
+    pub bytes: u64,
+}
+
+/// A successful [`Averager::load_state_from_peers`].
+#[derive(Clone, Debug)]
+pub struct LoadedState {
+    /// The best-priority donor of the set the state came from (whose description it matches).
+    pub source: PeerId,
+    /// Every donor of that set, in priority order, with what it served (possibly nothing).
+    pub donors: Vec<DonorReport>,
+    /// Size of the state in bytes.
+    pub bytes: u64,
+    /// The state's content hash ([`wire::content_hash`]).
+    pub content_hash: [u8; wire::HASH_BYTES],
+    /// The user metadata that came with the state (now also this averager's).
+    pub metadata: Bytes,
+    /// Donors that were asked and failed, refused or were dropped along the way.
+    pub skipped: Vec<(PeerId, DonorError)>,
+}
+
+/// Why one donor was not (or no longer) used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DonorError {
+    /// No stream could be opened.
+    #[error("cannot open a stream: {0}")]
+    Open(P2pError),
+    /// The stream failed or closed early.
+    #[error("i/o: {0}")]
+    Io(String),
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The donor refused.
+    #[error("refused: {0}")]
+    Refused(Refusal),
+    /// A malformed, oversized or inconsistent answer.
+    #[error("protocol violation: {0}")]
+    Protocol(WireError),
+    /// A well-formed answer of the wrong kind.
+    #[error("unexpected answer: {0}")]
+    Unexpected(&'static str),
+    /// The donor's state has another schema (schema hash or tensor shapes and dtypes).
+    #[error("the donor's state has another schema")]
+    SchemaMismatch,
+    /// A chunk that does not match the reference description.
+    #[error("corrupt chunk {index}: {reason}")]
+    CorruptChunk {
+        /// The chunk.
+        index: u64,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+impl DonorError {
+    /// Failures of the stream rather than of the donor: worth another stream.
+    fn is_transient(&self) -> bool {
+        matches!(self, Self::Open(_) | Self::Io(_) | Self::Timeout(_))
+    }
+
+    /// Failures that say nothing about whether the donor has a usable state.
+    fn is_unavailable(&self) -> bool {
+        self.is_transient() || matches!(self, Self::Refused(_))
+    }
+}
+
+fn summary(failures: &[(PeerId, DonorError)]) -> String {
+    if failures.is_empty() {
+        return "no donor".to_owned();
+    }
+    failures
+        .iter()
+        .map(|(p, e)| format!("{p}: {e}"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Errors of state sharing.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StateError {
+    /// Only [`Mode::Node`] averagers can share their state.
+    #[error("a {0} averager cannot share its state")]
+    NotADonor(Mode),
+    /// A priority must be finite.
+    #[error("priority {0} is not finite")]
+    InvalidPriority(f64),
+    /// The metadata is over [`wire::MAX_METADATA_BYTES`].
+    #[error("metadata of {len} bytes exceeds the limit of {max}")]
+    MetadataTooLarge {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Reading the registry or announcing failed.
+    #[error(transparent)]
+    Dht(Box<DhtError>),
+    /// Every donor that described its state has another schema.
+    #[error("every donor that answered has another schema: {peers:?}")]
+    SchemaMismatch {
+        /// Those donors.
+        peers: Vec<PeerId>,
+    },
+    /// Donors answered, but none with a usable description.
+    #[error("no usable donor: {}", summary(.failures))]
+    NoUsableDonor {
+        /// Every donor asked, with its failure.
+        failures: Vec<(PeerId, DonorError)>,
+    },
+    /// A download was attempted and no set of donors completed it; nothing was installed.
+    #[error("state download failed: {}", summary(.failures))]
+    DownloadFailed {
+        /// Every donor that failed, with its failure.
+        failures: Vec<(PeerId, DonorError)>,
+    },
+    /// The local tensors no longer have the averager's schema (replaced through
+    /// [`Averager::tensors`]); nothing was installed.
+    #[error("the local tensors no longer have the averager's schema")]
+    LocalSchemaChanged,
+    /// The download did not finish within [`StateConfig::load_timeout`]; nothing was installed.
+    #[error("state download did not finish within {0:?}")]
+    Timeout(Duration),
+}
+
+impl From<DhtError> for StateError {
+    fn from(e: DhtError) -> Self {
+        Self::Dht(Box::new(e))
+    }
+}
+
+/// What the last announcement said, so that writes stay ordered.
+#[derive(Default)]
+struct Announced {
+    last_expiration: Option<DhtTime>,
+    sharing: bool,
+}
+
+/// A snapshot being served: the concatenated data and its description (session left empty).
+struct Snapshot {
+    data: Bytes,
+    meta: Metadata,
+}
+
+struct Session {
+    peer: PeerId,
+    id: Bytes,
+    snapshot: Arc<Snapshot>,
+    last_used: Instant,
+}
+
+/// Everything both sides share; owned by the averager's [`StateSharing`] and its tasks.
+struct Inner {
+    dht: Dht,
+    shared: Arc<Shared>,
+    config: StateConfig,
+    mode: Mode,
+    key: Vec<u8>,
+    protocol: String,
+    schema_hash: Bytes,
+    allow: AtomicBool,
+    priority: AtomicU64,
+    metadata: Mutex<Bytes>,
+    announced: Mutex<Announced>,
+    sessions: Mutex<Vec<Session>>,
+    /// Held while a snapshot is built: one at a time.
+    building: tokio::sync::Mutex<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The averager's state-sharing part: the donor server and the announcer (started with the
+/// averager, stopped at its shutdown) and the newcomer's download.
+pub(super) struct StateSharing {
+    inner: Arc<Inner>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl StateSharing {
+    /// Starts serving `/hivemesh/state/1/<prefix>` and announcing (if sharing).
+    pub(super) fn start(
+        dht: Dht,
+        shared: Arc<Shared>,
+        config: &AveragerConfig,
+        schema_hash: Bytes,
+    ) -> Result<Self, AveragerError> {
+        if !config.state_priority.is_finite() {
+            return Err(AveragerError::Config(
+                StateError::InvalidPriority(config.state_priority).to_string(),
+            ));
+        }
+        let protocol = protocol(&config.prefix);
+        let inbound = dht
+            .p2p()
+            .accept_streams(&protocol, 64)
+            .map_err(|e| AveragerError::Config(e.to_string()))?;
+        let inner = Arc::new(Inner {
+            dht,
+            shared,
+            config: config.state.clone(),
+            mode: config.mode,
+            key: registry_key(&config.prefix).into_bytes(),
+            protocol,
+            schema_hash,
+            allow: AtomicBool::new(config.allow_state_sharing && config.mode == Mode::Node),
+            priority: AtomicU64::new(config.state_priority.to_bits()),
+            metadata: Mutex::new(Bytes::new()),
+            announced: Mutex::new(Announced::default()),
+            sessions: Mutex::new(Vec::new()),
+            building: tokio::sync::Mutex::new(()),
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let tasks = vec![
+            tokio::spawn(serve(inner.clone(), inbound)),
+            tokio::spawn(announce_loop(inner.clone(), stop_rx)),
+        ];
+        Ok(Self { inner, stop, tasks })
+    }
+
+    /// Stops serving and announcing, and withdraws the announcement (bounded by the request
+    /// timeout).
+    pub(super) async fn shutdown(&mut self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks.drain(..) {
+            task.abort();
+            let _ = task.await;
+        }
+        self.inner.allow.store(false, Ordering::SeqCst);
+        lock(&self.inner.sessions).clear();
+        let timeout = self.inner.config.request_timeout;
+        if let Ok(Err(e)) = tokio::time::timeout(timeout, self.inner.announce()).await {
+            tracing::debug!(error = %e, "state sharing not withdrawn");
+        }
+    }
+}
+
+impl Drop for StateSharing {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl Averager {
+    /// Downloads the state (tensors and metadata) from the donors of this averager's prefix and
+    /// installs it (see [`crate::averager::state`]). `Ok(Some(_))` says where it came from,
+    /// `Ok(None)` that no donor was available; on any error the local state is unchanged.
+    ///
+    /// Deltas of a round that finishes while the download runs are added to whatever the
+    /// tensors hold then, so load state between steps.
+    pub async fn load_state_from_peers(&self) -> Result<Option<LoadedState>, StateError> {
+        let inner = &self.state.inner;
+        let limit = inner.config.load_timeout;
+        tokio::time::timeout(limit, inner.load())
+            .await
+            .map_err(|_| StateError::Timeout(limit))?
+    }
+
+    /// Switches serving the state on or off and returns once the announcement (or its
+    /// withdrawal) is stored in the DHT. Switching off drops every session at once. Only
+    /// [`Mode::Node`] averagers can switch it on ([`StateError::NotADonor`]). The switch
+    /// holds even if the DHT write fails (the error says so; the announcer retries).
+    pub async fn set_allow_state_sharing(&self, allow: bool) -> Result<(), StateError> {
+        let inner = &self.state.inner;
+        if allow && inner.mode != Mode::Node {
+            return Err(StateError::NotADonor(inner.mode));
+        }
+        inner.allow.store(allow, Ordering::SeqCst);
+        if !allow {
+            lock(&inner.sessions).clear();
+        }
+        inner.announce().await
+    }
+
+    /// Whether this averager serves its state.
+    pub fn allow_state_sharing(&self) -> bool {
+        self.state.inner.sharing()
+    }
+
+    /// Sets the priority newcomers see (higher is asked first) and returns once it is
+    /// announced (if sharing).
+    pub async fn set_state_priority(&self, priority: f64) -> Result<(), StateError> {
+        if !priority.is_finite() {
+            return Err(StateError::InvalidPriority(priority));
+        }
+        let inner = &self.state.inner;
+        inner.priority.store(priority.to_bits(), Ordering::SeqCst);
+        inner.announce().await
+    }
+
+    /// The announced priority.
+    pub fn state_priority(&self) -> f64 {
+        self.state.inner.priority()
+    }
+
+    /// Sets the opaque metadata served with the tensors (hivemind's `metadata` of
+    /// `get_current_state`: an epoch, optimizer settings, ...). At most
+    /// [`wire::MAX_METADATA_BYTES`].
+    pub fn set_state_metadata(&self, metadata: Bytes) -> Result<(), StateError> {
+        if metadata.len() > wire::MAX_METADATA_BYTES {
+            return Err(StateError::MetadataTooLarge {
+                len: metadata.len(),
+                max: wire::MAX_METADATA_BYTES,
+            });
+        }
+        *lock(&self.state.inner.metadata) = metadata;
+        Ok(())
+    }
+
+    /// The metadata served with the tensors (replaced by a successful download).
+    pub fn state_metadata(&self) -> Bytes {
+        lock(&self.state.inner.metadata).clone()
+    }
+
+    /// The donors currently announced for this prefix, best first, without this averager:
+    /// the candidates [`Averager::load_state_from_peers`] would ask.
+    pub async fn state_donors(&self) -> Result<Vec<Donor>, StateError> {
+        self.state.inner.donors().await
+    }
+}
+
+impl Inner {
+    fn sharing(&self) -> bool {
+        self.allow.load(Ordering::SeqCst) && self.mode == Mode::Node
+    }
+
+    fn priority(&self) -> f64 {
+        f64::from_bits(self.priority.load(Ordering::SeqCst))
+    }
+
+    /// Writes the current announcement: "sharing at priority p" while sharing, "not sharing"
+    /// once after sharing stops, nothing otherwise. Expirations only grow, and the value is
+    /// read together with its expiration, so the latest write always says the latest state.
+    async fn announce(&self) -> Result<(), StateError> {
+        let addrs = if self.sharing() {
+            self.dht.p2p().listen_addrs().await.unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let (value, expiration) = {
+            let mut a = lock(&self.announced);
+            let sharing = self.sharing();
+            if !sharing && !a.sharing {
+                return Ok(());
+            }
+            let mut expiration = DhtTime::now().saturating_add(self.config.declare_period);
+            if let Some(last) = a.last_expiration
+                && expiration <= last
+            {
+                expiration = last.next_up();
+            }
+            a.last_expiration = Some(expiration);
+            a.sharing = sharing;
+            let value = if sharing {
+                Announcement::Sharing {
+                    priority: self.priority(),
+                    addrs,
+                }
+            } else {
+                Announcement::NotSharing
+            };
+            (value.encode(), expiration)
+        };
+        self.dht
+            .store(&self.key, Some(&self.dht.own_subkey()), &value, expiration)
+            .await?;
+        Ok(())
+    }
+
+    async fn donors(&self) -> Result<Vec<Donor>, StateError> {
+        let me = self.dht.p2p().peer_id();
+        let value = self.dht.get(&self.key).await?;
+        let mut donors: Vec<Donor> = value
+            .iter()
+            .flat_map(|v| v.owner_entries())
+            .filter(|(peer, _)| *peer != me)
+            .filter_map(|(peer, entry)| match Announcement::decode(&entry.value)? {
+                Announcement::Sharing { priority, addrs } => Some(Donor {
+                    peer,
+                    priority,
+                    addrs,
+                }),
+                Announcement::NotSharing => None,
+            })
+            .collect();
+        donors.sort_by(|a, b| {
+            b.priority
+                .total_cmp(&a.priority)
+                .then_with(|| a.peer.to_bytes().cmp(&b.peer.to_bytes()))
+        });
+        Ok(donors)
+    }
+
+    fn expire_sessions(&self) {
+        let idle = self.config.session_idle_timeout;
+        lock(&self.sessions).retain(|s| s.last_used.elapsed() < idle);
+    }
+}
+
+async fn announce_loop(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+    let tick = (inner.config.declare_period / 2).max(Duration::from_millis(100));
+    loop {
+        if let Err(e) = inner.announce().await {
+            tracing::debug!(error = %e, "state announcement not stored");
+        }
+        inner.expire_sessions();
+        tokio::select! {
+            () = tokio::time::sleep(tick) => {}
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Donor side.
+
+async fn serve(inner: Arc<Inner>, mut inbound: InboundStreams) {
+    let permits = Arc::new(Semaphore::new(inner.config.max_inbound.max(1)));
+    let mut tasks = JoinSet::new();
+    while let Some((peer, stream)) = inbound.next().await {
+        while tasks.try_join_next().is_some() {}
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, "too many inbound state streams; dropping one");
+            continue;
+        };
+        let inner = inner.clone();
+        tasks.spawn(async move {
+            let _permit = permit;
+            if let Err(e) = serve_stream(&inner, peer, stream).await {
+                tracing::debug!(%peer, error = %e, "state stream closed");
+            }
+        });
+    }
+    tasks.shutdown().await;
+}
+
+async fn serve_stream(
+    inner: &Arc<Inner>,
+    peer: PeerId,
+    mut stream: P2pStream,
+) -> Result<(), WireError> {
+    let idle = inner.config.session_idle_timeout;
+    let write_timeout = inner.config.request_timeout;
+    loop {
+        let read = wire::read_frame(&mut stream, wire::MAX_REQUEST_BYTES);
+        let body = match tokio::time::timeout(idle, read).await {
+            Err(_) | Ok(Ok(None)) => return Ok(()),
+            Ok(Ok(Some(body))) => body,
+            Ok(Err(e)) => return Err(e),
+        };
+        let response = match wire::decode_request(body)? {
+            Request::Metadata => open_session(inner, peer).await,
+            Request::Chunk { session, index } => chunk(inner, peer, &session, index),
+            Request::Release { session } => {
+                lock(&inner.sessions).retain(|s| !(s.peer == peer && s.id == session));
+                continue;
+            }
+        };
+        let body = wire::encode_response(&response);
+        tokio::time::timeout(write_timeout, wire::write_frame(&mut stream, &body))
+            .await
+            .map_err(|_| WireError::Io(format!("answer not written within {write_timeout:?}")))??;
+    }
+}
+
+/// Whether a session for `peer` can be added, after dropping idle ones and `peer`'s own.
+fn room_for(inner: &Inner, sessions: &mut Vec<Session>, peer: PeerId) -> bool {
+    let idle = inner.config.session_idle_timeout;
+    sessions.retain(|s| s.peer != peer && s.last_used.elapsed() < idle);
+    sessions.len() < inner.config.max_sessions.max(1)
+}
+
+async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
+    if !inner.sharing() {
+        lock(&inner.sessions).clear();
+        return Response::Refused(Refusal::NotSharing);
+    }
+    if !room_for(inner, &mut lock(&inner.sessions), peer) {
+        return Response::Refused(Refusal::Busy);
+    }
+    let built = {
+        let _one_at_a_time = inner.building.lock().await;
+        let builder = inner.clone();
+        tokio::task::spawn_blocking(move || build_snapshot(&builder)).await
+    };
+    let Ok(snapshot) = built else {
+        return Response::Refused(Refusal::Busy);
+    };
+    if !inner.sharing() {
+        return Response::Refused(Refusal::NotSharing);
+    }
+    let mut sessions = lock(&inner.sessions);
+    if !room_for(inner, &mut sessions, peer) {
+        return Response::Refused(Refusal::Busy);
+    }
+    // Sessions of the same state share one copy.
+    let snapshot = sessions
+        .iter()
+        .find(|s| s.snapshot.meta.content_hash == snapshot.meta.content_hash)
+        .map_or_else(|| Arc::new(snapshot), |s| s.snapshot.clone());
+    let id = Bytes::copy_from_slice(&rand::rng().random::<[u8; 16]>());
+    let mut meta = snapshot.meta.clone();
+    meta.session = id.clone();
+    sessions.push(Session {
+        peer,
+        id,
+        snapshot,
+        last_used: Instant::now(),
+    });
+    Response::Metadata(meta)
+}
+
+fn build_snapshot(inner: &Inner) -> Snapshot {
+    let chunk_bytes =
+        (inner.config.chunk_bytes as u64).clamp(wire::MIN_CHUNK_BYTES, wire::MAX_CHUNK_BYTES);
+    let (data, tensors) = {
+        let tensors = lock(&inner.shared.tensors);
+        let total = tensors.iter().map(Tensor::size_bytes).sum();
+        let mut data = Vec::with_capacity(total);
+        for t in tensors.iter() {
+            data.extend_from_slice(t.flat().as_bytes());
+        }
+        let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
+        (data, descriptors)
+    };
+    let metadata = lock(&inner.metadata).clone();
+    let mut hashes =
+        Vec::with_capacity(data.len().div_ceil(chunk_bytes as usize) * wire::HASH_BYTES);
+    for c in data.chunks(chunk_bytes as usize) {
+        hashes.extend_from_slice(&wire::chunk_hash(c));
+    }
+    let total_bytes = data.len() as u64;
+    let content_hash = wire::content_hash(
+        &inner.schema_hash,
+        &tensors,
+        total_bytes,
+        chunk_bytes,
+        &hashes,
+        &metadata,
+    );
+    Snapshot {
+        data: data.into(),
+        meta: Metadata {
+            session: Bytes::new(),
+            schema_hash: inner.schema_hash.clone(),
+            tensors,
+            total_bytes,
+            chunk_bytes,
+            chunk_hashes: hashes.into(),
+            content_hash,
+            metadata,
+        },
+    }
+}
+
+fn chunk(inner: &Inner, peer: PeerId, session: &Bytes, index: u64) -> Response {
+    if !inner.sharing() {
+        lock(&inner.sessions).clear();
+        return Response::Refused(Refusal::NotSharing);
+    }
+    let snapshot = {
+        let mut sessions = lock(&inner.sessions);
+        let Some(s) = sessions
+            .iter_mut()
+            .find(|s| s.peer == peer && s.id == *session)
+        else {
+            return Response::Refused(Refusal::UnknownSession);
+        };
+        s.last_used = Instant::now();
+        s.snapshot.clone()
+    };
+    match snapshot.meta.chunk_range(index) {
+        Some(range) => Response::Chunk {
+            index,
+            data: snapshot
+                .data
+                .slice(range.start as usize..range.end as usize),
+        },
+        None => Response::Refused(Refusal::BadRequest),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Newcomer side.
+
+/// What the newcomer's state looks like (a donor's must match).
+struct Expected {
+    schema_hash: Bytes,
+    tensors: Vec<TensorDescriptor>,
+}
+
+/// A donor that described a usable state.
+struct Probed {
+    donor: Donor,
+    meta: Metadata,
+    stream: Option<P2pStream>,
+}
+
+/// One request and its answer on `stream`, under `timeout`.
+async fn exchange(
+    stream: &mut P2pStream,
+    request: &Request,
+    timeout: Duration,
+    max_answer: usize,
+) -> Result<Response, DonorError> {
+    let body = wire::encode_request(request);
+    let exchange = async {
+        wire::write_frame(stream, &body).await?;
+        match wire::read_frame(stream, max_answer).await? {
+            Some(answer) => wire::decode_response(answer),
+            None => Err(WireError::Truncated),
+        }
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Err(_) => Err(DonorError::Timeout(timeout)),
+        Ok(Ok(response)) => Ok(response),
+        Ok(Err(WireError::Io(e))) => Err(DonorError::Io(e)),
+        Ok(Err(WireError::Truncated)) => {
+            Err(DonorError::Io("stream closed before the answer".into()))
+        }
+        Ok(Err(e)) => Err(DonorError::Protocol(e)),
+    }
+}
+
+/// Writes a release for each session, best effort, in the background (bounded by `timeout`).
+fn release(sessions: Vec<(P2pStream, Bytes)>, timeout: Duration) {
+    if sessions.is_empty() {
+        return;
+    }
+    tokio::spawn(async move {
+        let releases = sessions
+            .into_iter()
+            .map(|(mut stream, session)| async move {
+                let body = wire::encode_request(&Request::Release { session });
+                let _ = tokio::time::timeout(timeout, async {
+                    let _ = wire::write_frame(&mut stream, &body).await;
+                    let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+                })
+                .await;
+            });
+        futures::future::join_all(releases).await;
+    });
+}
+
+/// Fetches and verifies chunk `index` (opening a stream if `stream` is `None`); gives the
+/// stream back for the next chunk.
+#[allow(clippy::too_many_arguments)]
+async fn fetch(
+    p2p: P2p,
+    peer: PeerId,
+    protocol: Arc<str>,
+    stream: Option<P2pStream>,
+    session: Bytes,
+    index: u64,
+    len: usize,
+    hash: [u8; wire::HASH_BYTES],
+    timeout: Duration,
+) -> Result<(P2pStream, Bytes), DonorError> {
+    let mut stream = match stream {
+        Some(s) => s,
+        None => p2p
+            .open_stream(peer, &protocol, timeout)
+            .await
+            .map_err(DonorError::Open)?,
+    };
+    // The chunk plus its envelope (tags and varints: well under 64 bytes).
+    let max_answer = len + 64;
+    let corrupt = |reason: String| DonorError::CorruptChunk { index, reason };
+    match exchange(
+        &mut stream,
+        &Request::Chunk { session, index },
+        timeout,
+        max_answer,
+    )
+    .await?
+    {
+        Response::Chunk { index: got, data } => {
+            if got != index {
+                return Err(corrupt(format!("answered with chunk {got}")));
+            }
+            if data.len() != len {
+                return Err(corrupt(format!("{} bytes, expected {len}", data.len())));
+            }
+            if wire::chunk_hash(&data) != hash {
+                return Err(corrupt("SHA-256 mismatch".to_owned()));
+            }
+            Ok((stream, data))
+        }
+        Response::Refused(r) => Err(DonorError::Refused(r)),
+        Response::Metadata(_) => Err(DonorError::Unexpected("metadata answering a chunk request")),
+    }
+}
+
+/// A download stream's slot.
+struct Slot {
+    donor: usize,
+    stream: Option<P2pStream>,
+    busy: bool,
+    failures: usize,
+    retired: bool,
+}
+
+/// Per-donor progress of a download.
+struct Progress {
+    probed: Probed,
+    alive: bool,
+    chunks: u64,
+    bytes: u64,
+    failure: Option<DonorError>,
+}
+
+/// A completed download.
+struct Downloaded {
+    data: Vec<u8>,
+    meta: Metadata,
+    reports: Vec<DonorReport>,
+    failures: Vec<(PeerId, DonorError)>,
+    idle: Vec<(P2pStream, Bytes)>,
+}
+
+impl Inner {
+    async fn load(&self) -> Result<Option<LoadedState>, StateError> {
+        let expected = {
+            let tensors = lock(&self.shared.tensors);
+            Expected {
+                schema_hash: self.schema_hash.clone(),
+                tensors: tensors.iter().map(TensorDescriptor::of).collect(),
+            }
+        };
+        let mut candidates = self.donors().await?.into_iter();
+        let mut failures: Vec<(PeerId, DonorError)> = Vec::new();
+        let mut answered: Vec<Probed> = Vec::new();
+        let mut downloaded = false;
+        loop {
+            if answered.is_empty() {
+                let batch: Vec<Donor> = candidates
+                    .by_ref()
+                    .take(self.config.max_donors.max(1))
+                    .collect();
+                if batch.is_empty() {
+                    break;
+                }
+                let probes = batch.iter().map(|d| self.probe(d, &expected));
+                for (donor, result) in batch.iter().zip(futures::future::join_all(probes).await) {
+                    match result {
+                        Ok(p) => answered.push(p),
+                        Err(e) => failures.push((donor.peer, e)),
+                    }
+                }
+                continue;
+            }
+            // The best-priority answer is the reference; every answer with its content hash
+            // serves the same bytes.
+            let reference = answered[0].meta.content_hash;
+            let (group, rest): (Vec<Probed>, Vec<Probed>) = answered
+                .into_iter()
+                .partition(|p| p.meta.content_hash == reference);
+            answered = rest;
+            downloaded = true;
+            match self.download(group).await {
+                Ok(mut done) => {
+                    failures.append(&mut done.failures);
+                    let mut idle = std::mem::take(&mut done.idle);
+                    idle.extend(
+                        answered
+                            .into_iter()
+                            .filter_map(|p| Some((p.stream?, p.meta.session))),
+                    );
+                    release(idle, self.config.request_timeout);
+                    return self.install(done, failures);
+                }
+                Err(group_failures) => failures.extend(group_failures),
+            }
+        }
+        if downloaded {
+            return Err(StateError::DownloadFailed { failures });
+        }
+        let unusable: Vec<&(PeerId, DonorError)> = failures
+            .iter()
+            .filter(|(_, e)| !e.is_unavailable())
+            .collect();
+        if unusable.is_empty() {
+            if !failures.is_empty() {
+                tracing::debug!(failures = %summary(&failures), "no state donor available");
+            }
+            return Ok(None);
+        }
+        if unusable
+            .iter()
+            .all(|(_, e)| matches!(e, DonorError::SchemaMismatch))
+        {
+            return Err(StateError::SchemaMismatch {
+                peers: unusable.iter().map(|(p, _)| *p).collect(),
+            });
+        }
+        Err(StateError::NoUsableDonor { failures })
+    }
+
+    /// Asks `donor` for metadata (retrying a stream that fails) and checks the schema.
+    async fn probe(&self, donor: &Donor, expected: &Expected) -> Result<Probed, DonorError> {
+        let timeout = self.config.request_timeout;
+        let mut last = DonorError::Timeout(timeout);
+        if !donor.addrs.is_empty() {
+            // Best effort: a newcomer may not know the donor yet (dials go by peer id).
+            let _ = self
+                .dht
+                .p2p()
+                .add_peer_addresses(donor.peer, donor.addrs.clone())
+                .await;
+        }
+        for _ in 0..self.config.attempts.max(1) {
+            let mut stream = self
+                .dht
+                .p2p()
+                .open_stream(donor.peer, &self.protocol, timeout)
+                .await
+                .map_err(DonorError::Open)?;
+            match exchange(
+                &mut stream,
+                &Request::Metadata,
+                timeout,
+                wire::MAX_RESPONSE_BYTES,
+            )
+            .await
+            {
+                Ok(Response::Metadata(meta)) => {
+                    if meta.schema_hash != expected.schema_hash || meta.tensors != expected.tensors
+                    {
+                        release(vec![(stream, meta.session)], timeout);
+                        return Err(DonorError::SchemaMismatch);
+                    }
+                    return Ok(Probed {
+                        donor: donor.clone(),
+                        meta,
+                        stream: Some(stream),
+                    });
+                }
+                Ok(Response::Refused(r)) => return Err(DonorError::Refused(r)),
+                Ok(Response::Chunk { .. }) => {
+                    return Err(DonorError::Unexpected(
+                        "a chunk answering a metadata request",
+                    ));
+                }
+                Err(e) if e.is_transient() => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    /// Downloads the state `group` describes (all with one content hash) from all of them.
+    async fn download(&self, group: Vec<Probed>) -> Result<Downloaded, Vec<(PeerId, DonorError)>> {
+        let meta = group[0].meta.clone();
+        let chunks = meta.chunks();
+        let total = usize::try_from(meta.total_bytes).unwrap_or(usize::MAX);
+        let mut data = vec![0u8; total];
+        let mut queue: VecDeque<u64> = (0..chunks).collect();
+        let mut remaining = chunks;
+        let streams = self.config.streams_per_donor.max(1);
+        let mut progress: Vec<Progress> = group
+            .into_iter()
+            .map(|probed| Progress {
+                probed,
+                alive: true,
+                chunks: 0,
+                bytes: 0,
+                failure: None,
+            })
+            .collect();
+        // Interleaved, so the first chunks go to every donor.
+        let mut slots: Vec<Slot> = Vec::with_capacity(streams * progress.len());
+        for s in 0..streams {
+            for (d, p) in progress.iter_mut().enumerate() {
+                slots.push(Slot {
+                    donor: d,
+                    stream: if s == 0 { p.probed.stream.take() } else { None },
+                    busy: false,
+                    failures: 0,
+                    retired: false,
+                });
+            }
+        }
+        let protocol: Arc<str> = Arc::from(self.protocol.as_str());
+        let timeout = self.config.request_timeout;
+        let attempts = self.config.attempts.max(1);
+        let mut inflight = JoinSet::new();
+        while remaining > 0 {
+            for (i, slot) in slots.iter_mut().enumerate() {
+                if slot.busy || slot.retired || !progress[slot.donor].alive {
+                    continue;
+                }
+                let Some(index) = queue.pop_front() else {
+                    break;
+                };
+                let (Some(range), Some(hash)) = (meta.chunk_range(index), meta.chunk_hash(index))
+                else {
+                    continue;
+                };
+                let hash: [u8; wire::HASH_BYTES] = hash.try_into().unwrap_or_default();
+                slot.busy = true;
+                let donor = &progress[slot.donor].probed;
+                let task = fetch(
+                    self.dht.p2p().clone(),
+                    donor.donor.peer,
+                    protocol.clone(),
+                    slot.stream.take(),
+                    donor.meta.session.clone(),
+                    index,
+                    (range.end - range.start) as usize,
+                    hash,
+                    timeout,
+                );
+                inflight.spawn(async move { (i, index, task.await) });
+            }
+            let Some(joined) = inflight.join_next().await else {
+                break;
+            };
+            let Ok((i, index, result)) = joined else {
+                // A fetch task panicked: its chunk is lost, so the download cannot complete.
+                continue;
+            };
+            let slot = &mut slots[i];
+            slot.busy = false;
+            let p = &mut progress[slot.donor];
+            match result {
+                Ok((stream, chunk)) => {
+                    // Verified against the reference description, whoever sent it.
+                    if let Some(range) = meta.chunk_range(index) {
+                        data[range.start as usize..range.end as usize].copy_from_slice(&chunk);
+                        remaining -= 1;
+                        p.chunks += 1;
+                        p.bytes += chunk.len() as u64;
+                    }
+                    slot.stream = Some(stream);
+                    slot.failures = 0;
+                }
+                Err(e) => {
+                    queue.push_front(index);
+                    if e.is_transient() {
+                        slot.failures += 1;
+                        if slot.failures >= attempts {
+                            slot.retired = true;
+                            tracing::debug!(peer = %p.probed.donor.peer, error = %e, "state stream retired");
+                            let donor = slot.donor;
+                            if slots.iter().all(|s| s.donor != donor || s.retired) {
+                                let p = &mut progress[donor];
+                                p.alive = false;
+                                p.failure = Some(e);
+                            }
+                        }
+                    } else {
+                        tracing::debug!(peer = %p.probed.donor.peer, error = %e, "state donor dropped");
+                        if p.alive {
+                            p.alive = false;
+                            p.failure = Some(e);
+                        }
+                    }
+                }
+            }
+        }
+        // Whatever is still running cannot finish the download.
+        inflight.shutdown().await;
+        let failures: Vec<(PeerId, DonorError)> = progress
+            .iter_mut()
+            .filter_map(|p| Some((p.probed.donor.peer, p.failure.take()?)))
+            .collect();
+        if remaining > 0 {
+            return Err(failures);
+        }
+        let mut idle = Vec::new();
+        for (d, p) in progress.iter().enumerate() {
+            if let Some(stream) = slots
+                .iter_mut()
+                .filter(|s| s.donor == d)
+                .find_map(|s| s.stream.take())
+            {
+                idle.push((stream, p.probed.meta.session.clone()));
+            }
+        }
+        Ok(Downloaded {
+            data,
+            meta,
+            reports: progress
+                .iter()
+                .map(|p| DonorReport {
+                    peer: p.probed.donor.peer,
+                    priority: p.probed.donor.priority,
+                    chunks: p.chunks,
+                    bytes: p.bytes,
+                })
+                .collect(),
+            failures,
+            idle,
+        })
+    }
+
+    /// Replaces the tensors and the metadata with a verified download.
+    fn install(
+        &self,
+        done: Downloaded,
+        skipped: Vec<(PeerId, DonorError)>,
+    ) -> Result<Option<LoadedState>, StateError> {
+        let Downloaded {
+            data,
+            meta,
+            reports,
+            ..
+        } = done;
+        {
+            let mut tensors = lock(&self.shared.tensors);
+            if tensors.len() != meta.tensors.len()
+                || tensors
+                    .iter()
+                    .zip(&meta.tensors)
+                    .any(|(t, d)| TensorDescriptor::of(t) != *d)
+            {
+                return Err(StateError::LocalSchemaChanged);
+            }
+            let mut offset = 0;
+            for t in tensors.iter_mut() {
+                let n = t.size_bytes();
+                copy_into(t, &data[offset..offset + n]);
+                offset += n;
+            }
+        }
+        *lock(&self.metadata) = meta.metadata.clone();
+        Ok(Some(LoadedState {
+            source: reports.first().map_or(self.dht.p2p().peer_id(), |r| r.peer),
+            donors: reports,
+            bytes: meta.total_bytes,
+            content_hash: meta.content_hash,
+            metadata: meta.metadata,
+            skipped,
+        }))
+    }
+}
+
+/// Copies `bytes` (the raw little-endian data of `tensor`, same length) into `tensor`.
+fn copy_into(tensor: &mut Tensor, bytes: &[u8]) {
+    match tensor.flat_mut() {
+        PartViewMut::F32(s) => bytemuck::cast_slice_mut::<_, u8>(s).copy_from_slice(bytes),
+        PartViewMut::F16(s) => bytemuck::cast_slice_mut::<_, u8>(s).copy_from_slice(bytes),
+        PartViewMut::BF16(s) => bytemuck::cast_slice_mut::<_, u8>(s).copy_from_slice(bytes),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    #[test]
+    fn announcements_round_trip_and_reject_junk() {
+        let tcp: Multiaddr = "/ip4/10.0.0.1/tcp/4001".parse().unwrap();
+        let quic: Multiaddr = "/ip6/::1/udp/9/quic-v1".parse().unwrap();
+        for a in [
+            Announcement::Sharing {
+                priority: 5.0,
+                addrs: vec![tcp.clone(), quic.clone()],
+            },
+            Announcement::Sharing {
+                priority: -0.5,
+                addrs: vec![],
+            },
+            Announcement::NotSharing,
+        ] {
+            assert_eq!(Announcement::decode(&a.encode()), Some(a));
+        }
+        // `/p2p/<id>` is dropped, and only the first addresses are kept.
+        let id = PeerId::random();
+        let with_id = Announcement::Sharing {
+            priority: 1.0,
+            addrs: vec![tcp.clone().with(Protocol::P2p(id)); 9],
+        };
+        assert_eq!(
+            Announcement::decode(&with_id.encode()),
+            Some(Announcement::Sharing {
+                priority: 1.0,
+                addrs: vec![tcp.clone(); MAX_ANNOUNCED_ADDRS],
+            })
+        );
+        let nan = Announcement::Sharing {
+            priority: f64::NAN,
+            addrs: vec![],
+        }
+        .encode();
+        assert_eq!(Announcement::decode(&nan), None);
+        let mut bad_addr = Announcement::Sharing {
+            priority: 1.0,
+            addrs: vec![],
+        }
+        .encode();
+        bad_addr.extend_from_slice(&[3, 0xff, 0xff, 0xff]);
+        let mut cut = Announcement::Sharing {
+            priority: 1.0,
+            addrs: vec![tcp],
+        }
+        .encode();
+        cut.pop();
+        for junk in [&[][..], &[2], &[1, 0, 0], &[0, 0], &bad_addr, &cut] {
+            assert_eq!(Announcement::decode(junk), None, "{junk:?}");
+        }
+        assert_eq!(registry_key("run"), "run.all_averagers");
+        assert_eq!(protocol("run"), "/hivemesh/state/1/run");
+    }
+
+    /// What a donor concatenates (each tensor's raw bytes) is what a newcomer copies back.
+    #[test]
+    fn raw_bytes_round_trip_every_dtype() {
+        let source = [
+            Tensor::from_f32_as(&[2, 3], &[1.0, -2.0, 3.5, 0.25, 8.0, -0.0], DType::F32).unwrap(),
+            Tensor::from_f32_as(&[3], &[1.5, -2.0, 65504.0], DType::F16).unwrap(),
+            Tensor::from_f32_as(&[], &[-3.0], DType::BF16).unwrap(),
+            Tensor::zeros(&[0, 4], DType::F32),
+        ];
+        let data: Vec<u8> = source
+            .iter()
+            .flat_map(|t| t.flat().as_bytes().to_vec())
+            .collect();
+        assert_eq!(data.len(), 6 * 4 + 3 * 2 + 2);
+        let mut target: Vec<Tensor> = source
+            .iter()
+            .map(|t| Tensor::zeros(t.shape(), t.dtype()))
+            .collect();
+        let mut offset = 0;
+        for t in &mut target {
+            let n = t.size_bytes();
+            copy_into(t, &data[offset..offset + n]);
+            offset += n;
+        }
+        assert_eq!(target, source);
+    }
+}
