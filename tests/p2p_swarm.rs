@@ -151,3 +151,55 @@ async fn dropping_the_last_handle_stops_the_node() {
         .expect("event loop ends once every handle is gone")
         .unwrap();
 }
+
+/// Opening a stream to a peer known only by its id (no address given, no connection): the
+/// node dials it from its routing table or, failing that, finds its addresses with a Kademlia
+/// lookup through the bootstrap peer; a peer id nobody knows is a clear error, not a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_open_to_peers_known_only_by_id() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let boot = node(Vec::new(), false).await;
+    let addr = boot.listen_addrs().await.unwrap()[0]
+        .clone()
+        .with(libp2p::multiaddr::Protocol::P2p(boot.peer_id()));
+    let c = node(vec![addr.clone()], false).await;
+    let b = node(vec![addr], false).await;
+    let mut inbound = b.accept_streams("/test/by-id/1", 4).unwrap();
+    let server = tokio::spawn(async move {
+        let (_, mut s) = inbound.next().await.unwrap();
+        let mut buf = [0u8; 5];
+        s.read_exact(&mut buf).await.unwrap();
+        s.write_all(&buf).await.unwrap();
+        s.shutdown().await.unwrap();
+    });
+    // The bootstrap peer learns B's address from B's identify, which may still be in flight
+    // when B's `spawn` returns: retry (each attempt is a fresh lookup) until a deadline.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut s = loop {
+        match c
+            .open_stream(b.peer_id(), "/test/by-id/1", Duration::from_secs(20))
+            .await
+        {
+            Ok(s) => break s,
+            Err(e) if std::time::Instant::now() < deadline => {
+                tracing::debug!(error = %e, "retrying");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    s.write_all(b"hello").await.unwrap();
+    let mut echo = [0u8; 5];
+    s.read_exact(&mut echo).await.unwrap();
+    assert_eq!(&echo, b"hello");
+    server.await.unwrap();
+
+    let nobody = Keypair::generate_ed25519().public().to_peer_id();
+    let err = c
+        .open_stream(nobody, "/test/by-id/1", Duration::from_secs(20))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, P2pError::OpenStream { .. } | P2pError::Dial { .. }),
+        "{err}"
+    );
+}

@@ -74,6 +74,8 @@ pub(super) enum Command {
 
 enum Pending {
     Put(oneshot::Sender<Result<usize, P2pError>>),
+    /// A Kademlia lookup of a peer we were asked to connect to but know no address of.
+    FindPeer(PeerId),
     Get {
         reply: oneshot::Sender<Result<Vec<Vec<u8>>, P2pError>>,
         values: Vec<Vec<u8>>,
@@ -212,6 +214,12 @@ impl EventLoop {
             match p {
                 Pending::Put(reply) => drop(reply.send(Err(P2pError::Shutdown))),
                 Pending::Get { reply, .. } => drop(reply.send(Err(P2pError::Shutdown))),
+                Pending::FindPeer(_) => {}
+            }
+        }
+        for (_, waiters) in self.peer_waiters.drain() {
+            for w in waiters {
+                let _ = w.send(Err(P2pError::Shutdown));
             }
         }
         tracing::debug!(peer = %self.swarm.local_peer_id(), "p2p event loop stopped");
@@ -305,12 +313,65 @@ impl EventLoop {
                 waiters.retain(|w| !w.is_closed());
                 waiters.push(reply);
             }
+            Err(libp2p::swarm::DialError::NoAddresses) => {
+                // Nobody told us where it is: ask the DHT (FIND_NODE), then dial what it says.
+                let waiters = self.peer_waiters.entry(peer).or_default();
+                waiters.retain(|w| !w.is_closed());
+                let first = waiters.is_empty();
+                waiters.push(reply);
+                if first {
+                    let id = self.swarm.behaviour_mut().kad.get_closest_peers(peer);
+                    self.pending.insert(id, Pending::FindPeer(peer));
+                }
+            }
             Err(e) => {
                 let _ = reply.send(Err(P2pError::Dial {
                     addr: Multiaddr::empty().with(Protocol::P2p(peer)),
                     detail: e.to_string(),
                 }));
             }
+        }
+    }
+
+    /// The end of a [`Pending::FindPeer`] lookup: dials the addresses found, or fails the
+    /// peer's waiters.
+    fn found_peer(&mut self, peer: PeerId, found: Vec<kad::PeerInfo>) {
+        let addrs: Vec<Multiaddr> = found
+            .into_iter()
+            .filter(|p| p.peer_id == peer)
+            .flat_map(|p| p.addrs)
+            .collect();
+        let fail = |this: &mut Self, detail: String| {
+            for w in this.peer_waiters.remove(&peer).unwrap_or_default() {
+                let _ = w.send(Err(P2pError::Dial {
+                    addr: Multiaddr::empty().with(Protocol::P2p(peer)),
+                    detail: detail.clone(),
+                }));
+            }
+        };
+        if self.swarm.is_connected(&peer) {
+            for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
+                let _ = w.send(Ok(()));
+            }
+            return;
+        }
+        if addrs.is_empty() {
+            fail(self, "no address known and none found in the DHT".to_owned());
+            return;
+        }
+        for addr in &addrs {
+            self.swarm
+                .behaviour_mut()
+                .kad
+                .add_address(&peer, addr.clone());
+        }
+        let opts = DialOpts::peer_id(peer)
+            .condition(PeerCondition::DisconnectedAndNotDialing)
+            .addresses(addrs)
+            .build();
+        match self.swarm.dial(opts) {
+            Ok(()) | Err(libp2p::swarm::DialError::DialPeerConditionFalse(_)) => {}
+            Err(e) => fail(self, e.to_string()),
         }
     }
 
@@ -472,6 +533,15 @@ impl EventLoop {
                     {
                         // NotFound or a timeout after some answers still returns what we have.
                         let _ = reply.send(Ok(values));
+                    }
+                }
+                kad::QueryResult::GetClosestPeers(res) => {
+                    if let Some(Pending::FindPeer(peer)) = self.pending.remove(&id) {
+                        let found = match res {
+                            Ok(ok) => ok.peers,
+                            Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
+                        };
+                        self.found_peer(peer, found);
                     }
                 }
                 kad::QueryResult::Bootstrap(Err(e)) => {
