@@ -356,7 +356,10 @@ impl EventLoop {
             return;
         }
         if addrs.is_empty() {
-            fail(self, "no address known and none found in the DHT".to_owned());
+            fail(
+                self,
+                "no address known and none found in the DHT".to_owned(),
+            );
             return;
         }
         for addr in &addrs {
