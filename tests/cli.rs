@@ -3,15 +3,33 @@
 use std::process::Command;
 
 fn hivemesh(args: &[&str]) -> (bool, String, String) {
+    let (code, stdout, stderr) = hivemesh_code(args);
+    (code == Some(0), stdout, stderr)
+}
+
+/// Runs the binary; returns its exit code (`None`: killed by a signal), stdout and stderr.
+fn hivemesh_code(args: &[&str]) -> (Option<i32>, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
         .args(args)
         .output()
         .expect("the hivemesh binary runs");
     (
-        out.status.success(),
+        out.status.code(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// The `key=value` fields of `line` after its first word, which must be `word`.
+fn key_values<'a>(line: &'a str, word: &str) -> Vec<(&'a str, &'a str)> {
+    let mut fields = line.split(' ');
+    assert_eq!(fields.next(), Some(word), "{line}");
+    fields
+        .map(|f| {
+            f.split_once('=')
+                .unwrap_or_else(|| panic!("'{f}' is not key=value in: {line}"))
+        })
+        .collect()
 }
 
 /// Parses the last line `sim peers=N ok=K max_abs_err=E`.
@@ -125,7 +143,7 @@ mod dht {
     use std::process::{Child, Command, Stdio};
 
     /// Starts `hivemesh dht` and returns it with its first printed address.
-    fn start(args: &[&str]) -> (Child, String) {
+    pub(super) fn start(args: &[&str]) -> (Child, String) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
             .arg("dht")
             .args(args)
@@ -143,7 +161,7 @@ mod dht {
         (child, line.trim().to_owned())
     }
 
-    fn interrupt(child: &mut Child) -> bool {
+    pub(super) fn interrupt(child: &mut Child) -> bool {
         let status = Command::new("kill")
             .args(["-INT", &child.id().to_string()])
             .status()
@@ -347,6 +365,274 @@ mod bench {
             assert_eq!(f[0], "CHECKED", "worker {i}: {checked}");
             let err_report: f32 = f[2].parse().unwrap();
             assert!(err_report < 1e-5, "worker {i}: {checked}");
+        }
+    }
+}
+
+mod demo {
+    use super::{hivemesh, hivemesh_code, key_values};
+
+    /// Checks the stdout of `hivemesh demo`: one `round r: max_dev=E` line per round, then
+    /// exactly `demo peers=P rounds=R max_dev=E`. Returns the final deviation.
+    fn check_output(stdout: &str, peers: usize, rounds: usize) -> f64 {
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines.len(), rounds + 1, "{stdout}");
+        for (r, line) in lines[..rounds].iter().enumerate() {
+            let dev = line
+                .strip_prefix(&format!("round {}: max_dev=", r + 1))
+                .unwrap_or_else(|| panic!("round line: {line}"));
+            let dev: f64 = dev.parse().unwrap();
+            assert!(dev.is_finite() && dev >= 0.0, "{line}");
+        }
+        let summary = lines[rounds];
+        let fields = key_values(summary, "demo");
+        let keys: Vec<&str> = fields.iter().map(|(k, _)| *k).collect();
+        assert_eq!(keys, ["peers", "rounds", "max_dev"], "{summary}");
+        assert_eq!(fields[0].1, peers.to_string(), "{summary}");
+        assert_eq!(fields[1].1, rounds.to_string(), "{summary}");
+        let max_dev: f64 = fields[2].1.parse().unwrap();
+        // The summary repeats the last round's deviation.
+        assert!(lines[rounds - 1].ends_with(&format!("max_dev={}", fields[2].1)));
+        max_dev
+    }
+
+    /// The README's main command: 16 peers on a 4x4 grid reach the exact mean in 2 rounds.
+    #[test]
+    fn demo_defaults_reach_the_global_mean() {
+        let (ok, stdout, stderr) = hivemesh(&["demo", "--size", "20000"]);
+        assert!(ok, "{stdout}{stderr}");
+        let max_dev = check_output(&stdout, 16, 2);
+        assert!(max_dev < 1e-5, "{stdout}");
+    }
+
+    #[test]
+    fn demo_flags_change_peers_group_size_and_rounds() {
+        let args = [
+            "demo",
+            "--peers",
+            "8",
+            "--group-size",
+            "2",
+            "--rounds",
+            "4",
+            "--size",
+            "1000",
+            "--quiet",
+        ];
+        let (ok, stdout, stderr) = hivemesh(&args);
+        assert!(ok, "{stdout}{stderr}");
+        // 8 = 2^3: three rounds give the exact mean, a fourth keeps it.
+        let max_dev = check_output(&stdout, 8, 4);
+        assert!(max_dev < 1e-5, "{stdout}");
+    }
+
+    #[test]
+    fn bad_demo_flags_fail_with_exit_code_1() {
+        for (args, needle) in [
+            (
+                vec!["demo", "--peers", "15", "--group-size", "4"],
+                "--peers 15 is not a power of --group-size 4",
+            ),
+            (
+                vec!["demo", "--group-size", "1"],
+                "--group-size must be between 2 and 64",
+            ),
+            (
+                vec!["demo", "--rounds", "0"],
+                "--rounds must be between 1 and 100",
+            ),
+            (vec!["demo", "--size", "0"], "--size must be between"),
+        ] {
+            let (code, stdout, stderr) = hivemesh_code(&args);
+            assert_eq!(code, Some(1), "{args:?}: {stdout}{stderr}");
+            assert!(stderr.contains(needle), "{args:?}: {stderr}");
+            assert!(stdout.is_empty(), "{args:?}: {stdout}");
+        }
+    }
+}
+
+mod steps {
+    use super::{hivemesh, hivemesh_code, key_values};
+
+    /// 4 processes, groups of 2, 2 steps each: every step succeeds (`total` counts steps,
+    /// peers × rounds).
+    #[test]
+    fn steps_bench_prints_its_line_with_every_step_ok() {
+        let (ok, stdout, stderr) = hivemesh(&[
+            "bench",
+            "steps",
+            "--peers",
+            "4",
+            "--group-size",
+            "2",
+            "--rounds",
+            "2",
+            "--mib",
+            "1",
+        ]);
+        assert!(ok, "{stdout}{stderr}");
+        assert_eq!(stdout.lines().count(), 1, "{stdout}");
+        let line = stdout.lines().next().unwrap();
+        let fields = key_values(line, "hivemesh_steps");
+        let keys: Vec<&str> = fields.iter().map(|(k, _)| *k).collect();
+        assert_eq!(
+            keys,
+            ["peers", "group", "ok", "total", "median_step_s"],
+            "{line}"
+        );
+        assert!(
+            line.starts_with("hivemesh_steps peers=4 group=2 ok=8 total=8 median_step_s="),
+            "{line}"
+        );
+        let median: f64 = fields[4].1.parse().unwrap();
+        assert!(median > 0.0 && median.is_finite(), "{line}");
+    }
+
+    #[test]
+    fn bad_steps_flags_fail_clearly() {
+        for (args, needle) in [
+            (
+                vec!["bench", "steps", "--peers", "4", "--group-size", "5"],
+                "--group-size must be between 2 and --peers",
+            ),
+            (
+                vec!["bench", "steps", "--mib", "0"],
+                "--mib must be between",
+            ),
+        ] {
+            let (code, _, stderr) = hivemesh_code(&args);
+            assert_eq!(code, Some(1), "{args:?}: {stderr}");
+            assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        }
+    }
+}
+
+/// The examples, run from `target/<profile>/examples/` next to the binary. `cargo test` builds
+/// them; a run that did not (e.g. `cargo test --test cli`) skips these tests with a note.
+mod examples {
+    use std::path::PathBuf;
+    use std::process::{Command, Stdio};
+
+    fn example(name: &str) -> Option<PathBuf> {
+        let bin = PathBuf::from(env!("CARGO_BIN_EXE_hivemesh"));
+        let path = bin.parent()?.join("examples").join(name);
+        if path.exists() {
+            Some(path)
+        } else {
+            eprintln!(
+                "skipped: {} is not built (`cargo test` or `cargo build --examples` builds it)",
+                path.display()
+            );
+            None
+        }
+    }
+
+    fn final_losses(stdout: &str) -> (f64, f64) {
+        let loss = |prefix: &str| -> f64 {
+            let line = stdout
+                .lines()
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no '{prefix}' line in {stdout}"));
+            let value = line.split("loss=").nth(1).unwrap();
+            value.split(' ').next().unwrap().parse().unwrap()
+        };
+        (loss("final: decentralized"), loss("final: baseline      "))
+    }
+
+    /// The training example converges like the single-process baseline, with async peers and
+    /// with blocking ones.
+    #[test]
+    fn training_example_matches_the_baseline() {
+        let Some(training) = example("training") else {
+            return;
+        };
+        for extra in [&[][..], &["--blocking", "--peers", "3"][..]] {
+            let out = Command::new(&training).args(extra).output().unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{extra:?}: {stdout}{stderr}");
+            let epochs = stdout.lines().filter(|l| l.starts_with("epoch ")).count();
+            assert_eq!(epochs, 10, "{stdout}");
+            let (loss, baseline) = final_losses(&stdout);
+            assert!(loss <= 1.05 * baseline, "{extra:?}: {stdout}");
+            let spread: f64 = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix("final: max distance between peers' parameters = "))
+                .unwrap_or_else(|| panic!("no distance line in {stdout}"))
+                .parse()
+                .unwrap();
+            assert!(spread < 1e-4, "{stdout}");
+        }
+    }
+
+    /// The two-terminal example: a `hivemesh dht` node and three `join` processes that find
+    /// each other through it and average their vectors to the mean of all three.
+    #[test]
+    fn join_example_averages_through_a_dht_node() {
+        let Some(join) = example("join") else {
+            return;
+        };
+        let (mut dht, addr) = super::dht::start(&["--listen", "/ip4/127.0.0.1/tcp/0"]);
+        let peers: Vec<_> = (0..3)
+            .map(|i| {
+                Command::new(&join)
+                    .args([
+                        "--initial-peer",
+                        &addr,
+                        "--group-size",
+                        "3",
+                        "--rounds",
+                        "2",
+                    ])
+                    .args(["--seed", &i.to_string(), "--timeout", "60"])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outputs: Vec<_> = peers
+            .into_iter()
+            .map(|p| p.wait_with_output().unwrap())
+            .collect();
+        // Stop the DHT node before any assertion can fail.
+        assert!(super::dht::interrupt(&mut dht));
+        let outputs: Vec<String> = outputs
+            .into_iter()
+            .map(|out| {
+                let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+                assert!(
+                    out.status.success(),
+                    "{stdout}{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                stdout
+            })
+            .collect();
+        let mean_of = |line: &str| -> f64 {
+            let m = line.split("mean=").nth(1).unwrap();
+            m.split(' ').next().unwrap().parse().unwrap()
+        };
+        let initial: Vec<f64> = outputs
+            .iter()
+            .map(|o| {
+                let first = o.lines().next().unwrap();
+                assert!(first.starts_with("peer 12D3"), "{o}");
+                mean_of(first)
+            })
+            .collect();
+        let global = initial.iter().sum::<f64>() / 3.0;
+        for o in &outputs {
+            let rounds: Vec<&str> = o.lines().skip(1).collect();
+            assert_eq!(rounds.len(), 2, "{o}");
+            for (r, line) in rounds.iter().enumerate() {
+                assert!(
+                    line.starts_with(&format!("round {}: group=3 mean=", r + 1)),
+                    "{o}"
+                );
+                // Printed with 4 decimals: the inputs' rounding adds up to 1e-4.
+                assert!((mean_of(line) - global).abs() < 2e-4, "{o} vs {global}");
+            }
         }
     }
 }
