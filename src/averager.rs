@@ -693,6 +693,9 @@ impl Actor {
         if let Some(km) = self.key_manager.as_mut() {
             km.update_on_group_assembled(&group);
         }
+        // Register the round with the hub at once, so members that start linking while we
+        // still wait for our trigger (or are slower to see `Begin`) are not turned away.
+        let (members, expectation) = self.prepare_links(&group).await?;
         let _ = stage.send(Stage::AwaitingTrigger);
         let wait = async {
             tokio::select! {
@@ -703,7 +706,45 @@ impl Actor {
         };
         self.while_serving(wait, step_deadline).await?;
         let _ = stage.send(Stage::AllReduce);
-        self.all_reduce(options, group, cancel, step_deadline).await
+        self.all_reduce(options, group, members, expectation, cancel, step_deadline)
+            .await
+    }
+
+    /// The members' libp2p ids, their addresses handed to the swarm, and the round registered
+    /// with the link hub.
+    async fn prepare_links(
+        &mut self,
+        group: &matchmaking::Group,
+    ) -> Result<(Vec<libp2p::PeerId>, crate::links::Expectation), AveragerError> {
+        let members: Vec<libp2p::PeerId> = group
+            .members
+            .iter()
+            .map(|m| from_mm(&m.peer))
+            .collect::<Option<_>>()
+            .ok_or_else(|| AveragerError::Links("a member id is not a libp2p peer id".into()))?;
+        let link_peers: Vec<LinkPeer> = group
+            .members
+            .iter()
+            .zip(&members)
+            .map(|(m, &peer_id)| LinkPeer {
+                peer_id,
+                data_addr: m.info.addrs.iter().find_map(|a| a.parse().ok()),
+            })
+            .collect();
+        let expectation = self
+            .hub
+            .expect(group.group_id.clone(), &link_peers, group.me)
+            .map_err(|e| AveragerError::Links(e.to_string()))?;
+        let p2p = self.dht.p2p().clone();
+        for (i, (m, &peer)) in group.members.iter().zip(&members).enumerate() {
+            let maddrs: Vec<libp2p::Multiaddr> =
+                m.info.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+            if i != group.me && !maddrs.is_empty() {
+                // Best effort: the swarm may know the peer already.
+                let _ = p2p.add_peer_addresses(peer, maddrs).await;
+            }
+        }
+        Ok((members, expectation))
     }
 
     /// Runs `fut` while refusing join requests that arrive meanwhile, bounded by the step's
@@ -863,33 +904,11 @@ impl Actor {
         &mut self,
         options: &StepOptions,
         group: matchmaking::Group,
+        members: Vec<libp2p::PeerId>,
+        expectation: crate::links::Expectation,
         cancel: &mut watch::Receiver<bool>,
         step_deadline: Option<tokio::time::Instant>,
     ) -> Result<StepOutcome, AveragerError> {
-        let members: Vec<libp2p::PeerId> = group
-            .members
-            .iter()
-            .map(|m| from_mm(&m.peer))
-            .collect::<Option<_>>()
-            .ok_or_else(|| AveragerError::Links("a member id is not a libp2p peer id".into()))?;
-        let link_peers: Vec<LinkPeer> = group
-            .members
-            .iter()
-            .zip(&members)
-            .map(|(m, &peer_id)| LinkPeer {
-                peer_id,
-                data_addr: m.info.addrs.iter().find_map(|a| a.parse().ok()),
-            })
-            .collect();
-        let p2p = self.dht.p2p().clone();
-        for (i, (m, &peer)) in group.members.iter().zip(&members).enumerate() {
-            let maddrs: Vec<libp2p::Multiaddr> =
-                m.info.addrs.iter().filter_map(|a| a.parse().ok()).collect();
-            if i != group.me && !maddrs.is_empty() {
-                // Best effort: the swarm may know the peer already.
-                let _ = p2p.add_peer_addresses(peer, maddrs).await;
-            }
-        }
         let elements: usize = self.descriptors.iter().map(TensorDescriptor::numel).sum();
         let round_members = matchmaking::load_balancing::round_members(&group, elements as u64, 1)
             .map_err(|e| AveragerError::Round(e.to_string()))?;
@@ -901,10 +920,6 @@ impl Actor {
         cfg.reducer_timeout = self.config.reducer_timeout;
         cfg.round_timeout = Some(self.config.round_timeout);
 
-        let expectation = self
-            .hub
-            .expect(group.group_id.clone(), &link_peers, group.me)
-            .map_err(|e| AveragerError::Links(e.to_string()))?;
         let link_timeout = self.config.link_timeout;
         let established = self
             .while_serving(

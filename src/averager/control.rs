@@ -4,8 +4,9 @@
 //! can share a node). The sender opens a stream, writes one length-delimited
 //! [`matchmaking::wire`] message and waits for a one-byte acknowledgement, which the receiver
 //! writes once the message is queued for its matchmaker. No acknowledgement within
-//! `ack_timeout` (libp2p-stream 0.5.0-alpha drops inbound streams that arrive together, see
-//! `crate::links`) means "re-send", up to [`SEND_ATTEMPTS`] times; a peer that never
+//! `ack_timeout`, or a stream reset at once (libp2p-stream 0.5.0-alpha drops inbound streams
+//! that arrive together, see `crate::links`), means "re-send", up to [`SEND_ATTEMPTS`] times
+//! with a short doubling pause (20 ms, 40 ms, ...); a peer that never
 //! acknowledges is reported unreachable, which the matchmaker treats like a peer that left.
 //! The matchmaking protocol tolerates a message delivered twice (requests carry ids and are
 //! answered once).
@@ -28,7 +29,9 @@ use crate::p2p::{InboundStreams, P2p, P2pStream};
 use crate::wire::FrameDecoder;
 
 /// Attempts per message before the peer counts as unreachable.
-pub const SEND_ATTEMPTS: usize = 3;
+pub const SEND_ATTEMPTS: usize = 5;
+/// Pause after the first failed attempt; doubles after each further one.
+const RETRY_DELAY: Duration = Duration::from_millis(20);
 /// Inbound message streams read at once.
 pub const MAX_INBOUND: usize = 64;
 const ACK: u8 = 0x06;
@@ -66,7 +69,14 @@ pub async fn send(
     crate::wire::put_length_prefix(body.len(), &mut frame);
     frame.extend_from_slice(&body);
     let mut last = ControlError::NoAck(ack_timeout);
-    for _ in 0..SEND_ATTEMPTS {
+    let mut delay = RETRY_DELAY;
+    for attempt in 0..SEND_ATTEMPTS {
+        if attempt > 0 {
+            // A dropped stream is usually reset at once; give the peer's inbound queue a
+            // moment before the next attempt.
+            tokio::time::sleep(delay).await;
+            delay *= 2;
+        }
         match send_once(p2p, peer, protocol, &frame, ack_timeout).await {
             Ok(()) => return Ok(()),
             Err(e) => last = e,
