@@ -535,7 +535,8 @@ fn train_blocking(
             let _ = reports.send((epoch, peer.w.clone()));
         }
     }
-    let averager = averager.into_inner();
-    handle.block_on(averager.shutdown());
+    if let Ok(averager) = std::sync::Arc::try_unwrap(averager.into_inner()) {
+        handle.block_on(averager.shutdown());
+    }
     Ok((peer, p))
 }
