@@ -6,7 +6,9 @@
 //! `bench-steps-worker`s, passing the bootstrap address. Each worker joins, prints `READY`,
 //! and for every round waits for `GO <r>` on stdin (the parent sends it once every worker has
 //! finished the previous round, so steps start together), runs one step and prints
-//! `STEP <r> ok <seconds> <group size>` or `STEP <r> err <seconds> <message>`. Results are
+//! `STEP <r> ok <seconds> <group size>` or `STEP <r> err <seconds> <message>`, and after its
+//! last step stays in the swarm until the parent closes its stdin (once every worker has
+//! reported), so no peer leaves while others still look for groups. Results are
 //! checked: every member gathers its index, and after the first step a worker verifies a
 //! sample of its elements against the mean of its group's initial values (recomputed from the
 //! generator); later steps are checked for finiteness.
@@ -39,8 +41,10 @@ pub struct StepsArgs {
     /// MiB of f32 values per peer.
     #[arg(long, default_value_t = 4)]
     mib: usize,
-    /// Matchmaking time before a smaller group is closed, in seconds.
-    #[arg(long, default_value_t = 2.0)]
+    /// Matchmaking time before a smaller group is closed, in seconds (hivemind's default;
+    /// full groups close at once, so this only bounds how long a peer whose messages were lost
+    /// has to find its group again).
+    #[arg(long, default_value_t = 5.0)]
     min_matchmaking_time: f64,
     /// Step timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
@@ -351,6 +355,10 @@ async fn worker(args: StepsWorkerArgs) -> anyhow::Result<()> {
             Err(e) => println!("STEP {round} err {secs:.6} {e}"),
         }
     }
+    // Stay in the swarm until every worker is done (the parent closes stdin then): a peer
+    // that left early would leave stale declarations and refuse the others' join requests,
+    // which measures our exit, not a step.
+    while lines.recv().await.is_some() {}
     averager.shutdown().await;
     node.shutdown().await;
     Ok(())
