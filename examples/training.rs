@@ -433,17 +433,7 @@ async fn start_swarm(peers: usize, dim: usize) -> anyhow::Result<(Vec<Node>, Vec
     )
     .await
     .context("starting the bootstrap node")?;
-    let addr = bootstrap
-        .dht()
-        .p2p()
-        .listen_addrs()
-        .await?
-        .into_iter()
-        .next()
-        .context("the bootstrap node has no address")?
-        .with(libp2p::multiaddr::Protocol::P2p(
-            bootstrap.dht().p2p().peer_id(),
-        ));
+    let addr = bootstrap.join_address().await?;
     let mut nodes = vec![bootstrap];
     let mut averagers = Vec::new();
     for p in 0..peers {

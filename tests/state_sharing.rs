@@ -42,16 +42,7 @@ impl Swarm {
         )
         .await
         .unwrap();
-        let addr: Multiaddr = bootstrap
-            .dht()
-            .p2p()
-            .listen_addrs()
-            .await
-            .unwrap()
-            .remove(0)
-            .with(libp2p::multiaddr::Protocol::P2p(
-                bootstrap.dht().p2p().peer_id(),
-            ));
+        let addr: Multiaddr = bootstrap.join_address().await.unwrap();
         let mut nodes = Vec::new();
         for _ in 0..n {
             let mut config = NodeConfig::loopback();

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use libp2p::Multiaddr;
 use libp2p::identity::Keypair;
 use tokio::task::JoinHandle;
 
@@ -48,6 +49,12 @@ pub enum NodeError {
     /// The link hub.
     #[error(transparent)]
     Hub(#[from] crate::links::HubError),
+    /// The swarm failed after starting.
+    #[error(transparent)]
+    P2p(#[from] crate::p2p::P2pError),
+    /// The node listens nowhere.
+    #[error("the node has no listen address")]
+    NoAddress,
 }
 
 /// A running node (see the module docs).
@@ -80,6 +87,18 @@ impl Node {
     /// The node's DHT (and, through it, its p2p handle).
     pub fn dht(&self) -> &Dht {
         &self.dht
+    }
+
+    /// An address to join this node through (`--initial-peer` / `P2pConfig::initial_peers`):
+    /// its first listen address, ending with `/p2p/<peer id>`.
+    pub async fn join_address(&self) -> Result<Multiaddr, NodeError> {
+        self.dht
+            .p2p()
+            .listen_addrs()
+            .await?
+            .into_iter()
+            .next()
+            .ok_or(NodeError::NoAddress)
     }
 
     /// The node's link hub.

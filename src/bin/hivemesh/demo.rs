@@ -104,17 +104,7 @@ async fn demo(args: DemoArgs, dims: usize, rounds: usize) -> anyhow::Result<()> 
     )
     .await
     .context("starting the bootstrap node")?;
-    let bootstrap_addr = bootstrap
-        .dht()
-        .p2p()
-        .listen_addrs()
-        .await?
-        .into_iter()
-        .next()
-        .context("the bootstrap node has no address")?
-        .with(libp2p::multiaddr::Protocol::P2p(
-            bootstrap.dht().p2p().peer_id(),
-        ));
+    let bootstrap_addr = bootstrap.join_address().await?;
 
     let mut rng = StdRng::seed_from_u64(args.seed);
     let vectors: Vec<Vec<f32>> = (0..args.peers)

@@ -126,15 +126,7 @@ pub fn run(args: StepsArgs) -> anyhow::Result<()> {
             libp2p::identity::Keypair::generate_ed25519(),
         )
         .await?;
-        let addr = node
-            .dht()
-            .p2p()
-            .listen_addrs()
-            .await?
-            .into_iter()
-            .next()
-            .context("the bootstrap node has no address")?
-            .with(libp2p::multiaddr::Protocol::P2p(node.dht().p2p().peer_id()));
+        let addr = node.join_address().await?;
         anyhow::Ok((node, addr))
     })?;
 
