@@ -294,6 +294,8 @@ pub struct Averager {
     shared: Arc<Shared>,
     steps: mpsc::Sender<StepRequest>,
     actor: Option<JoinHandle<()>>,
+    /// Serves `/hivemesh/mm/1/<prefix>` (see [`control`]).
+    server: JoinHandle<()>,
     shutdown: watch::Sender<bool>,
     state: state::StateSharing,
 }
@@ -369,15 +371,12 @@ impl Averager {
             sends: JoinSet::new(),
             rng: StdRng::from_rng(&mut rand::rng()),
         };
-        let task = tokio::spawn(async move {
-            actor.run(steps, shutdown_rx).await;
-            server.abort();
-            let _ = server.await;
-        });
+        let task = tokio::spawn(actor.run(steps, shutdown_rx));
         Ok(Self {
             shared,
             steps: steps_tx,
             actor: Some(task),
+            server,
             shutdown,
             state,
         })
@@ -428,6 +427,7 @@ impl Averager {
         if let Some(task) = self.actor.take() {
             let _ = task.await;
         }
+        self.server.abort();
         self.state.shutdown().await;
     }
 }
@@ -438,6 +438,8 @@ impl Drop for Averager {
         if let Some(task) = self.actor.take() {
             task.abort();
         }
+        // The matchmaking server would otherwise live on until the node stops.
+        self.server.abort();
     }
 }
 
@@ -704,7 +706,8 @@ impl Actor {
                 _ = shutdown.wait_for(|s| *s) => Err(AveragerError::Shutdown),
             }
         };
-        self.while_serving(wait, step_deadline).await?;
+        self.while_serving(wait, step_deadline, options.timeout)
+            .await?;
         let _ = stage.send(Stage::AllReduce);
         self.all_reduce(options, group, members, expectation, cancel, step_deadline)
             .await
@@ -753,6 +756,7 @@ impl Actor {
         &mut self,
         fut: impl std::future::Future<Output = Result<T, AveragerError>>,
         step_deadline: Option<tokio::time::Instant>,
+        step_timeout: Option<Duration>,
     ) -> Result<T, AveragerError> {
         tokio::pin!(fut);
         let deadline = step_deadline;
@@ -770,10 +774,7 @@ impl Actor {
                         self.refuse(from, &message);
                     }
                 }
-                () = sleep => {
-                    let limit = deadline.map(|d| d.into_std()).unwrap_or_else(Instant::now);
-                    return Err(AveragerError::Timeout(limit.saturating_duration_since(Instant::now())));
-                }
+                () = sleep => return Err(AveragerError::Timeout(step_timeout.unwrap_or_default())),
             }
         }
     }
@@ -925,6 +926,7 @@ impl Actor {
             .while_serving(
                 async { Ok(expectation.establish(link_timeout).await) },
                 step_deadline,
+                options.timeout,
             )
             .await?;
         let carriers = established.carriers.clone();
@@ -957,6 +959,7 @@ impl Actor {
                     })
                 },
                 step_deadline,
+                options.timeout,
             )
             .await?;
         {

@@ -1,83 +1,20 @@
 //! The Averager on real in-process swarms (libp2p on loopback, TLS data links): hivemind's
 //! `test_averaging.py` scenarios (digest §9.2) plus cancellation of a running all-reduce.
 
+mod swarm;
+
 use std::sync::Arc;
 use std::time::Duration;
+use swarm::Swarm;
 
 use hivemesh::allreduce::Mode;
-use hivemesh::averager::node::{Node, NodeConfig};
 use hivemesh::averager::{
     Averager, AveragerConfig, AveragerError, KeySchedule, Stage, StepOptions, StepOutcome,
 };
 use hivemesh::matchmaking::Grid;
 use hivemesh::tensor::Tensor;
-use libp2p::Multiaddr;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-
-/// A bootstrap node and `n` nodes joined through it (node `i` has a TLS data listener unless
-/// `no_listener(i)`).
-struct Swarm {
-    bootstrap: Node,
-    nodes: Vec<Node>,
-}
-
-impl Swarm {
-    async fn start(n: usize, no_listener: impl Fn(usize) -> bool) -> Self {
-        let bootstrap = Node::start(
-            NodeConfig {
-                data_listen: None,
-                ..NodeConfig::loopback()
-            },
-            libp2p::identity::Keypair::generate_ed25519(),
-        )
-        .await
-        .unwrap();
-        let addr: Multiaddr = bootstrap.join_address().await.unwrap();
-        let mut nodes = Vec::new();
-        for i in 0..n {
-            let mut config = NodeConfig::loopback();
-            config.p2p.initial_peers = vec![addr.clone()];
-            if no_listener(i) {
-                config.data_listen = None;
-            }
-            nodes.push(
-                Node::start(config, libp2p::identity::Keypair::generate_ed25519())
-                    .await
-                    .unwrap(),
-            );
-        }
-        Self { bootstrap, nodes }
-    }
-
-    fn averager(&self, i: usize, values: Vec<Vec<f32>>, config: AveragerConfig) -> Arc<Averager> {
-        let tensors = values
-            .into_iter()
-            .map(|v| Tensor::from_f32(&[v.len()], v).unwrap())
-            .collect();
-        Arc::new(
-            Averager::start(
-                self.nodes[i].dht().clone(),
-                self.nodes[i].hub().clone(),
-                tensors,
-                config,
-            )
-            .unwrap(),
-        )
-    }
-
-    async fn shutdown(self, averagers: Vec<Arc<Averager>>) {
-        for a in averagers {
-            if let Ok(a) = Arc::try_unwrap(a) {
-                a.shutdown().await;
-            }
-        }
-        for n in self.nodes {
-            n.shutdown().await;
-        }
-        self.bootstrap.shutdown().await;
-    }
-}
 
 fn config(prefix: &str, mode: Mode, target: Option<usize>) -> AveragerConfig {
     let mut c = AveragerConfig::new(prefix);
@@ -510,7 +447,11 @@ async fn cancel_during_all_reduce() {
         .map(|i| {
             let mut c = config("cancel-ar", Mode::Node, Some(2));
             c.part_size_bytes = 64 << 10;
-            swarm.averager(i, vec![big.iter().map(|x| x + i as f32).collect()], c)
+            swarm.averager(
+                i,
+                vec![big.iter().map(|x| x + i as f32).collect::<Vec<f32>>()],
+                c,
+            )
         })
         .collect();
     let before = values(&averagers[0]);
@@ -559,7 +500,11 @@ async fn member_dying_mid_round_does_not_hang_the_others() {
             c.part_size_bytes = 16 << 10;
             c.sender_timeout = Duration::from_secs(2);
             c.reducer_timeout = Duration::from_secs(4);
-            swarm.averager(i, vec![big.iter().map(|x| x + i as f32).collect()], c)
+            swarm.averager(
+                i,
+                vec![big.iter().map(|x| x + i as f32).collect::<Vec<f32>>()],
+                c,
+            )
         })
         .collect();
     let mut controls = Vec::new();

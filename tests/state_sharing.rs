@@ -6,12 +6,14 @@
 //! Nothing here waits on a clock: where a test needs the DHT to show an announcement it polls
 //! [`Averager::state_donors`] until it does (with a deadline), and no assertion is about time.
 
-use std::sync::Arc;
+mod swarm;
+
 use std::time::Duration;
+use swarm::Swarm;
 
 use bytes::Bytes;
 use hivemesh::allreduce::Mode;
-use hivemesh::averager::node::{Node, NodeConfig};
+use hivemesh::averager::node::Node;
 use hivemesh::averager::state::{
     self, Announcement, Donor, DonorError, LoadedState, Refusal, Request, Response, StateError,
     wire,
@@ -20,71 +22,10 @@ use hivemesh::averager::{Averager, AveragerConfig};
 use hivemesh::dht::DhtTime;
 use hivemesh::p2p::{InboundStreams, P2p, P2pStream};
 use hivemesh::tensor::{DType, Tensor};
-use libp2p::{Multiaddr, PeerId};
+use libp2p::PeerId;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// A bootstrap node and `n` nodes joined through it.
-struct Swarm {
-    bootstrap: Node,
-    nodes: Vec<Node>,
-}
-
-impl Swarm {
-    async fn start(n: usize) -> Self {
-        let bootstrap = Node::start(
-            NodeConfig {
-                data_listen: None,
-                ..NodeConfig::loopback()
-            },
-            libp2p::identity::Keypair::generate_ed25519(),
-        )
-        .await
-        .unwrap();
-        let addr: Multiaddr = bootstrap.join_address().await.unwrap();
-        let mut nodes = Vec::new();
-        for _ in 0..n {
-            let mut config = NodeConfig::loopback();
-            config.p2p.initial_peers = vec![addr.clone()];
-            config.data_listen = None;
-            nodes.push(
-                Node::start(config, libp2p::identity::Keypair::generate_ed25519())
-                    .await
-                    .unwrap(),
-            );
-        }
-        Self { bootstrap, nodes }
-    }
-
-    fn peer(&self, i: usize) -> PeerId {
-        self.nodes[i].dht().p2p().peer_id()
-    }
-
-    fn averager(&self, i: usize, tensors: Vec<Tensor>, config: AveragerConfig) -> Arc<Averager> {
-        Arc::new(
-            Averager::start(
-                self.nodes[i].dht().clone(),
-                self.nodes[i].hub().clone(),
-                tensors,
-                config,
-            )
-            .unwrap(),
-        )
-    }
-
-    async fn shutdown(self, averagers: Vec<Arc<Averager>>) {
-        for a in averagers {
-            if let Ok(a) = Arc::try_unwrap(a) {
-                a.shutdown().await;
-            }
-        }
-        for n in self.nodes {
-            n.shutdown().await;
-        }
-        self.bootstrap.shutdown().await;
-    }
-}
 
 fn config(prefix: &str, priority: f64, allow: bool) -> AveragerConfig {
     let mut c = AveragerConfig::new(prefix);
@@ -140,7 +81,7 @@ fn loaded(r: Result<Option<LoadedState>, StateError>, what: &str) -> LoadedState
 /// `None`, and sharing again works again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_state_from_peers() {
-    let swarm = Swarm::start(2).await;
+    let swarm = Swarm::start(2, |_| true).await;
     let mut rng = StdRng::seed_from_u64(1);
     let donor_state = || {
         let mut rng = StdRng::seed_from_u64(7);
@@ -207,7 +148,7 @@ async fn load_state_from_peers() {
 /// the last tensor `[i]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_state_priority() {
-    let swarm = Swarm::start(4).await;
+    let swarm = Swarm::start(4, |_| true).await;
     let mut rng = StdRng::seed_from_u64(2);
     let averagers: Vec<_> = (0..4)
         .map(|i| {
@@ -272,14 +213,14 @@ async fn load_state_priority() {
 /// over several of them, and the result is exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn download_uses_several_donors_in_parallel() {
-    let swarm = Swarm::start(4).await;
+    let swarm = Swarm::start(4, |_| true).await;
     let mut rng = StdRng::seed_from_u64(3);
     let state = vec![random(&mut rng, 150_000), random(&mut rng, 4_321)];
     let mut averagers = Vec::new();
     for i in 0..3 {
         let mut c = config("parallel", i as f64, true);
         c.state.chunk_bytes = 16 << 10;
-        let a = swarm.averager(i, state.iter().cloned().map(vector).collect(), c);
+        let a = swarm.averager(i, state.iter().cloned().map(vector).collect::<Vec<_>>(), c);
         a.set_state_metadata(Bytes::from_static(b"epoch 12"))
             .unwrap();
         averagers.push(a);
@@ -454,14 +395,14 @@ async fn relay(mut down: P2pStream, mut up: P2pStream, fault: Fault) -> Option<(
 /// is dropped, and the honest donors complete the download with the right bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_chunks_are_redone_by_honest_donors() {
-    let swarm = Swarm::start(4).await;
+    let swarm = Swarm::start(4, |_| true).await;
     let mut rng = StdRng::seed_from_u64(4);
     let state = vec![random(&mut rng, 40_000), random(&mut rng, 17)];
     let mut averagers = Vec::new();
     for i in 0..2 {
         let mut c = config("mitm", 1.0 + i as f64, true);
         c.state.chunk_bytes = 4 << 10;
-        averagers.push(swarm.averager(i, state.iter().cloned().map(vector).collect(), c));
+        averagers.push(swarm.averager(i, state.iter().cloned().map(vector).collect::<Vec<_>>(), c));
     }
     let mitm = spawn_mitm(
         &swarm.nodes[2],
@@ -502,13 +443,13 @@ async fn corrupt_chunks_are_redone_by_honest_donors() {
 /// description: the download fails with a typed error and the local state is untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_bad_donor_fails_and_installs_nothing() {
-    let swarm = Swarm::start(3).await;
+    let swarm = Swarm::start(3, |_| true).await;
     let mut rng = StdRng::seed_from_u64(5);
     let state = [random(&mut rng, 5_000)];
     // The honest upstream shares on a prefix nobody downloads from.
     let mut c = config("hidden", 0.0, true);
     c.state.chunk_bytes = 1 << 10;
-    let honest = swarm.averager(0, state.iter().cloned().map(vector).collect(), c);
+    let honest = swarm.averager(0, state.iter().cloned().map(vector).collect::<Vec<_>>(), c);
     let mut averagers = vec![honest];
     let mut mitms = Vec::new();
     for (k, fault) in [
@@ -535,7 +476,7 @@ async fn a_lone_bad_donor_fails_and_installs_nothing() {
         let mine = vec![random(&mut rng, 5_000)];
         let newcomer = swarm.averager(
             2,
-            mine.iter().cloned().map(vector).collect(),
+            mine.iter().cloned().map(vector).collect::<Vec<_>>(),
             config(&prefix, 0.0, false),
         );
         wait_donors(&newcomer, "the mitm", |d| d.len() == 1).await;
@@ -571,7 +512,7 @@ async fn a_lone_bad_donor_fails_and_installs_nothing() {
 /// when it is the only one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schema_mismatch_is_skipped_or_a_typed_error() {
-    let swarm = Swarm::start(3).await;
+    let swarm = Swarm::start(3, |_| true).await;
     let other = swarm.averager(0, vec![vector(vec![1.0; 10])], config("schema", 5.0, true));
     let matching = swarm.averager(1, vec![vector(vec![2.0; 12])], config("schema", 1.0, true));
     let newcomer = swarm.averager(2, vec![vector(vec![0.0; 12])], config("schema", 0.0, false));
@@ -626,12 +567,12 @@ async fn ask(stream: &mut P2pStream, request: &Request) -> Response {
 /// range and a burst of streams cost the donor nothing but those streams: a download then works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_input_does_not_crash_the_donor() {
-    let swarm = Swarm::start(3).await;
+    let swarm = Swarm::start(3, |_| true).await;
     let mut rng = StdRng::seed_from_u64(6);
     let state = vec![random(&mut rng, 3_000)];
     let mut c = config("hostile", 0.0, true);
     c.state.chunk_bytes = 1 << 10;
-    let donor = swarm.averager(0, state.iter().cloned().map(vector).collect(), c);
+    let donor = swarm.averager(0, state.iter().cloned().map(vector).collect::<Vec<_>>(), c);
     let attacker = swarm.nodes[1].dht().p2p().clone();
     let target = introduce(&swarm.nodes[1], &swarm.nodes[0]).await;
 
@@ -701,7 +642,7 @@ async fn hostile_input_does_not_crash_the_donor() {
 /// newcomer finds no donor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_do_not_share() {
-    let swarm = Swarm::start(2).await;
+    let swarm = Swarm::start(2, |_| true).await;
     let mut c = config("clients", 3.0, true);
     c.mode = Mode::Client;
     let client = swarm.averager(0, vec![vector(vec![1.0; 4])], c);

@@ -15,12 +15,10 @@
 //! The parent prints each round's slowest time and the workers' total CPU time on stderr.
 //! Round 0 is a warm-up. A round's time is the slowest worker's; the parent prints the median.
 
-use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
+use crate::workers::{Workers, stdin_lines};
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
 use clap::Args;
@@ -160,57 +158,27 @@ impl BenchArgs {
     }
 }
 
-/// Kills the workers if the harness returns early.
-struct Workers(Vec<Child>);
-
-impl Drop for Workers {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// The parent: spawns the workers, relays the roster, prints the result line.
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     args.validate()?;
-    let exe = std::env::current_exe().context("locating the hivemesh binary")?;
-    let mut workers = Workers(Vec::new());
-    let (tx, rx) = std_mpsc::channel::<(usize, String)>();
-    for i in 0..args.peers {
-        let mut child = Command::new(&exe)
-            .arg("bench-worker")
-            .args(["--index", &i.to_string()])
-            .args(["--peers", &args.peers.to_string()])
-            .args(["--mib", &args.mib.to_string()])
-            .args(["--rounds", &args.rounds.to_string()])
-            .args(["--part-bytes", &args.part_bytes.to_string()])
-            .args(["--compression", &compression_name(&args.compression)])
-            .args(["--transport", args.transport.name()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("starting a worker process")?;
-        let stdout = child.stdout.take().context("worker stdout")?;
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send((i, line)).is_err() {
-                    break;
-                }
-            }
-            let _ = tx.send((i, "EOF".to_owned()));
-        });
-        workers.0.push(child);
-    }
-    drop(tx);
+    let mut workers = Workers::spawn(args.peers, "bench-worker", |_| {
+        [
+            ("--peers", args.peers.to_string()),
+            ("--mib", args.mib.to_string()),
+            ("--rounds", args.rounds.to_string()),
+            ("--part-bytes", args.part_bytes.to_string()),
+            ("--compression", compression_name(&args.compression)),
+            ("--transport", args.transport.name().to_owned()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_owned(), v])
+        .collect()
+    })?;
 
     let mut ready: Vec<Option<String>> = vec![None; args.peers];
     while ready.iter().any(Option::is_none) {
-        let (i, line) = rx
+        let (i, line) = workers
+            .lines
             .recv_timeout(SETUP_TIMEOUT)
             .context("workers did not report ready in time")?;
         let rest = line
@@ -222,15 +190,10 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         };
         ready[i] = Some(format!("{id}@{maddr}@{data}"));
     }
-    let roster = format!(
-        "ROSTER {}\n",
+    workers.broadcast(&format!(
+        "ROSTER {}",
         ready.into_iter().flatten().collect::<Vec<_>>().join(" ")
-    );
-    for c in &mut workers.0 {
-        let stdin = c.stdin.as_mut().context("worker stdin")?;
-        stdin.write_all(roster.as_bytes())?;
-        stdin.flush()?;
-    }
+    ))?;
 
     let total_rounds = args.rounds + 1;
     let mut times = vec![vec![0.0f64; args.peers]; total_rounds];
@@ -242,7 +205,10 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let tolerance = args.tolerance();
     while done < args.peers {
         let left = deadline.saturating_duration_since(Instant::now());
-        let (i, line) = rx.recv_timeout(left).context("bench timed out")?;
+        let (i, line) = workers
+            .lines
+            .recv_timeout(left)
+            .context("bench timed out")?;
         let fields: Vec<&str> = line.split_whitespace().collect();
         match fields.as_slice() {
             ["START", _] => {}
@@ -261,11 +227,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
                     );
                     // Everyone is done with the timed part: now they may check (checking
                     // earlier would steal CPU from peers still in the round).
-                    for c in &mut workers.0 {
-                        let stdin = c.stdin.as_mut().context("worker stdin")?;
-                        stdin.write_all(b"CHECK\n")?;
-                        stdin.flush()?;
-                    }
+                    workers.broadcast("CHECK")?;
                 }
             }
             ["CHECKED", r, err_report, err_mean, local] => {
@@ -285,11 +247,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             _ => bail!("worker {i}: unexpected line '{line}'"),
         }
     }
-    for c in &mut workers.0 {
-        let status = c.wait()?;
-        ensure!(status.success(), "a worker failed: {status}");
-    }
-    workers.0.clear();
+    workers.finish()?;
 
     let mut per_round: Vec<f64> = times[1..]
         .iter()
@@ -362,15 +320,7 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
     println!("READY {peer_id} {maddr} {data}");
 
     // Lines from the parent: the roster, then one CHECK per round.
-    let (line_tx, mut lines) = tokio::sync::mpsc::channel::<String>(4);
-    std::thread::spawn(move || {
-        for line in std::io::stdin().lines() {
-            let Ok(line) = line else { break };
-            if line_tx.blocking_send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let mut lines = stdin_lines();
     let roster_line = lines.recv().await.context("parent closed stdin")?;
     let roster: Vec<(PeerId, libp2p::Multiaddr, Option<SocketAddr>)> = roster_line
         .trim()

@@ -5,6 +5,7 @@
 mod bench;
 mod demo;
 mod steps;
+mod workers;
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};

@@ -13,11 +13,9 @@
 //! sample of its elements against the mean of its group's initial values (recomputed from the
 //! generator); later steps are checked for finiteness.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
+use crate::workers::{Workers, stdin_lines};
 use anyhow::{Context, bail, ensure};
 use clap::Args;
 use hivemesh::averager::node::{Node, NodeConfig};
@@ -98,18 +96,6 @@ impl StepsArgs {
     }
 }
 
-/// Kills the workers if the harness returns early.
-struct Workers(Vec<Child>);
-
-impl Drop for Workers {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// The parent.
 pub fn run(args: StepsArgs) -> anyhow::Result<()> {
     args.validate()?;
@@ -130,46 +116,28 @@ pub fn run(args: StepsArgs) -> anyhow::Result<()> {
         anyhow::Ok((node, addr))
     })?;
 
-    let exe = std::env::current_exe().context("locating the hivemesh binary")?;
-    let mut workers = Workers(Vec::new());
-    let (tx, rx) = std_mpsc::channel::<(usize, String)>();
-    for i in 0..args.peers {
-        let mut child = Command::new(&exe)
-            .arg("bench-steps-worker")
-            .args(["--index", &i.to_string()])
-            .args(["--bootstrap", &addr.to_string()])
-            .args(["--peers", &args.peers.to_string()])
-            .args(["--group-size", &args.group_size.to_string()])
-            .args(["--rounds", &args.rounds.to_string()])
-            .args(["--mib", &args.mib.to_string()])
-            .args([
+    let mut workers = Workers::spawn(args.peers, "bench-steps-worker", |_| {
+        [
+            ("--bootstrap", addr.to_string()),
+            ("--peers", args.peers.to_string()),
+            ("--group-size", args.group_size.to_string()),
+            ("--rounds", args.rounds.to_string()),
+            ("--mib", args.mib.to_string()),
+            (
                 "--min-matchmaking-time",
-                &args.min_matchmaking_time.to_string(),
-            ])
-            .args(["--step-timeout", &args.step_timeout.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("starting a worker process")?;
-        let stdout = child.stdout.take().context("worker stdout")?;
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send((i, line)).is_err() {
-                    break;
-                }
-            }
-            let _ = tx.send((i, "EOF".to_owned()));
-        });
-        workers.0.push(child);
-    }
-    drop(tx);
+                args.min_matchmaking_time.to_string(),
+            ),
+            ("--step-timeout", args.step_timeout.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_owned(), v])
+        .collect()
+    })?;
 
     let mut ready = 0;
     while ready < args.peers {
-        let (i, line) = rx
+        let (i, line) = workers
+            .lines
             .recv_timeout(SETUP_TIMEOUT)
             .context("workers did not report ready in time")?;
         match line.as_str() {
@@ -178,72 +146,53 @@ pub fn run(args: StepsArgs) -> anyhow::Result<()> {
             other => bail!("worker {i}: unexpected line '{other}'"),
         }
     }
-    let mut ok = 0usize;
+    // Successful steps' durations; workers stay until `finish` closes their stdin, so an
+    // end of output before that is always an early exit.
     let mut times = Vec::new();
-    let mut done = vec![false; args.peers];
     let step_limit = Duration::from_secs_f64(args.step_timeout) + SETUP_TIMEOUT;
     for round in 0..args.rounds {
-        for c in &mut workers.0 {
-            let stdin = c.stdin.as_mut().context("worker stdin")?;
-            writeln!(stdin, "GO {round}")?;
-            stdin.flush()?;
-        }
-        let mut reported = 0;
+        workers.broadcast(&format!("GO {round}"))?;
+        let mut round_times = Vec::new();
         let mut failures = Vec::new();
-        while reported < args.peers {
-            let (i, line) = rx
+        while round_times.len() + failures.len() < args.peers {
+            let (i, line) = workers
+                .lines
                 .recv_timeout(step_limit)
                 .context("a step did not end in time")?;
             let fields: Vec<&str> = line.splitn(5, ' ').collect();
             match fields.as_slice() {
                 ["STEP", r, "ok", secs, _size] if r.parse::<usize>()? == round => {
-                    ok += 1;
-                    times.push(secs.parse::<f64>()?);
-                    reported += 1;
+                    round_times.push(secs.parse::<f64>()?);
                 }
                 ["STEP", r, "err", _secs, message] if r.parse::<usize>()? == round => {
                     failures.push(format!("worker {i}: {message}"));
-                    reported += 1;
                 }
-                // A worker ends after reporting its last step; only an end before that is
-                // an error.
-                ["EOF"] if round + 1 == args.rounds && done[i] => {}
                 ["EOF"] => bail!("worker {i} exited early"),
                 _ => bail!("worker {i}: unexpected line '{line}'"),
             }
-            if line.starts_with("STEP ") {
-                done[i] = round + 1 == args.rounds;
-            }
         }
-        let mut sorted = times[times.len().saturating_sub(args.peers - failures.len())..].to_vec();
-        sorted.sort_by(f64::total_cmp);
         eprintln!(
             "round {round}: {}/{} steps ok, slowest {:.3} s{}",
-            args.peers - failures.len(),
+            round_times.len(),
             args.peers,
-            sorted.last().copied().unwrap_or(0.0),
+            round_times.iter().copied().fold(0.0, f64::max),
             if failures.is_empty() {
                 String::new()
             } else {
                 format!(" ({})", failures.join("; "))
             }
         );
+        times.extend(round_times);
     }
-    for c in &mut workers.0 {
-        drop(c.stdin.take());
-    }
-    for c in &mut workers.0 {
-        let status = c.wait()?;
-        ensure!(status.success(), "a worker failed: {status}");
-    }
-    workers.0.clear();
+    workers.finish()?;
     runtime.block_on(bootstrap.shutdown());
     times.sort_by(f64::total_cmp);
     let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
     println!(
-        "hivemesh_steps peers={} group={} ok={ok} total={} median_step_s={median:.4}",
+        "hivemesh_steps peers={} group={} ok={} total={} median_step_s={median:.4}",
         args.peers,
         args.group_size,
+        times.len(),
         args.peers * args.rounds
     );
     Ok(())
@@ -284,15 +233,7 @@ async fn worker(args: StepsWorkerArgs) -> anyhow::Result<()> {
     )?;
     println!("READY");
 
-    let (line_tx, mut lines) = tokio::sync::mpsc::channel::<String>(4);
-    std::thread::spawn(move || {
-        for line in std::io::stdin().lines() {
-            let Ok(line) = line else { break };
-            if line_tx.blocking_send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let mut lines = stdin_lines();
     for round in 0..steps.rounds {
         let go = lines.recv().await.context("parent closed stdin")?;
         ensure!(

@@ -1,0 +1,102 @@
+//! The multi-process harness shared by `bench allreduce` and `bench steps`: the parent
+//! re-executes this binary as worker processes and talks to them line by line (stdin down,
+//! stdout up).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc as std_mpsc;
+
+use anyhow::Context;
+
+/// Worker processes, killed if the harness returns early.
+pub struct Workers {
+    children: Vec<Child>,
+    /// `(worker index, line)` from every worker's stdout; `"EOF"` once its stdout closes.
+    pub lines: std_mpsc::Receiver<(usize, String)>,
+}
+
+impl Workers {
+    /// Starts `n` workers: `hivemesh <subcommand> --index i <args(i)...>`.
+    pub fn spawn(
+        n: usize,
+        subcommand: &str,
+        args: impl Fn(usize) -> Vec<String>,
+    ) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("locating the hivemesh binary")?;
+        let (tx, lines) = std_mpsc::channel();
+        let mut workers = Self {
+            children: Vec::new(),
+            lines,
+        };
+        for i in 0..n {
+            let mut child = Command::new(&exe)
+                .arg(subcommand)
+                .args(["--index", &i.to_string()])
+                .args(args(i))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .context("starting a worker process")?;
+            let stdout = child.stdout.take().context("worker stdout")?;
+            workers.children.push(child);
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send((i, line)).is_err() {
+                        break;
+                    }
+                }
+                let _ = tx.send((i, "EOF".to_owned()));
+            });
+        }
+        Ok(workers)
+    }
+
+    /// Sends `line` to every worker.
+    pub fn broadcast(&mut self, line: &str) -> anyhow::Result<()> {
+        for c in &mut self.children {
+            let stdin = c.stdin.as_mut().context("worker stdin")?;
+            writeln!(stdin, "{line}")?;
+            stdin.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Closes every worker's stdin and waits for all of them to exit successfully.
+    pub fn finish(mut self) -> anyhow::Result<()> {
+        for c in &mut self.children {
+            drop(c.stdin.take());
+        }
+        for mut c in std::mem::take(&mut self.children) {
+            let status = c.wait()?;
+            anyhow::ensure!(status.success(), "a worker failed: {status}");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// In a worker: the parent's lines on stdin, read by a thread into a bounded channel (ends
+/// when the parent closes stdin).
+pub fn stdin_lines() -> tokio::sync::mpsc::Receiver<String> {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            let Ok(line) = line else { break };
+            if tx.blocking_send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
