@@ -89,6 +89,21 @@ impl BufferPool {
 
     /// An empty byte buffer with at least `capacity` bytes of capacity.
     pub fn take_bytes(&self, capacity: usize) -> Vec<u8> {
+        let mut b = self.take_bytes_keeping(capacity);
+        b.clear();
+        b
+    }
+
+    /// A byte buffer of exactly `len` initialized bytes with unspecified contents: a reused
+    /// buffer keeps what it held (only bytes beyond its old length are zeroed), so reading
+    /// into it costs no zeroing pass.
+    pub fn take_filled(&self, len: usize) -> Vec<u8> {
+        let mut b = self.take_bytes_keeping(len);
+        b.resize(len, 0);
+        b
+    }
+
+    fn take_bytes_keeping(&self, capacity: usize) -> Vec<u8> {
         let reused = {
             let mut inner = self.lock();
             best_fit(&inner.bytes, capacity).map(|i| {
@@ -97,13 +112,7 @@ impl BufferPool {
                 b
             })
         };
-        match reused {
-            Some(mut b) => {
-                b.clear();
-                b
-            }
-            None => Vec::with_capacity(capacity),
-        }
+        reused.unwrap_or_else(|| Vec::with_capacity(capacity))
     }
 
     /// Gives a byte buffer back (freed instead if the pool is full).
@@ -206,6 +215,19 @@ mod tests {
             "the same allocation is handed out again"
         );
         assert!(again.is_empty());
+    }
+
+    #[test]
+    fn filled_buffers_have_the_asked_length_and_reuse_memory() {
+        let pool = BufferPool::new(1 << 20);
+        let b = pool.take_filled(1000);
+        assert_eq!(b.len(), 1000);
+        let ptr = b.as_ptr();
+        pool.put_bytes(b);
+        let b = pool.take_filled(600);
+        assert_eq!((b.len(), b.as_ptr()), (600, ptr));
+        pool.put_bytes(b);
+        assert_eq!(pool.take_filled(900).len(), 900);
     }
 
     #[test]

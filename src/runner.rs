@@ -370,44 +370,51 @@ async fn next_frame(
         if let Some(header) = decoder.peek_len(staging)? {
             break header;
         }
-        fill(read, staging).await?;
+        // Only as much as a frame's head: a large body is read into its own buffer below.
+        fill(read, staging, HEAD_READ).await?;
     };
     if prefix + len <= staging.len() || len <= STAGING_BYTES {
         while staging.len() < prefix + len {
             staging.reserve(prefix + len - staging.len());
-            fill(read, staging).await?;
+            fill(read, staging, usize::MAX).await?;
         }
         staging.advance(prefix);
         return Ok(staging.split_to(len).freeze());
     }
     staging.advance(prefix);
-    let mut body = pool.take_bytes(len.min(MAX_RESERVE_AHEAD));
-    body.extend_from_slice(staging);
+    // An initialized buffer (reused without zeroing), grown at most MAX_RESERVE_AHEAD ahead
+    // of the bytes that arrived.
+    let mut body = pool.take_filled(len.min(MAX_RESERVE_AHEAD).max(staging.len()));
+    let mut filled = staging.len();
+    body[..filled].copy_from_slice(staging);
     staging.clear();
-    while body.len() < len {
-        let want = len - body.len();
-        if body.capacity() == body.len() {
-            body.reserve(want.min(MAX_RESERVE_AHEAD));
+    while filled < len {
+        if filled == body.len() {
+            body.resize((filled + MAX_RESERVE_AHEAD).min(len), 0);
         }
-        let mut limited = (&mut body).limit(want);
-        match read.read_buf(&mut limited).await {
+        match read.read(&mut body[filled..]).await {
             Ok(0) => return Err(LinkError::Closed),
-            Ok(_) => {}
+            Ok(n) => filled += n,
             Err(e) => return Err(LinkError::Io(e.to_string())),
         }
     }
     Ok(pool.freeze(body))
 }
 
-/// Reads more bytes into `staging` (keeping room for a read of useful size).
+/// Bytes read while looking for a frame's length: enough for its head (length prefix, group
+/// id, message fields), little of a large payload.
+const HEAD_READ: usize = 64;
+
+/// Reads more bytes into `staging` (keeping room for a read of useful size), at most `max`.
 async fn fill(
     read: &mut (impl AsyncRead + Unpin),
     staging: &mut BytesMut,
+    max: usize,
 ) -> Result<(), LinkError> {
     if staging.capacity() - staging.len() < 4 << 10 {
         staging.reserve(STAGING_BYTES);
     }
-    match read.read_buf(staging).await {
+    match read.read_buf(&mut (&mut *staging).limit(max)).await {
         Ok(0) => Err(LinkError::Closed),
         Ok(_) => Ok(()),
         Err(e) => Err(LinkError::Io(e.to_string())),
@@ -435,8 +442,17 @@ async fn write_link(
             &mut head,
         );
         let mut frame = Buf::chain(&head[..], payload);
-        let error = match tokio::time::timeout(write_timeout, write.write_all_buf(&mut frame)).await
-        {
+        // Nothing else queued: flush, so that a buffering carrier does not sit on the frame's
+        // tail while the peer waits for it.
+        let idle = rx.is_empty();
+        let write_frame = async {
+            write.write_all_buf(&mut frame).await?;
+            if idle {
+                write.flush().await?;
+            }
+            Ok::<(), std::io::Error>(())
+        };
+        let error = match tokio::time::timeout(write_timeout, write_frame).await {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(LinkError::Io(e.to_string())),
             Err(_) => Some(LinkError::WriteTimeout),

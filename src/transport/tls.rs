@@ -36,14 +36,17 @@ use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, OtherError,
     ServerConfig, SignatureScheme,
 };
-use tokio::io::{AsyncRead, AsyncWrite, BufReader, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
 /// ALPN protocol id of the data plane; both sides require it.
 pub const ALPN: &[u8] = b"hivemesh-data/1";
 
-/// Capacity of the read buffer under TLS (one per stream).
+/// Capacity of a stream's receive buffer (the socket is read into it, records are opened out
+/// of it).
 pub const READ_BUFFER: usize = 256 * 1024;
+
+use super::record::{Direction, HandshakeIo, Receiver, Sender, handshake};
 
 /// Errors of the data plane.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -175,6 +178,8 @@ impl DataIdentity {
         // Every connection runs a full handshake with both certificates verified.
         server.send_tls13_tickets = 0;
         server.session_storage = Arc::new(NoServerSessionStorage {});
+        // The record layer takes over after the handshake (`super::record`).
+        server.enable_secret_extraction = true;
         Ok(Self {
             peer_id: keypair.public().to_peer_id(),
             provider,
@@ -207,6 +212,7 @@ impl DataIdentity {
         client.alpn_protocols = vec![ALPN.to_vec()];
         client.resumption = rustls::client::Resumption::disabled();
         client.enable_sni = false;
+        client.enable_secret_extraction = true;
         Ok(Arc::new(client))
     }
 }
@@ -243,13 +249,18 @@ async fn connect_with(
             addr,
             detail: format!("cannot set TCP_NODELAY: {e}"),
         })?;
-        let io = BufReader::with_capacity(READ_BUFFER, tcp);
+        let mut io = HandshakeIo::new(tcp, READ_BUFFER);
         let server_name = ServerName::IpAddress(addr.ip().into());
-        let tls = tokio_rustls::TlsConnector::from(config)
-            .connect(server_name, io)
+        let mut conn = rustls::ClientConnection::new(config, server_name)
+            .map_err(|e| TlsError::Handshake {
+                addr,
+                detail: e.to_string(),
+            })?
+            .into();
+        handshake(&mut conn, &mut io)
             .await
             .map_err(|e| handshake_error(addr, &e))?;
-        DataStream::new(tls.into(), addr)
+        DataStream::new(io, conn, addr)
     })
     .await;
     let stream = match attempt {
@@ -273,7 +284,7 @@ async fn connect_with(
 /// A TCP listener whose connections are authenticated data streams.
 pub struct DataListener {
     listener: TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
+    config: Arc<ServerConfig>,
     local_addr: SocketAddr,
 }
 
@@ -296,7 +307,7 @@ impl DataListener {
         let local_addr = listener.local_addr().map_err(bind_error)?;
         Ok(Self {
             listener,
-            acceptor: tokio_rustls::TlsAcceptor::from(identity.server_config()),
+            config: identity.server_config(),
             local_addr,
         })
     }
@@ -306,50 +317,53 @@ impl DataListener {
         self.local_addr
     }
 
-    /// Waits for one client and runs its handshake, both under `timeout` (one deadline).
-    /// Returns the client's authenticated PeerId and the stream; the caller decides whether
-    /// that peer is welcome (drop the stream to reject it).
+    /// Waits up to `timeout` for one client, then runs its handshake under `timeout` counted
+    /// from its arrival (a client that arrives late still gets the whole time). Returns the
+    /// client's authenticated PeerId and the stream; the caller decides whether that peer is
+    /// welcome (drop the stream to reject it).
     ///
     /// An error concerns only the connection it names; the next call works as before. Several
     /// tasks may call this concurrently on one listener: each gets its own connection.
     pub async fn accept(&self, timeout: Duration) -> Result<(PeerId, DataStream), TlsError> {
-        let mut remote = None;
+        let (tcp, addr) = tokio::time::timeout(timeout, self.listener.accept())
+            .await
+            .map_err(|_| TlsError::AcceptTimeout(timeout))?
+            .map_err(|e| TlsError::Accept(e.to_string()))?;
         let attempt = tokio::time::timeout(timeout, async {
-            let (tcp, addr) = self
-                .listener
-                .accept()
-                .await
-                .map_err(|e| TlsError::Accept(e.to_string()))?;
-            remote = Some(addr);
             tcp.set_nodelay(true).map_err(|e| TlsError::Handshake {
                 addr,
                 detail: format!("cannot set TCP_NODELAY: {e}"),
             })?;
-            let io = BufReader::with_capacity(READ_BUFFER, tcp);
-            let tls = self
-                .acceptor
-                .accept(io)
+            let mut io = HandshakeIo::new(tcp, READ_BUFFER);
+            let mut conn = rustls::ServerConnection::new(Arc::clone(&self.config))
+                .map_err(|e| TlsError::Handshake {
+                    addr,
+                    detail: e.to_string(),
+                })?
+                .into();
+            handshake(&mut conn, &mut io)
                 .await
                 .map_err(|e| handshake_error(addr, &e))?;
-            DataStream::new(tls.into(), addr)
+            DataStream::new(io, conn, addr)
         })
         .await;
         match attempt {
             Ok(result) => result.map(|stream| (stream.peer_id, stream)),
-            Err(_) => Err(match remote {
-                Some(addr) => TlsError::HandshakeTimeout { addr, timeout },
-                None => TlsError::AcceptTimeout(timeout),
-            }),
+            Err(_) => Err(TlsError::HandshakeTimeout { addr, timeout }),
         }
     }
 }
 
-/// An established, authenticated data connection: TLS 1.3 over TCP, reads buffered
-/// ([`READ_BUFFER`]). Use it as any tokio byte stream; `tokio::io::split` gives independent
-/// read and write halves. Shutting down the write side sends TLS `close_notify`, which the
-/// peer reads as end of stream.
+/// An established, authenticated data connection: TLS 1.3 over TCP, its records sealed and
+/// opened by our record layer (`record.rs`) after rustls ran the handshake. Use it as any tokio byte
+/// stream; `tokio::io::split` gives independent read and write halves. Writes are buffered
+/// (up to 256 KiB): flush before waiting for an answer. Shutting down
+/// the write side sends TLS `close_notify`, which the peer reads as end of stream; a
+/// connection that ends without it reads as an error.
 pub struct DataStream {
-    inner: tokio_rustls::TlsStream<BufReader<TcpStream>>,
+    tcp: TcpStream,
+    rx: Receiver,
+    tx: Sender,
     peer_id: PeerId,
     peer_addr: SocketAddr,
     cipher_suite: &'static str,
@@ -366,16 +380,17 @@ impl fmt::Debug for DataStream {
 }
 
 impl DataStream {
-    /// Checks what the finished handshake negotiated and wraps the stream.
+    /// Checks what the finished handshake negotiated and hands the connection over to the
+    /// record layer.
     fn new(
-        inner: tokio_rustls::TlsStream<BufReader<TcpStream>>,
+        io: HandshakeIo,
+        mut conn: rustls::Connection,
         peer_addr: SocketAddr,
     ) -> Result<Self, TlsError> {
         let refuse = |detail: String| TlsError::Handshake {
             addr: peer_addr,
             detail,
         };
-        let (_, conn) = inner.get_ref();
         if conn.alpn_protocol() != Some(ALPN) {
             return Err(refuse(format!(
                 "the peer did not negotiate ALPN {:?}",
@@ -393,8 +408,25 @@ impl DataStream {
             .negotiated_cipher_suite()
             .and_then(|s| s.suite().as_str())
             .unwrap_or("unknown");
+        // rustls must hold nothing the record layer would lose: no application data it
+        // already decrypted, no unsent records, no part of a record.
+        let state = conn
+            .process_new_packets()
+            .map_err(|e| refuse(e.to_string()))?;
+        if state.plaintext_bytes_to_read() > 0 || conn.wants_write() {
+            return Err(refuse("application data during the handshake".into()));
+        }
+        let (tcp, buf, start, end) = io.into_parts();
+        let secrets = conn
+            .dangerous_extract_secrets()
+            .map_err(|e| refuse(format!("taking over the record layer: {e}")))?;
+        let key_error = |e: io::Error| refuse(format!("traffic keys: {e}"));
+        let tx = Direction::new(secrets.tx.0, secrets.tx.1).map_err(key_error)?;
+        let rx = Direction::new(secrets.rx.0, secrets.rx.1).map_err(key_error)?;
         Ok(Self {
-            inner,
+            tcp,
+            rx: Receiver::new(rx, buf, start, end),
+            tx: Sender::new(tx),
             peer_id,
             peer_addr,
             cipher_suite,
@@ -424,7 +456,8 @@ impl AsyncRead for DataStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        let this = self.get_mut();
+        this.rx.poll_read(&mut this.tcp, cx, buf)
     }
 }
 
@@ -434,7 +467,9 @@ impl AsyncWrite for DataStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        this.tx
+            .poll_write_vectored(&mut this.tcp, cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -442,19 +477,22 @@ impl AsyncWrite for DataStream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        this.tx.poll_write_vectored(&mut this.tcp, cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        true
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        this.tx.poll_flush(&mut this.tcp, cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        let this = self.get_mut();
+        this.tx.poll_shutdown(&mut this.tcp, cx)
     }
 }
 
@@ -680,6 +718,7 @@ mod tests {
             builder.with_no_client_auth()
         };
         config.alpn_protocols = alpn;
+        config.enable_secret_extraction = true;
         Arc::new(config)
     }
 
@@ -708,6 +747,247 @@ mod tests {
                 stream.read(&mut byte).await.is_err()
             }
         }
+    }
+
+    async fn pair() -> (DataStream, DataStream) {
+        let (server_id, client_id) = (identity(), identity());
+        let server = listener(&server_id).await;
+        let config = client_id
+            .client_config(server_id.peer_id())
+            .expect("config");
+        let (accepted, client) = attempt(&server, config, server_id.peer_id()).await;
+        (accepted.expect("accepted").1, client.expect("connected"))
+    }
+
+    #[tokio::test]
+    async fn byte_wise_reads_and_small_writes_both_ways() {
+        let (mut served, mut client) = pair().await;
+        client.write_all(b"hello").await.expect("write");
+        client.flush().await.expect("flush");
+        let mut got = Vec::new();
+        for _ in 0..5 {
+            got.push(served.read_u8().await.expect("read"));
+        }
+        assert_eq!(got, b"hello");
+        served.write_all(b"ack").await.expect("write");
+        served.flush().await.expect("flush");
+        let mut ack = [0u8; 3];
+        client.read_exact(&mut ack).await.expect("read");
+        assert_eq!(&ack, b"ack");
+    }
+
+    #[tokio::test]
+    async fn an_answer_then_close_reaches_the_client() {
+        let (mut served, mut client) = pair().await;
+        client.write_all(b"hello").await.expect("write");
+        let mut got = [0u8; 5];
+        served.read_exact(&mut got).await.expect("read");
+        served.write_all(b"no").await.expect("write");
+        served.flush().await.expect("flush");
+        served.shutdown().await.expect("shutdown");
+        drop(served);
+        let mut answer = Vec::new();
+        client.read_to_end(&mut answer).await.expect("read to end");
+        assert_eq!(answer, b"no");
+    }
+
+    /// Writes of random sizes (empty ones, flushes and record-spanning ones included) read
+    /// back with random buffer sizes, both directions at once: every byte arrives, in order.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn random_writes_and_reads_round_trip() {
+        use rand::{RngExt, SeedableRng, rngs::StdRng};
+        let (served, client) = pair().await;
+        let (mut served_rx, mut served_tx) = tokio::io::split(served);
+        let (mut client_rx, mut client_tx) = tokio::io::split(client);
+        let stream = |seed: u64| {
+            let mut rng = StdRng::seed_from_u64(seed);
+            (0..300_000u32)
+                .map(|_| rng.random::<u8>())
+                .collect::<Vec<u8>>()
+        };
+        async fn send(w: &mut (impl AsyncWriteExt + Unpin), data: &[u8], seed: u64) {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let mut at = 0;
+            while at < data.len() {
+                let n = rng.random_range(0..40_000usize).min(data.len() - at);
+                w.write_all(&data[at..at + n]).await.expect("write");
+                if rng.random_bool(0.3) {
+                    w.flush().await.expect("flush");
+                }
+                at += n;
+            }
+            w.shutdown().await.expect("shutdown");
+        }
+        async fn receive(r: &mut (impl AsyncReadExt + Unpin), seed: u64) -> Vec<u8> {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let mut got = Vec::new();
+            loop {
+                let mut buf = vec![0u8; rng.random_range(1..70_000usize)];
+                let n = r.read(&mut buf).await.expect("read");
+                if n == 0 {
+                    return got;
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+        }
+        let (up, down) = (stream(1), stream(2));
+        let ((), (), got_up, got_down) = tokio::join!(
+            send(&mut client_tx, &up, 3),
+            send(&mut served_tx, &down, 4),
+            receive(&mut served_rx, 5),
+            receive(&mut client_rx, 6),
+        );
+        assert!(got_up == up, "client to server");
+        assert!(got_down == down, "server to client");
+    }
+
+    /// A stock rustls client (no record-layer hand-over) and our server: our records are
+    /// standard TLS 1.3 records both ways, close_notify included.
+    #[tokio::test]
+    async fn records_interoperate_with_rustls() {
+        use std::io::{Read as _, Write as _};
+        let (server_id, client_id) = (identity(), identity());
+        let server = listener(&server_id).await;
+        let config = client_id
+            .client_config(server_id.peer_id())
+            .expect("config");
+        let addr = server.local_addr();
+        let client = async {
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            let mut io = HandshakeIo::new(tcp, READ_BUFFER);
+            let mut conn: rustls::Connection =
+                rustls::ClientConnection::new(config, ServerName::IpAddress(addr.ip().into()))
+                    .expect("client")
+                    .into();
+            handshake(&mut conn, &mut io).await.expect("handshake");
+            let (mut tcp, buf, start, end) = io.into_parts();
+            let up: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+            conn.set_buffer_limit(None);
+            conn.writer().write_all(&up).expect("plaintext");
+            let mut wire = Vec::new();
+            while conn.wants_write() {
+                conn.write_tls(&mut wire).expect("records");
+            }
+            tcp.write_all(&wire).await.expect("send");
+            // Read until rustls sees close_notify.
+            let mut pending = buf[start..end].to_vec();
+            let mut got = Vec::new();
+            loop {
+                let mut rd = &pending[..];
+                while !rd.is_empty() {
+                    conn.read_tls(&mut rd).expect("read_tls");
+                    let state = conn.process_new_packets().expect("our records are valid");
+                    let mut chunk = vec![0u8; state.plaintext_bytes_to_read()];
+                    conn.reader().read_exact(&mut chunk).expect("plaintext");
+                    got.extend_from_slice(&chunk);
+                    if state.peer_has_closed() {
+                        return got;
+                    }
+                }
+                pending.resize(64 << 10, 0);
+                let n = tcp.read(&mut pending).await.expect("read");
+                assert!(n > 0, "closed before close_notify");
+                pending.truncate(n);
+            }
+        };
+        let serve = async {
+            let (_, mut stream) = server.accept(T).await.expect("accepted");
+            let mut got = vec![0u8; 100_000];
+            stream.read_exact(&mut got).await.expect("rustls records");
+            assert!(got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+            stream.write_all(&vec![7u8; 50_000]).await.expect("write");
+            stream.shutdown().await.expect("close_notify");
+            stream
+        };
+        let (got, _stream) = tokio::join!(client, serve);
+        assert_eq!(got, vec![7u8; 50_000]);
+    }
+
+    /// Hostile bytes after a valid handshake, through a rustls client that then misbehaves on
+    /// the raw socket: a flipped ciphertext bit, a replayed record, an oversized length, a
+    /// truncated stream. Each is a read error on our side, never a panic or a hang.
+    #[tokio::test]
+    async fn tampered_records_are_errors() {
+        let (server_id, client_id) = (identity(), identity());
+        let server = listener(&server_id).await;
+        let addr = server.local_addr();
+        let record = |conn: &mut rustls::Connection, data: &[u8]| {
+            use std::io::Write as _;
+            conn.writer().write_all(data).expect("plaintext");
+            let mut wire = Vec::new();
+            conn.write_tls(&mut wire).expect("record");
+            wire
+        };
+        type Tamper = fn(Vec<u8>, Vec<u8>) -> Vec<u8>;
+        let cases: [(&str, Tamper); 4] = [
+            ("flipped bit", |mut a, _| {
+                let last = a.len() - 20;
+                a[last] ^= 1;
+                a
+            }),
+            ("replayed record", |a, _| [a.clone(), a].concat()),
+            ("oversized length", |_, _| vec![23, 3, 3, 0xff, 0xff]),
+            ("reordered records", |a, b| [b, a].concat()),
+        ];
+        for (name, tamper) in cases {
+            let config = client_id
+                .client_config(server_id.peer_id())
+                .expect("config");
+            let client = async {
+                let tcp = TcpStream::connect(addr).await.expect("connect");
+                let mut io = HandshakeIo::new(tcp, READ_BUFFER);
+                let mut conn: rustls::Connection =
+                    rustls::ClientConnection::new(config, ServerName::IpAddress(addr.ip().into()))
+                        .expect("client")
+                        .into();
+                handshake(&mut conn, &mut io).await.expect("handshake");
+                let (mut tcp, ..) = io.into_parts();
+                let (a, b) = (record(&mut conn, b"first"), record(&mut conn, b"second"));
+                tcp.write_all(&tamper(a, b)).await.expect("send");
+                tcp
+            };
+            let serve = async {
+                let (_, mut stream) = server.accept(T).await.expect("accepted");
+                let mut got = Vec::new();
+                let result = tokio::time::timeout(T, stream.read_to_end(&mut got)).await;
+                result.expect("no hang")
+            };
+            let (tcp, result) = tokio::join!(client, serve);
+            drop(tcp);
+            assert!(result.is_err(), "{name}: {result:?}");
+        }
+        // A truncated stream: the client's socket closes without close_notify.
+        let config = client_id
+            .client_config(server_id.peer_id())
+            .expect("config");
+        let (accepted, client) = tokio::join!(server.accept(T), async {
+            let mut stream = connect_with(config, addr, server_id.peer_id(), T)
+                .await
+                .expect("connect");
+            stream.write_all(b"partial").await.expect("write");
+            stream.flush().await.expect("flush");
+            stream.tcp.shutdown().await.expect("tcp shutdown");
+            stream
+        });
+        let (_, mut served) = accepted.expect("accepted");
+        let mut got = Vec::new();
+        let err = served.read_to_end(&mut got).await.expect_err("truncation");
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(got, b"partial");
+        drop(client);
+    }
+
+    #[test]
+    fn a_direction_stops_at_the_sequence_limit() {
+        let secrets = || rustls::ConnectionTrafficSecrets::Chacha20Poly1305 {
+            key: rustls::crypto::cipher::AeadKey::from([7u8; 32]),
+            iv: rustls::crypto::cipher::Iv::from([1u8; 12]),
+        };
+        assert!(Direction::new(super::super::record::SEQUENCE_LIMIT, secrets()).is_err());
+        let mut dir =
+            Direction::new(super::super::record::SEQUENCE_LIMIT - 1, secrets()).expect("key");
+        assert!(dir.next_nonce().is_ok());
+        assert!(dir.next_nonce().is_err());
     }
 
     #[tokio::test]
