@@ -74,7 +74,7 @@ const CLOSE_NOTIFY: [u8; 2] = [1, 0];
 pub const SEQUENCE_LIMIT: u64 = 1 << 24;
 
 /// Capacity of the send buffer: records are sealed into it and written from it.
-pub const WRITE_BUFFER: usize = 256 * 1024;
+pub const WRITE_BUFFER: usize = 1024 * 1024;
 
 /// One direction's key, iv and sequence number.
 pub(crate) struct Direction {

@@ -44,7 +44,7 @@ pub const ALPN: &[u8] = b"hivemesh-data/1";
 
 /// Capacity of a stream's receive buffer (the socket is read into it, records are opened out
 /// of it).
-pub const READ_BUFFER: usize = 256 * 1024;
+pub const READ_BUFFER: usize = 1024 * 1024;
 
 use super::record::{Direction, HandshakeIo, Receiver, Sender, handshake};
 
