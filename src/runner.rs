@@ -390,7 +390,9 @@ async fn next_frame(
     staging.clear();
     while filled < len {
         if filled == body.len() {
-            body.resize((filled + MAX_RESERVE_AHEAD).min(len), 0);
+            let grown = (filled + MAX_RESERVE_AHEAD).min(len);
+            body.reserve_exact(grown - body.len());
+            body.resize(grown, 0);
         }
         match read.read(&mut body[filled..]).await {
             Ok(0) => return Err(LinkError::Closed),

@@ -343,18 +343,29 @@ pub(crate) struct Receiver {
     staged: Vec<u8>,
     staged_start: usize,
     staged_end: usize,
+    /// Application-data records without content in a row (bounded: they cost CPU and
+    /// deliver nothing).
+    empty_records: u32,
     closed: bool,
     error: Option<(io::ErrorKind, String)>,
 }
 
+/// Empty application-data records accepted in a row (rustls' limit too).
+const MAX_EMPTY_RECORDS: u32 = 32;
+
 impl Receiver {
     /// A receiver continuing after the handshake: `buf[start..end]` holds bytes already read
     /// from the socket (the start of the first record, or nothing).
-    pub(crate) fn new(dir: Direction, mut buf: Vec<u8>, start: usize, end: usize) -> Self {
+    /// The buffer grows to `capacity` (the handshake used a small one).
+    pub(crate) fn new(
+        dir: Direction,
+        mut buf: Vec<u8>,
+        start: usize,
+        end: usize,
+        capacity: usize,
+    ) -> Self {
         debug_assert!(start <= end && end <= buf.len());
-        if buf.len() < 2 * MAX_RECORD {
-            buf.resize(2 * MAX_RECORD, 0);
-        }
+        buf.resize(buf.len().max(capacity).max(2 * MAX_RECORD), 0);
         Self {
             dir,
             buf,
@@ -363,6 +374,7 @@ impl Receiver {
             staged: vec![0; MAX_CIPHERTEXT],
             staged_start: 0,
             staged_end: 0,
+            empty_records: 0,
             closed: false,
             error: None,
         }
@@ -412,7 +424,8 @@ impl Receiver {
         let opened = match target[at] {
             APPLICATION_DATA if direct => Opened::Direct(at),
             APPLICATION_DATA => Opened::Staged(at),
-            ALERT if target[..at] == CLOSE_NOTIFY => Opened::CloseNotify,
+            // TLS 1.3 ignores the alert level (RFC 8446 §6).
+            ALERT if at == 2 && target[1] == CLOSE_NOTIFY[1] => Opened::CloseNotify,
             ALERT => Opened::Alert,
             _ => Opened::Unexpected,
         };
@@ -458,7 +471,8 @@ impl Receiver {
                     );
                 }
                 let length = usize::from(u16::from_be_bytes([h[3], h[4]]));
-                if !(TAG + 1..=MAX_CIPHERTEXT).contains(&length) {
+                // The inner plaintext (content, type, padding) is at most 2^14 + 1 bytes.
+                if !(TAG + 1..=MAX_PLAINTEXT + 1 + TAG).contains(&length) {
                     return self.fail_read(
                         delivered,
                         io::ErrorKind::InvalidData,
@@ -476,11 +490,23 @@ impl Receiver {
                         Err(e) => return self.fail_read(delivered, e.kind(), &e.to_string()),
                     };
                     match opened {
+                        Opened::Direct(0) | Opened::Staged(0) => {
+                            self.empty_records += 1;
+                            if self.empty_records > MAX_EMPTY_RECORDS {
+                                return self.fail_read(
+                                    delivered,
+                                    io::ErrorKind::InvalidData,
+                                    "too many empty TLS records in a row",
+                                );
+                            }
+                        }
                         Opened::Direct(content) => {
+                            self.empty_records = 0;
                             out.advance(content);
-                            delivered |= content > 0;
+                            delivered = true;
                         }
                         Opened::Staged(content) => {
+                            self.empty_records = 0;
                             self.staged_start = 0;
                             self.staged_end = content;
                         }
@@ -543,10 +569,12 @@ pub(crate) struct HandshakeIo {
 }
 
 impl HandshakeIo {
-    pub(crate) fn new(tcp: TcpStream, capacity: usize) -> Self {
+    /// Two records of buffer: the handshake needs no more, and an unauthenticated client
+    /// should cost little.
+    pub(crate) fn new(tcp: TcpStream) -> Self {
         Self {
             tcp,
-            buf: vec![0; capacity.max(2 * MAX_RECORD)],
+            buf: vec![0; 2 * MAX_RECORD],
             start: 0,
             end: 0,
         }
@@ -626,6 +654,114 @@ pub(crate) async fn handshake(
                 let _ = io.tcp.write_all(&out).await;
             }
             return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt as _;
+
+    fn direction() -> Direction {
+        let secrets = ConnectionTrafficSecrets::Chacha20Poly1305 {
+            key: rustls::crypto::cipher::AeadKey::from([9u8; 32]),
+            iv: rustls::crypto::cipher::Iv::from([3u8; 12]),
+        };
+        Direction::new(0, secrets).expect("key")
+    }
+
+    /// A socket pair and a receiver on one end keyed like `direction()`.
+    async fn sockets() -> (TcpStream, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        (a.expect("connect"), b.expect("accept").0)
+    }
+
+    /// Sends `records` (plaintext, content type) sealed with `direction()`.
+    async fn send(tcp: &mut TcpStream, records: &[(&[u8], u8)]) {
+        let mut sender = Sender::new(direction());
+        for (plaintext, content_type) in records {
+            sender.seal(plaintext, *content_type).expect("seal");
+        }
+        std::future::poll_fn(|cx| sender.poll_drain(tcp, cx))
+            .await
+            .expect("send");
+    }
+
+    async fn read_all(tcp: TcpStream) -> (Vec<u8>, io::Result<usize>) {
+        let buf = vec![0u8; 2 * MAX_RECORD];
+        let mut stream = Pair {
+            tcp,
+            rx: Receiver::new(direction(), buf, 0, 0, 4 * MAX_RECORD),
+        };
+        let mut got = Vec::new();
+        let result = stream.read_to_end(&mut got).await;
+        (got, result)
+    }
+
+    struct Pair {
+        tcp: TcpStream,
+        rx: Receiver,
+    }
+
+    impl AsyncRead for Pair {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let this = self.get_mut();
+            this.rx.poll_read(&mut this.tcp, cx, buf)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_empty_records_is_an_error() {
+        let (mut a, b) = sockets().await;
+        let mut records = vec![(&b"x"[..], APPLICATION_DATA)];
+        records.extend(std::iter::repeat_n((&b""[..], APPLICATION_DATA), 40));
+        send(&mut a, &records).await;
+        let (got, result) = read_all(b).await;
+        assert_eq!(got, b"x");
+        assert_eq!(
+            result.expect_err("flood").kind(),
+            io::ErrorKind::InvalidData
+        );
+    }
+
+    #[tokio::test]
+    async fn an_empty_record_and_close_notify_of_any_level_are_accepted() {
+        let (mut a, b) = sockets().await;
+        // An empty record (below the limit), data, then close_notify at level 2 (fatal).
+        send(
+            &mut a,
+            &[
+                (b"", APPLICATION_DATA),
+                (b"data", APPLICATION_DATA),
+                (&[2, 0], ALERT),
+            ],
+        )
+        .await;
+        let (got, result) = read_all(b).await;
+        assert_eq!(got, b"data");
+        assert_eq!(result.expect("close_notify of level 2 ends the stream"), 4);
+    }
+
+    #[tokio::test]
+    async fn other_alerts_and_content_types_are_errors() {
+        for (record, kind) in [
+            ((&[2u8, 40][..], ALERT), io::ErrorKind::ConnectionAborted),
+            ((&[1u8, 0, 0, 0][..], 22), io::ErrorKind::InvalidData),
+        ] {
+            let (mut a, b) = sockets().await;
+            send(&mut a, &[(b"ok", APPLICATION_DATA), record]).await;
+            let (got, result) = read_all(b).await;
+            assert_eq!(got, b"ok");
+            assert_eq!(result.expect_err("refused").kind(), kind);
         }
     }
 }

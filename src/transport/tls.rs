@@ -249,7 +249,7 @@ async fn connect_with(
             addr,
             detail: format!("cannot set TCP_NODELAY: {e}"),
         })?;
-        let mut io = HandshakeIo::new(tcp, READ_BUFFER);
+        let mut io = HandshakeIo::new(tcp);
         let server_name = ServerName::IpAddress(addr.ip().into());
         let mut conn = rustls::ClientConnection::new(config, server_name)
             .map_err(|e| TlsError::Handshake {
@@ -334,7 +334,7 @@ impl DataListener {
                 addr,
                 detail: format!("cannot set TCP_NODELAY: {e}"),
             })?;
-            let mut io = HandshakeIo::new(tcp, READ_BUFFER);
+            let mut io = HandshakeIo::new(tcp);
             let mut conn = rustls::ServerConnection::new(Arc::clone(&self.config))
                 .map_err(|e| TlsError::Handshake {
                     addr,
@@ -357,7 +357,7 @@ impl DataListener {
 /// An established, authenticated data connection: TLS 1.3 over TCP, its records sealed and
 /// opened by our record layer (`record.rs`) after rustls ran the handshake. Use it as any tokio byte
 /// stream; `tokio::io::split` gives independent read and write halves. Writes are buffered
-/// (up to 256 KiB): flush before waiting for an answer. Shutting down
+/// (up to 1 MiB): flush before waiting for an answer. Shutting down
 /// the write side sends TLS `close_notify`, which the peer reads as end of stream; a
 /// connection that ends without it reads as an error.
 pub struct DataStream {
@@ -425,7 +425,7 @@ impl DataStream {
         let rx = Direction::new(secrets.rx.0, secrets.rx.1).map_err(key_error)?;
         Ok(Self {
             tcp,
-            rx: Receiver::new(rx, buf, start, end),
+            rx: Receiver::new(rx, buf, start, end, READ_BUFFER),
             tx: Sender::new(tx),
             peer_id,
             peer_addr,
@@ -854,7 +854,7 @@ mod tests {
         let addr = server.local_addr();
         let client = async {
             let tcp = TcpStream::connect(addr).await.expect("connect");
-            let mut io = HandshakeIo::new(tcp, READ_BUFFER);
+            let mut io = HandshakeIo::new(tcp);
             let mut conn: rustls::Connection =
                 rustls::ClientConnection::new(config, ServerName::IpAddress(addr.ip().into()))
                     .expect("client")
@@ -935,7 +935,7 @@ mod tests {
                 .expect("config");
             let client = async {
                 let tcp = TcpStream::connect(addr).await.expect("connect");
-                let mut io = HandshakeIo::new(tcp, READ_BUFFER);
+                let mut io = HandshakeIo::new(tcp);
                 let mut conn: rustls::Connection =
                     rustls::ClientConnection::new(config, ServerName::IpAddress(addr.ip().into()))
                         .expect("client")
