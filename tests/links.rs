@@ -2,14 +2,13 @@
 //! the choice between them, the stream-drop recovery under many simultaneous opens, "not yet"
 //! retries, and garbage on both carriers while a round runs.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
-use hivemesh::allreduce::{
-    Member, Message, Mode, Outcome, PartMessage, Partition, RoundConfig, TensorDescriptor,
-};
-use hivemesh::compression::CompressionType;
+use hivemesh::allreduce::{Member, Mode, Outcome, Partition, RoundConfig, TensorDescriptor};
 use hivemesh::links::{
     Carrier, DataPlane, EstablishedLinks, HubConfig, HubError, LinkHub, LinkPeer, PART_PROTOCOL,
     establish_links,
@@ -19,7 +18,7 @@ use hivemesh::runner::{self, Link, RunnerConfig};
 use hivemesh::sim::make_tensors;
 use hivemesh::tensor::{DType, Tensor};
 use hivemesh::transport::{DataIdentity, connect};
-use hivemesh::wire::{self, Frame, Hello, LinkMessage, RejectReason};
+use hivemesh::wire::{self, Hello, LinkMessage, RejectReason};
 use libp2p::{PeerId, identity::Keypair};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -585,22 +584,9 @@ async fn garbage_on_both_carriers_while_a_round_runs() {
             ],
             "{links:?}"
         );
-        let mut foreign = BytesMut::new();
-        wire::encode_frame(
-            &Frame {
-                group_id: Bytes::from_static(b"other-group"),
-                message: Message::Part(PartMessage {
-                    part: 0,
-                    weight: 1.0,
-                    codec: CompressionType::None,
-                    dtype: DType::F32,
-                    payload: Bytes::from(vec![0u8; 64]),
-                }),
-            },
-            &mut foreign,
-        );
+        let foreign = common::foreign_group_frame();
         let mut links = links.links;
-        for (to, garbage) in [(1, foreign.to_vec()), (3, huge_prefix())] {
+        for (to, garbage) in [(1, foreign), (3, huge_prefix())] {
             write_garbage(&mut links[to], &garbage).await;
         }
         // Member 2 hears nothing yet: every honest round now waits for member 0's parts at

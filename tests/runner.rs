@@ -1,6 +1,8 @@
 //! The round runner over in-memory byte streams: exact averages, modes, a peer dying mid-round,
 //! and garbage on the links.
 
+mod common;
+
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -10,12 +12,11 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use hivemesh::allreduce::TensorDescriptor;
-use hivemesh::allreduce::{Member, Message, Mode, Outcome, PartMessage, RoundConfig};
-use hivemesh::compression::CompressionType;
+use hivemesh::allreduce::{Member, Mode, Outcome, RoundConfig};
 use hivemesh::runner::{self, Link, RunnerConfig};
 use hivemesh::sim::make_tensors;
 use hivemesh::tensor::{DType, Tensor};
-use hivemesh::wire::{self, Frame};
+use hivemesh::wire;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
 
 fn descriptors() -> Vec<TensorDescriptor> {
@@ -246,23 +247,7 @@ async fn a_peer_dying_mid_round_leaves_correct_partial_averages() {
 /// peers finish, ban it, and hold correct averages over whom they name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_on_links_is_rejected_and_the_round_completes() {
-    let foreign = {
-        let mut b = BytesMut::new();
-        wire::encode_frame(
-            &Frame {
-                group_id: Bytes::from_static(b"other-group"),
-                message: Message::Part(PartMessage {
-                    part: 0,
-                    weight: 1.0,
-                    codec: CompressionType::None,
-                    dtype: DType::F32,
-                    payload: Bytes::from(vec![0u8; 64]),
-                }),
-            },
-            &mut b,
-        );
-        b.to_vec()
-    };
+    let foreign = common::foreign_group_frame();
     let mut huge = BytesMut::new();
     wire::put_length_prefix(4 << 30, &mut huge);
     let random: Vec<u8> = (0..4096u32)

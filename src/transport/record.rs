@@ -460,7 +460,6 @@ impl Receiver {
                 return Poll::Ready(Ok(()));
             }
             let buffered = self.end - self.start;
-            let mut wanted = HEADER;
             if buffered >= HEADER {
                 let h = &self.buf[self.start..self.start + HEADER];
                 if h[0] != APPLICATION_DATA || h[1..3] != LEGACY_VERSION {
@@ -479,12 +478,11 @@ impl Receiver {
                         "TLS record length out of range",
                     );
                 }
-                wanted = HEADER + length;
                 if delivered && out.remaining() < length - TAG {
                     // Leave the record for a read with room for it (no staging copy).
                     return Poll::Ready(Ok(()));
                 }
-                if buffered >= wanted {
+                if buffered >= HEADER + length {
                     let opened = match self.open_record(length, out) {
                         Ok(opened) => opened,
                         Err(e) => return self.fail_read(delivered, e.kind(), &e.to_string()),
@@ -536,7 +534,7 @@ impl Receiver {
             if self.start == self.end {
                 self.start = 0;
                 self.end = 0;
-            } else if self.buf.len() - self.start < wanted.max(MAX_RECORD) {
+            } else if self.buf.len() - self.start < MAX_RECORD {
                 self.buf.copy_within(self.start..self.end, 0);
                 self.end -= self.start;
                 self.start = 0;

@@ -249,18 +249,13 @@ async fn connect_with(
             addr,
             detail: format!("cannot set TCP_NODELAY: {e}"),
         })?;
-        let mut io = HandshakeIo::new(tcp);
         let server_name = ServerName::IpAddress(addr.ip().into());
-        let mut conn = rustls::ClientConnection::new(config, server_name)
-            .map_err(|e| TlsError::Handshake {
-                addr,
-                detail: e.to_string(),
-            })?
-            .into();
-        handshake(&mut conn, &mut io)
-            .await
-            .map_err(|e| handshake_error(addr, &e))?;
-        DataStream::new(io, conn, addr)
+        DataStream::establish(
+            tcp,
+            rustls::ClientConnection::new(config, server_name),
+            addr,
+        )
+        .await
     })
     .await;
     let stream = match attempt {
@@ -334,17 +329,8 @@ impl DataListener {
                 addr,
                 detail: format!("cannot set TCP_NODELAY: {e}"),
             })?;
-            let mut io = HandshakeIo::new(tcp);
-            let mut conn = rustls::ServerConnection::new(Arc::clone(&self.config))
-                .map_err(|e| TlsError::Handshake {
-                    addr,
-                    detail: e.to_string(),
-                })?
-                .into();
-            handshake(&mut conn, &mut io)
-                .await
-                .map_err(|e| handshake_error(addr, &e))?;
-            DataStream::new(io, conn, addr)
+            let conn = rustls::ServerConnection::new(Arc::clone(&self.config));
+            DataStream::establish(tcp, conn, addr).await
         })
         .await;
         match attempt {
@@ -380,6 +366,26 @@ impl fmt::Debug for DataStream {
 }
 
 impl DataStream {
+    /// Runs the handshake of a fresh rustls connection (either role) over `tcp` and hands the
+    /// result to the record layer.
+    async fn establish<C: Into<rustls::Connection>>(
+        tcp: TcpStream,
+        conn: Result<C, rustls::Error>,
+        addr: SocketAddr,
+    ) -> Result<Self, TlsError> {
+        let mut conn = conn
+            .map_err(|e| TlsError::Handshake {
+                addr,
+                detail: e.to_string(),
+            })?
+            .into();
+        let mut io = HandshakeIo::new(tcp);
+        handshake(&mut conn, &mut io)
+            .await
+            .map_err(|e| handshake_error(addr, &e))?;
+        Self::new(io, conn, addr)
+    }
+
     /// Checks what the finished handshake negotiated and hands the connection over to the
     /// record layer.
     fn new(
@@ -841,6 +847,23 @@ mod tests {
         assert!(got_down == down, "server to client");
     }
 
+    /// A rustls client connection to `addr` that keeps its own record layer (no hand-over):
+    /// the connection after the handshake, the socket, and bytes already read past it.
+    async fn stock_client(
+        config: Arc<ClientConfig>,
+        addr: SocketAddr,
+    ) -> (rustls::Connection, TcpStream, Vec<u8>) {
+        let tcp = TcpStream::connect(addr).await.expect("connect");
+        let mut io = HandshakeIo::new(tcp);
+        let mut conn: rustls::Connection =
+            rustls::ClientConnection::new(config, ServerName::IpAddress(addr.ip().into()))
+                .expect("client")
+                .into();
+        handshake(&mut conn, &mut io).await.expect("handshake");
+        let (tcp, buf, start, end) = io.into_parts();
+        (conn, tcp, buf[start..end].to_vec())
+    }
+
     /// A stock rustls client (no record-layer hand-over) and our server: our records are
     /// standard TLS 1.3 records both ways, close_notify included.
     #[tokio::test]
@@ -853,14 +876,7 @@ mod tests {
             .expect("config");
         let addr = server.local_addr();
         let client = async {
-            let tcp = TcpStream::connect(addr).await.expect("connect");
-            let mut io = HandshakeIo::new(tcp);
-            let mut conn: rustls::Connection =
-                rustls::ClientConnection::new(config, ServerName::IpAddress(addr.ip().into()))
-                    .expect("client")
-                    .into();
-            handshake(&mut conn, &mut io).await.expect("handshake");
-            let (mut tcp, buf, start, end) = io.into_parts();
+            let (mut conn, mut tcp, mut pending) = stock_client(config, addr).await;
             let up: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
             conn.set_buffer_limit(None);
             conn.writer().write_all(&up).expect("plaintext");
@@ -870,7 +886,6 @@ mod tests {
             }
             tcp.write_all(&wire).await.expect("send");
             // Read until rustls sees close_notify.
-            let mut pending = buf[start..end].to_vec();
             let mut got = Vec::new();
             loop {
                 let mut rd = &pending[..];
@@ -934,14 +949,7 @@ mod tests {
                 .client_config(server_id.peer_id())
                 .expect("config");
             let client = async {
-                let tcp = TcpStream::connect(addr).await.expect("connect");
-                let mut io = HandshakeIo::new(tcp);
-                let mut conn: rustls::Connection =
-                    rustls::ClientConnection::new(config, ServerName::IpAddress(addr.ip().into()))
-                        .expect("client")
-                        .into();
-                handshake(&mut conn, &mut io).await.expect("handshake");
-                let (mut tcp, ..) = io.into_parts();
+                let (mut conn, mut tcp, _) = stock_client(config, addr).await;
                 let (a, b) = (record(&mut conn, b"first"), record(&mut conn, b"second"));
                 tcp.write_all(&tamper(a, b)).await.expect("send");
                 tcp

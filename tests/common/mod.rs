@@ -50,3 +50,22 @@ pub fn f32_part(part: usize, values: &[f32], weight: f64) -> Message {
         weight,
     )
 }
+
+/// A well-formed part frame for the group `other-group` (a valid frame from the wrong round).
+pub fn foreign_group_frame() -> Vec<u8> {
+    let mut b = bytes::BytesMut::new();
+    hivemesh::wire::encode_frame(
+        &hivemesh::wire::Frame {
+            group_id: Bytes::from_static(b"other-group"),
+            message: Message::Part(PartMessage {
+                part: 0,
+                weight: 1.0,
+                codec: CompressionType::None,
+                dtype: DType::F32,
+                payload: Bytes::from(vec![0u8; 64]),
+            }),
+        },
+        &mut b,
+    );
+    b.to_vec()
+}
