@@ -32,7 +32,7 @@ fn accumulate(c: &mut Criterion) {
     g.bench_function("add_scaled_16MiB", |b| {
         b.iter(|| ops::add_scaled(&mut acc, black_box(&x), 0.5));
     });
-    // The reducer's accumulator is f64 (no overflow, exact-ish means): 4 B in, 16 B touched.
+    // The reducer's exact fallback accumulates in f64: 4 B in, 16 B touched.
     let mut acc64 = vec![0.0f64; N];
     g.bench_function("add_scaled_f64_acc_16MiB", |b| {
         b.iter(|| ops::add_scaled_f64(&mut acc64, black_box(&x), 0.5));
@@ -43,6 +43,43 @@ fn accumulate(c: &mut Criterion) {
     });
     g.bench_function("all_finite_16MiB", |b| {
         b.iter(|| black_box(ops::all_finite(black_box(&x))));
+    });
+    // The reducer's one-pass mean over 4 contributions: 3 received (little-endian bytes at
+    // an odd offset, as in a frame) and one local, per byte of input.
+    let received: Vec<Vec<u8>> = (0..3)
+        .map(|k| {
+            let mut b = vec![0u8; 1];
+            b.extend(data(10 + k).iter().flat_map(|v| v.to_le_bytes()));
+            b
+        })
+        .collect();
+    g.throughput(Throughput::Bytes((N * 4 * 4) as u64));
+    g.bench_function("weighted_mean_4x16MiB", |b| {
+        let mut out = vec![0.0; N];
+        b.iter(|| {
+            let mut inputs = vec![(ops::Source::F32(&x), 1.0)];
+            inputs.extend(received.iter().map(|r| (ops::Source::Le(&r[1..]), 1.0)));
+            let mut bad = [false; 4];
+            black_box(ops::weighted_mean(&inputs, 0.25, &mut out, &mut bad))
+        });
+    });
+    // The same with 8 contributions (two passes per block), per byte of input.
+    g.throughput(Throughput::Bytes((N * 4 * 8) as u64));
+    g.bench_function("weighted_mean_8x16MiB", |b| {
+        let mut out = vec![0.0; N];
+        b.iter(|| {
+            let mut inputs = vec![(ops::Source::F32(&x), 1.0), (ops::Source::F32(&acc), 1.0)];
+            for r in received.iter().chain(&received) {
+                inputs.push((ops::Source::Le(&r[1..]), 1.0));
+            }
+            inputs.truncate(8);
+            let mut bad = [false; 8];
+            black_box(ops::weighted_mean(&inputs, 0.125, &mut out, &mut bad))
+        });
+    });
+    g.throughput(Throughput::Bytes((N * 4) as u64));
+    g.bench_function("all_finite_le_16MiB", |b| {
+        b.iter(|| black_box(ops::all_finite_le(black_box(&received[0][1..]))));
     });
     // The reducer's whole per-part path (checks, pooled buffers, completion, average),
     // 4 senders x 32 parts of 128 Ki values, per byte of sender input.
@@ -56,11 +93,14 @@ fn accumulate(c: &mut Criterion) {
                 for s in 0..4 {
                     let mut buf = r.take_buffer(len);
                     buf.copy_from_slice(&x[k * len..(k + 1) * len]);
-                    r.accumulate(s, k, buf, 1.0, false).unwrap();
+                    r.accumulate(s, k, buf, 1.0).unwrap();
                 }
                 let done = r.poll_completed().unwrap();
                 if let Some(avg) = done.average {
                     r.recycle(avg);
+                }
+                for (_, input) in done.inputs {
+                    r.recycle_input(input);
                 }
             }
         });

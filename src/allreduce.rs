@@ -5,12 +5,13 @@
 //! A group of `N` peers in an agreed order averages a list of tensors. All tensors are
 //! flattened and cut into parts ([`partition`]); peer `i` *reduces* the `i`-th contiguous span
 //! of parts, sized by its fraction. Every *sender* streams its parts of span `i` to peer `i`
-//! ([`Message::Part`], in part order, with its weight); the reducer accumulates `Σ w·x` and
-//! `Σ w` per part ([`Reducer`]) and, once every sender that is still in the round has
-//! contributed a part, answers each sender with the *delta* `average − that sender's decoded
-//! input` ([`Message::Averaged`], with the set of contributors). The sender adds the delta to its
-//! local values, so each peer keeps its own compression error (as in hivemind). A reducer's own
-//! parts never touch the network or a codec.
+//! ([`Message::Part`], in part order, with its weight); the reducer holds each part's
+//! contributions until every sender that is still in the round has contributed it, then
+//! computes `Σ w·x / Σ w` in one pass ([`Reducer`]) and answers every sender
+//! ([`Message::Averaged`], with the set of contributors). With the lossless codec the answer
+//! is the average itself, the same bytes for every sender; with a lossy codec it is the *delta*
+//! `average − that sender's decoded input`, so each peer keeps its own compression error (as in
+//! hivemind). A reducer's own parts never touch the network or a codec.
 //!
 //! Modes ([`Mode`]): a **node** sends and reduces; a **client** sends and receives but reduces
 //! nothing (fraction 0) and gets its results only after it has sent everything to that reducer
@@ -37,9 +38,10 @@
 //!   duplicates, a reply naming impossible contributors) ban the sender or fail the reducer
 //!   with a typed [`Violation`]. An [`Message::Abort`] (cancel, ban) does the same at once.
 //!
-//! The round ends with an [`Outcome`]: the deltas (zero where values stay local) and a
-//! [`RoundReport`] that names, for every part, the senders whose values it averages or that it
-//! stayed local. [`Butterfly`] is one peer's side of a round; it never reads a clock or touches
+//! The round ends with an [`Outcome`]: what each part became ([`PartResult`]: the average as
+//! received, a delta, or local values), applied to the tensors with the delta rule
+//! ([`Outcome::apply`]: `tensors += result − start`), and a [`RoundReport`] that names, for
+//! every part, the senders whose values it averages or that it stayed local. [`Butterfly`] is one peer's side of a round; it never reads a clock or touches
 //! a socket: the caller feeds it messages and `now`, and drives `poll_transmit`, `poll_event`
 //! and `poll_timeout` (see [`crate::sim`] for a driver in virtual time).
 
@@ -54,14 +56,16 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::compression::{CodecError, Compression, CompressionType};
-use crate::tensor::{DType, Tensor, TensorError};
+use crate::tensor::{DType, Tensor, TensorError, ops};
 
 pub use butterfly::Butterfly;
 pub use partition::{
     DEFAULT_PART_SIZE_BYTES, PartSpec, Partition, PartitionError, TensorDescriptor,
 };
 pub use peer_set::PeerSet;
-pub use reducer::{CompletedPart, Input, MAX_WEIGHT, ReduceError, Reducer, valid_weight};
+pub use reducer::{
+    CompletedPart, Input, LocalValues, MAX_WEIGHT, ReduceError, Reducer, valid_weight,
+};
 
 /// Default `sender_timeout`.
 pub const DEFAULT_SENDER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -463,41 +467,265 @@ impl RoundReport {
     }
 }
 
+/// What one part of a sender's tensors became in a round.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PartResult {
+    /// No average reached this peer for the part: its values stay as they are.
+    Local,
+    /// The part's average as little-endian f32 bytes (lossless rounds). A reply's bytes are
+    /// kept as they arrived, in the received frame, and the own span's average as the buffer
+    /// the reducer wrote it to: neither is copied.
+    Average(Bytes),
+    /// What to add to the values this peer started the round with (lossy codecs, whose
+    /// replies carry the delta against the input as the reducer decoded it).
+    Delta(Vec<f32>),
+}
+
 /// The result of a finished round.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Outcome {
-    /// Per tensor, flat f32 deltas to add to the local values (zero where they stay local);
-    /// `None` for an aux peer, which applies nothing.
-    pub deltas: Option<Vec<Vec<f32>>>,
+    /// Per part of the partition (global part order), what this peer's values became; `None`
+    /// for an aux peer, which applies nothing.
+    pub results: Option<Vec<PartResult>>,
+    /// The partition's parts, aligned with `results`.
+    pub parts: Vec<PartSpec>,
     /// What was averaged.
     pub report: RoundReport,
 }
 
-impl Outcome {
-    /// Adds `alpha ·` the deltas to `tensors` (no-op for an aux peer).
-    pub fn apply(&self, tensors: &mut [Tensor], alpha: f32) -> Result<(), RoundError> {
-        let Some(deltas) = &self.deltas else {
-            return Ok(());
-        };
-        if deltas.len() != tensors.len() {
+/// Checks that `tensors` has the layout `parts` were cut from (every part inside its tensor).
+fn check_layout(parts: &[PartSpec], tensors: &[Tensor], what: &str) -> Result<(), RoundError> {
+    for p in parts {
+        let fits = tensors
+            .get(p.tensor)
+            .is_some_and(|t| p.offset + p.len <= t.numel());
+        if !fits {
             return Err(TensorError::Mismatch(format!(
-                "{} deltas for {} tensors",
-                deltas.len(),
-                tensors.len()
+                "{what}: {} tensors do not hold part {:?} of the round",
+                tensors.len(),
+                p
             ))
             .into());
         }
-        for (t, d) in tensors.iter_mut().zip(deltas) {
-            if d.len() != t.numel() {
-                return Err(TensorError::Mismatch(format!(
-                    "delta of {} for a tensor of {}",
-                    d.len(),
-                    t.numel()
-                ))
-                .into());
+    }
+    Ok(())
+}
+
+impl PartResult {
+    /// Whether the result fits a part of `len` elements.
+    fn fits(&self, len: usize) -> bool {
+        match self {
+            PartResult::Local => true,
+            PartResult::Average(avg) => avg.len() == len * 4,
+            PartResult::Delta(d) => d.len() == len,
+        }
+    }
+}
+
+impl Outcome {
+    /// Checks that `results` (if any) match `parts`, one fitting result per part.
+    fn check_results(&self) -> Result<(), RoundError> {
+        let Some(results) = &self.results else {
+            return Ok(());
+        };
+        let fits = results.len() == self.parts.len()
+            && self.parts.iter().zip(results).all(|(p, r)| r.fits(p.len));
+        if fits {
+            Ok(())
+        } else {
+            Err(TensorError::Mismatch("the outcome's results do not match its parts".into()).into())
+        }
+    }
+
+    /// The delta rule: adds `alpha · (result − start)` to `tensors`, where `start` holds the
+    /// values this peer started the round with (the runner hands them back) and `tensors` the
+    /// values now (they may have moved on while the round ran). No-op for an aux peer.
+    pub fn apply(
+        &self,
+        tensors: &mut [Tensor],
+        start: &[Tensor],
+        alpha: f32,
+    ) -> Result<(), RoundError> {
+        let Some(results) = &self.results else {
+            return Ok(());
+        };
+        self.check_results()?;
+        check_layout(&self.parts, tensors, "tensors")?;
+        check_layout(&self.parts, start, "start values")?;
+        for (spec, result) in self.parts.iter().zip(results) {
+            let from = start[spec.tensor].part(spec.range());
+            let t = &mut tensors[spec.tensor];
+            match result {
+                PartResult::Local => {}
+                PartResult::Average(avg) => t.add_average(spec.offset, avg, from, alpha)?,
+                PartResult::Delta(d) => t.add_scaled_f32(spec.offset, d, alpha)?,
             }
-            t.add_scaled_f32(0, d, alpha)?;
         }
         Ok(())
+    }
+
+    /// Writes part `part`'s resulting values into `out` (`parts[part].len` of them): the
+    /// average, `start + delta`, or the start values where the part stayed local. `None` for
+    /// an aux peer or a part index out of range.
+    pub fn result_into(&self, part: usize, start: &[Tensor], out: &mut [f32]) -> Option<()> {
+        let spec = self.parts.get(part)?;
+        let result = self.results.as_ref()?.get(part)?;
+        if out.len() != spec.len
+            || !result.fits(spec.len)
+            || check_layout(std::slice::from_ref(spec), start, "").is_err()
+        {
+            return None;
+        }
+        match result {
+            PartResult::Average(avg) => ops::copy_from_le(out, avg),
+            PartResult::Local | PartResult::Delta(_) => {
+                start[spec.tensor].part(spec.range()).copy_to_f32(out);
+                if let PartResult::Delta(d) = result {
+                    ops::add_scaled(out, d, 1.0);
+                }
+            }
+        }
+        Some(())
+    }
+
+    /// Per tensor, the flat deltas `result − start` (zero where values stay local); `None`
+    /// for an aux peer. Allocates them all: for tests and tools, where [`Outcome::apply`] is
+    /// not what is wanted.
+    pub fn deltas(&self, start: &[Tensor]) -> Result<Option<Vec<Vec<f32>>>, RoundError> {
+        if self.results.is_none() {
+            return Ok(None);
+        }
+        self.check_results()?;
+        check_layout(&self.parts, start, "start values")?;
+        let mut deltas: Vec<Vec<f32>> = start.iter().map(|t| vec![0.0; t.numel()]).collect();
+        let mut own = Vec::new();
+        for (spec, result) in self.parts.iter().zip(self.results.iter().flatten()) {
+            let out = &mut deltas[spec.tensor][spec.range()];
+            match result {
+                PartResult::Local => {}
+                PartResult::Delta(d) => out.copy_from_slice(d),
+                PartResult::Average(avg) => {
+                    ops::copy_from_le(out, avg);
+                    own.resize(spec.len, 0.0);
+                    start[spec.tensor].part(spec.range()).copy_to_f32(&mut own);
+                    ops::sub_assign(out, &own);
+                }
+            }
+        }
+        Ok(Some(deltas))
+    }
+
+    /// Gives the decoded deltas' buffers to `pool` (received bytes go back to their pool when
+    /// the outcome is dropped).
+    pub fn recycle(self, pool: &crate::buffers::BufferPool) {
+        for result in self.results.into_iter().flatten() {
+            if let PartResult::Delta(d) = result {
+                pool.put_f32(d);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn le(v: &[f32]) -> Bytes {
+        Bytes::from(v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+    }
+
+    /// Two tensors, three parts: an average, a delta and a local part.
+    fn outcome() -> Outcome {
+        Outcome {
+            results: Some(vec![
+                PartResult::Average(le(&[10.0, 20.0])),
+                PartResult::Delta(vec![0.5, -0.5]),
+                PartResult::Local,
+            ]),
+            parts: vec![
+                PartSpec {
+                    tensor: 0,
+                    offset: 0,
+                    len: 2,
+                },
+                PartSpec {
+                    tensor: 0,
+                    offset: 2,
+                    len: 2,
+                },
+                PartSpec {
+                    tensor: 1,
+                    offset: 0,
+                    len: 1,
+                },
+            ],
+            report: RoundReport {
+                spans: Vec::new(),
+                banned: PeerSet::new(),
+                failed_reducers: PeerSet::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn apply_is_the_delta_rule_for_each_kind_of_result() {
+        let o = outcome();
+        let start = vec![
+            Tensor::from_f32(&[4], vec![1.0, 2.0, 3.0, 4.0]).unwrap(),
+            Tensor::from_f32(&[1], vec![7.0]).unwrap(),
+        ];
+        // The values moved on by +1 while the round ran: the delta still applies on top.
+        let mut now = vec![
+            Tensor::from_f32(&[4], vec![2.0, 3.0, 4.0, 5.0]).unwrap(),
+            Tensor::from_f32(&[1], vec![8.0]).unwrap(),
+        ];
+        o.apply(&mut now, &start, 1.0).unwrap();
+        assert_eq!(now[0].to_f32_vec(), vec![11.0, 21.0, 4.5, 4.5]);
+        assert_eq!(now[1].to_f32_vec(), vec![8.0]);
+        let deltas = o.deltas(&start).unwrap().unwrap();
+        assert_eq!(deltas, vec![vec![9.0, 18.0, 0.5, -0.5], vec![0.0]]);
+        let mut out = [0.0; 2];
+        o.result_into(0, &start, &mut out).unwrap();
+        assert_eq!(out, [10.0, 20.0]);
+        o.result_into(1, &start, &mut out).unwrap();
+        assert_eq!(out, [3.5, 3.5]);
+        assert!(o.result_into(3, &start, &mut out).is_none());
+        assert!(o.result_into(0, &start, &mut [0.0; 3]).is_none());
+
+        // Half-precision tensors: computed in f32, rounded once.
+        let start16 = vec![
+            Tensor::from_f32_as(&[4], &[1.0, 2.0, 3.0, 4.0], DType::F16).unwrap(),
+            Tensor::from_f32_as(&[1], &[7.0], DType::BF16).unwrap(),
+        ];
+        let mut now16 = start16.clone();
+        o.apply(&mut now16, &start16, 0.5).unwrap();
+        assert_eq!(now16[0].to_f32_vec(), vec![5.5, 11.0, 3.25, 3.75]);
+    }
+
+    #[test]
+    fn mismatched_layouts_are_errors_not_panics() {
+        let o = outcome();
+        let start = vec![Tensor::from_f32(&[4], vec![0.0; 4]).unwrap()];
+        let mut now = start.clone();
+        assert!(o.apply(&mut now, &start, 1.0).is_err(), "a tensor missing");
+        assert!(o.deltas(&start).is_err());
+        let mut bad = outcome();
+        bad.results.as_mut().unwrap()[1] = PartResult::Delta(vec![1.0; 3]);
+        let start = vec![
+            Tensor::from_f32(&[4], vec![0.0; 4]).unwrap(),
+            Tensor::from_f32(&[1], vec![0.0]).unwrap(),
+        ];
+        let mut now = start.clone();
+        assert!(
+            bad.apply(&mut now, &start, 1.0).is_err(),
+            "a delta too long"
+        );
+        assert_eq!(now, start, "nothing applied");
+        let aux = Outcome {
+            results: None,
+            ..outcome()
+        };
+        aux.apply(&mut now, &start, 1.0).unwrap();
+        assert_eq!(aux.deltas(&start).unwrap(), None);
     }
 }

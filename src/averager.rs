@@ -948,7 +948,7 @@ impl Actor {
             runner_cfg,
             cancel.clone(),
         );
-        let (_, outcome): (Vec<Tensor>, Outcome) = self
+        let (start, outcome): (Vec<Tensor>, Outcome) = self
             .while_serving(
                 async {
                     round.await.map_err(|e| match e {
@@ -969,13 +969,11 @@ impl Actor {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             outcome
-                .apply(&mut tensors, 1.0)
+                .apply(&mut tensors, &start, 1.0)
                 .map_err(|e| AveragerError::Round(e.to_string()))?;
         }
         let report = outcome.report.clone();
-        for delta in outcome.deltas.into_iter().flatten() {
-            self.pool.put_f32(delta);
-        }
+        outcome.recycle(&self.pool);
         Ok(StepOutcome {
             group_id: group.group_id.clone(),
             gathered: group

@@ -9,11 +9,13 @@
 //! 2. Each peer builds an [`allreduce::Butterfly`] over its tensors. Tensors are flattened and
 //!    cut into parts ([`allreduce::Partition`]); peer `i` reduces the `i`-th span.
 //! 3. Senders stream their parts, encoded by a [`compression`] codec, to each span's reducer;
-//!    reducers accumulate weighted sums ([`allreduce::Reducer`]) and answer each sender with
-//!    the delta `average − its input`, naming the contributors.
+//!    reducers average each part in one pass once it is complete ([`allreduce::Reducer`]) and
+//!    answer each sender with the average (lossless) or the delta `average − its input`
+//!    (lossy codecs), naming the contributors.
 //! 4. Sender and reducer timeouts ban silent or misbehaving peers; the round still finishes,
 //!    and [`allreduce::Outcome`] says part by part whose values were averaged.
-//! 5. The peer adds the deltas to its tensors ([`allreduce::Outcome::apply`]).
+//! 5. The peer adds `result − start` to its tensors ([`allreduce::Outcome::apply`], the delta
+//!    rule: updates made while the round ran are kept).
 //!
 //! The protocol cores are sans-IO: [`sim`] drives them in virtual time with simulated links
 //! and faults; [`p2p`] is the libp2p layer (swarm, Kademlia with merged records) and [`dht`]

@@ -247,7 +247,7 @@ impl SimResult {
                 checks.push(None);
                 continue;
             };
-            let Some(deltas) = &outcome.deltas else {
+            if outcome.results.is_none() {
                 checks.push(Some(PeerCheck {
                     max_abs_err: 0.0,
                     averaged_elements: 0,
@@ -258,12 +258,17 @@ impl SimResult {
             let mut max_err = 0.0f32;
             let mut averaged = 0;
             let mut total = 0;
+            let mut result = Vec::new();
             for span in &outcome.report.spans {
                 for seg in &span.segments {
                     for g in seg.parts.clone() {
                         let spec = *self.partition.part(g);
                         let own = p.tensors[spec.tensor].part(spec.range());
-                        let delta = &deltas[spec.tensor][spec.range()];
+                        result.resize(spec.len, 0.0);
+                        if outcome.result_into(g, &p.tensors, &mut result).is_none() {
+                            max_err = f32::NAN;
+                            continue;
+                        }
                         total += spec.len;
                         let expected: Option<&Vec<f32>> = match &seg.contributors {
                             None => None,
@@ -290,18 +295,15 @@ impl SimResult {
                             }
                         };
                         // max with f32::max (vectorises) plus a sum that turns NaN into NaN.
-                        let (err, poison) = match expected {
-                            None => delta
+                        let want: &[f32] = expected.map_or(own, |e| &e[..]);
+                        let (err, poison) =
+                            result
                                 .iter()
-                                .fold((0.0f32, 0.0f32), |(m, s), d| (m.max(d.abs()), s + d * 0.0)),
-                            Some(e) => own.iter().zip(delta).zip(e.iter()).fold(
-                                (0.0f32, 0.0f32),
-                                |(m, s), ((x, d), w)| {
-                                    let diff = x + d - w;
+                                .zip(want)
+                                .fold((0.0f32, 0.0f32), |(m, s), (r, w)| {
+                                    let diff = r - w;
                                     (m.max(diff.abs()), s + diff * 0.0)
-                                },
-                            ),
-                        };
+                                });
                         let err = if poison.is_nan() { f32::NAN } else { err };
                         max_err = max_nan(max_err, err);
                     }
@@ -894,7 +896,7 @@ pub fn run_with_tensors(
 /// Largest deviation of one peer's result from what its report promises: for every part the
 /// weighted mean over the contributors it names (from `all_start[peer]` and `weights`), or its
 /// own start value where the part stayed local. `me` indexes `all_start`. Returns 0 for an aux
-/// outcome (no deltas); NaN anywhere counts as infinity.
+/// outcome (no results); NaN anywhere counts as infinity.
 pub fn deviation_from_report(
     me: usize,
     outcome: &Outcome,
@@ -902,11 +904,12 @@ pub fn deviation_from_report(
     all_start: &[Vec<Tensor>],
     weights: &[f64],
 ) -> f32 {
-    let Some(deltas) = &outcome.deltas else {
+    if outcome.results.is_none() {
         return 0.0;
-    };
+    }
     let mut worst = 0.0f32;
     let mut own = Vec::new();
+    let mut result = Vec::new();
     for span in &outcome.report.spans {
         for seg in &span.segments {
             for g in seg.parts.clone() {
@@ -915,7 +918,13 @@ pub fn deviation_from_report(
                 all_start[me][spec.tensor]
                     .part(spec.range())
                     .copy_to_f32(&mut own);
-                let delta = &deltas[spec.tensor][spec.range()];
+                result.resize(spec.len, 0.0);
+                if outcome
+                    .result_into(g, &all_start[me], &mut result)
+                    .is_none()
+                {
+                    return f32::INFINITY;
+                }
                 let expected: Vec<f32> = match &seg.contributors {
                     None => own.clone(),
                     Some(c) => {
@@ -934,8 +943,8 @@ pub fn deviation_from_report(
                         acc.iter().map(|a| (a / den) as f32).collect()
                     }
                 };
-                for ((o, d), e) in own.iter().zip(delta).zip(&expected) {
-                    worst = max_nan(worst, (o + d - e).abs());
+                for (r, e) in result.iter().zip(&expected) {
+                    worst = max_nan(worst, (r - e).abs());
                 }
             }
         }

@@ -3,8 +3,8 @@
 //! The all-reduce never looks at shapes: it flattens every tensor (a no-copy view, since a
 //! [`Tensor`] is always kept in standard row-major layout) and cuts the flat data into parts.
 //! [`PartView`] is such a borrowed run of elements in the tensor's own dtype; [`ops`] holds the
-//! few numeric kernels the reducer needs, behind the [`ops::ReduceBuffer`] trait that a GPU
-//! buffer can implement as well.
+//! few numeric kernels the reducer needs, behind the [`ops::ReduceKernel`] trait that a GPU
+//! kernel can implement as well.
 
 pub mod ops;
 
@@ -275,6 +275,55 @@ impl Tensor {
             PartViewMut::BF16(x) => {
                 for (v, &d) in x[range].iter_mut().zip(delta) {
                     *v = bf16::from_f32(v.to_f32() + alpha * d);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Tensor {
+    /// `self[offset..] += alpha · (average − start)` on the flattened data, for an `average`
+    /// given as little-endian f32 bytes and the `start` values it is the average of this
+    /// peer's contribution against (computed in f32, rounded once): the delta rule.
+    pub fn add_average(
+        &mut self,
+        offset: usize,
+        average: &[u8],
+        start: PartView<'_>,
+        alpha: f32,
+    ) -> Result<(), TensorError> {
+        let n = self.numel();
+        let len = start.len();
+        if average.len() != len * 4 || offset + len > n {
+            return Err(TensorError::Mismatch(format!(
+                "an average of {} bytes for {len} start values at offset {offset} of {n} elements",
+                average.len()
+            )));
+        }
+        let range = offset..offset + len;
+        match (self.flat_mut(), start) {
+            (PartViewMut::F32(x), PartView::F32(s)) => {
+                ops::add_average_le(&mut x[range], average, s, alpha);
+            }
+            (target, start) => {
+                let mut from = vec![0.0f32; len];
+                start.copy_to_f32(&mut from);
+                let mut delta = vec![0.0f32; len];
+                ops::copy_from_le(&mut delta, average);
+                ops::sub_assign(&mut delta, &from);
+                match target {
+                    PartViewMut::F32(x) => ops::add_scaled(&mut x[range], &delta, alpha),
+                    PartViewMut::F16(x) => {
+                        for (v, &d) in x[range].iter_mut().zip(&delta) {
+                            *v = f16::from_f32(v.to_f32() + alpha * d);
+                        }
+                    }
+                    PartViewMut::BF16(x) => {
+                        for (v, &d) in x[range].iter_mut().zip(&delta) {
+                            *v = bf16::from_f32(v.to_f32() + alpha * d);
+                        }
+                    }
                 }
             }
         }

@@ -101,14 +101,14 @@ fn allreduce_protocol_table() {
         for (p, peer) in res.peers.iter().enumerate() {
             let outcome = peer.outcome.as_ref().unwrap();
             if modes[p] == A {
-                assert!(outcome.deltas.is_none(), "case {i}: aux applies nothing");
+                assert!(outcome.results.is_none(), "case {i}: aux applies nothing");
                 continue;
             }
             assert!(
                 outcome.report.local_parts().next().is_none(),
                 "case {i}: nothing local"
             );
-            let deltas = outcome.deltas.as_ref().unwrap();
+            let deltas = outcome.deltas(&peer.tensors).unwrap().unwrap();
             for t in 0..tensors.len() {
                 let own = peer.tensors[t].to_f32_vec();
                 for (k, (x, d)) in own.iter().zip(&deltas[t]).enumerate() {
@@ -205,8 +205,8 @@ fn fault_tolerance_pairs() {
                 .outcome
                 .as_ref()
                 .unwrap()
-                .deltas
-                .as_ref()
+                .deltas(&res.peers[p].tensors)
+                .unwrap()
                 .unwrap();
             for t in 0..tensors.len() {
                 let own = res.peers[p].tensors[t].to_f32_vec();
@@ -378,7 +378,13 @@ fn allreduce_compression_error_bounds() {
         let res = sim::run_with_tensors(&cfg, tensors()).unwrap();
         assert_eq!(res.finished(), 2, "{codec:?}");
         for (p, peer) in res.peers.iter().enumerate() {
-            let deltas = peer.outcome.as_ref().unwrap().deltas.as_ref().unwrap();
+            let deltas = peer
+                .outcome
+                .as_ref()
+                .unwrap()
+                .deltas(&peer.tensors)
+                .unwrap()
+                .unwrap();
             for t in 0..2 {
                 let mse: f64 = (0..1000)
                     .map(|k| {
@@ -395,4 +401,48 @@ fn allreduce_compression_error_bounds() {
             }
         }
     }
+}
+
+/// A peer whose own values hold NaN (a diverged model) does not bring the round down: it
+/// used to panic its own round. Its values are left out of every average (other reducers
+/// ban it, its own span averages the others), the honest peers end with the mean of the
+/// honest peers, and the NaN peer keeps its values everywhere.
+#[test]
+fn a_peer_with_non_finite_values_is_left_out() {
+    let descs = [desc(&[1 << 18]), desc(&[1000])];
+    let mut tensors: Vec<Vec<hivemesh::tensor::Tensor>> = (0..4)
+        .map(|p| sim::make_tensors(&descs, 3, p).unwrap())
+        .collect();
+    for t in &mut tensors[0] {
+        let mut v = t.to_f32_vec();
+        for (i, x) in v.iter_mut().enumerate() {
+            if i % 997 == 5 {
+                *x = if i % 2 == 0 { f32::NAN } else { f32::INFINITY };
+            }
+        }
+        *t = hivemesh::tensor::Tensor::from_f32(t.shape(), v).unwrap();
+    }
+    let mut cfg = SimConfig::new(vec![SimPeer::node(); 4], 11);
+    cfg.round.part_size_bytes = 64 << 10;
+    let res = sim::run_with_tensors(&cfg, tensors).unwrap();
+    assert_eq!(res.finished(), 4);
+    let checks = res.check();
+    let parts = res.partition.num_parts();
+    for p in 1..4 {
+        let check = checks[p].as_ref().unwrap();
+        assert!(check.max_abs_err < 1e-5, "peer {p}: {check:?}");
+        let report = &res.peers[p].outcome.as_ref().unwrap().report;
+        assert!(report.banned.contains(0), "peer {p} banned the NaN peer");
+        for g in 0..parts {
+            let named = report.contributors(g).expect("every part averaged");
+            assert!(
+                !named.contains(0) && named.len() == 3,
+                "part {g}: {named:?}"
+            );
+        }
+    }
+    let nan_peer = res.peers[0].outcome.as_ref().unwrap();
+    assert_eq!(nan_peer.report.local_parts().count(), parts);
+    let deltas = nan_peer.deltas(&res.peers[0].tensors).unwrap().unwrap();
+    assert!(deltas.iter().flatten().all(|&d| d == 0.0));
 }

@@ -102,7 +102,7 @@ proptest! {
         prop_assert!(m.is_finished(), "round did not finish after all deadlines");
         let outcome = m.outcome().unwrap();
         // Whatever happened, values stay finite and the report covers every part.
-        for d in outcome.deltas.unwrap() {
+        for d in outcome.deltas(m.tensors()).unwrap().unwrap() {
             prop_assert!(d.iter().all(|v| v.is_finite()));
         }
         let covered: usize = outcome.report.spans.iter().map(|s| s.parts.len()).sum();

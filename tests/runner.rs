@@ -210,7 +210,7 @@ async fn clients_and_aux_over_links() {
     for (p, r) in results.iter().enumerate() {
         let (_, outcome) = r.as_ref().unwrap();
         if modes[p] == Mode::Aux {
-            assert!(outcome.deltas.is_none());
+            assert!(outcome.results.is_none());
             continue;
         }
         assert!(outcome.report.local_parts().next().is_none(), "peer {p}");

@@ -17,9 +17,9 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::{
-    AbortReason, AveragedMessage, Input, Message, Mode, Outcome, PartMessage, Partition, PeerSet,
-    Reducer, Role, RoundConfig, RoundError, RoundEvent, RoundReport, Segment, SpanReport,
-    TensorDescriptor, Transmit, Violation,
+    AbortReason, AveragedMessage, Input, LocalValues, Message, Mode, Outcome, PartMessage,
+    PartResult, Partition, PeerSet, ReduceError, Reducer, Role, RoundConfig, RoundError,
+    RoundEvent, RoundReport, Segment, SpanReport, TensorDescriptor, Transmit, Violation,
 };
 use crate::buffers::BufferPool;
 use crate::compression::{Codec, CompressionType};
@@ -110,7 +110,8 @@ pub struct Butterfly {
     codecs: Vec<&'static dyn Codec>,
     /// Shared so that lossless parts go out as views of the tensors themselves (no copy).
     tensors: Arc<Vec<Tensor>>,
-    deltas: Option<Vec<Vec<f32>>>,
+    /// What each part of our tensors became (senders only).
+    outputs: Option<Vec<PartResult>>,
     out_links: Vec<Option<OutLink>>,
     reducer: Option<Reducer>,
     in_links: Vec<Option<InLink>>,
@@ -182,14 +183,10 @@ impl Butterfly {
         let me = cfg.me;
         let my_mode = modes[me];
 
-        // Contents unspecified until written: every part is written by its reply or by our
-        // own reduction, or zeroed when the round finishes without an average for it.
-        let deltas = my_mode.is_sender().then(|| {
-            descriptors
-                .iter()
-                .map(|d| pool.take_f32(d.numel()))
-                .collect()
-        });
+        // Every part stays local until its average (or delta) arrives.
+        let outputs = my_mode
+            .is_sender()
+            .then(|| vec![PartResult::Local; partition.num_parts()]);
 
         let out_links = (0..n)
             .map(|r| {
@@ -236,7 +233,7 @@ impl Butterfly {
             partition,
             codecs,
             tensors: Arc::new(tensors),
-            deltas,
+            outputs,
             out_links,
             reducer,
             in_links,
@@ -288,13 +285,15 @@ impl Butterfly {
             State::Running => Err(RoundError::NotFinished),
             State::Cancelled => Err(RoundError::Cancelled),
             State::Finished => Ok(Outcome {
-                deltas: self.deltas.clone(),
+                results: self.outputs.clone(),
+                parts: self.partition.parts().to_vec(),
                 report: self.report(),
             }),
         }
     }
 
-    /// Like [`Butterfly::outcome`], without copying the deltas; also returns the tensors.
+    /// Like [`Butterfly::outcome`], consuming the machine; also returns the tensors (the values
+    /// the round started from, which [`Outcome::apply`] needs).
     pub fn into_outcome(self) -> Result<(Vec<Tensor>, Outcome), RoundError> {
         match self.state {
             State::Running => Err(RoundError::NotFinished),
@@ -308,7 +307,8 @@ impl Butterfly {
                 Ok((
                     tensors,
                     Outcome {
-                        deltas: self.deltas,
+                        results: self.outputs,
+                        parts: self.partition.parts().to_vec(),
                         report,
                     },
                 ))
@@ -584,37 +584,40 @@ impl Butterfly {
             return;
         }
         if !msg.contributors.is_empty() {
-            let deltas = self.deltas.as_mut().expect("senders have delta buffers");
-            let out = &mut deltas[spec.tensor][spec.range()];
-            let own = self.tensors[spec.tensor].part(spec.range());
-            let finite = match (codec.kind(), msg.dtype, own) {
-                (CompressionType::None, DType::F32, PartView::F32(x))
-                    if msg.payload.len() == spec.len * 4 =>
-                {
-                    // The raw average: `average − ours` and the check in one pass.
-                    ops::sub_le_checked(out, &msg.payload, x)
+            let output = if codec.kind() == CompressionType::None
+                && msg.dtype == DType::F32
+                && msg.payload.len() == spec.len * 4
+            {
+                // The average itself, kept in the frame it arrived in; checked, not copied.
+                if !ops::all_finite_le(&msg.payload) {
+                    self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
+                    return;
                 }
-                _ => {
-                    if let Err(e) = codec.decode(&msg.payload, msg.dtype, out) {
-                        out.fill(0.0);
-                        self.fail_reducer(from, e.into(), true);
-                        return;
-                    }
-                    if codec.kind() == CompressionType::None {
-                        // A lossless reply carries the average itself: the delta is
-                        // `average − ours`.
-                        self.scratch.resize(spec.len, 0.0);
-                        own.copy_to_f32(&mut self.scratch);
-                        ops::sub_assign(out, &self.scratch);
-                    }
-                    ops::all_finite(out)
+                PartResult::Average(msg.payload)
+            } else {
+                let mut out = self.pool.take_f32(spec.len);
+                if let Err(e) = codec.decode(&msg.payload, msg.dtype, &mut out) {
+                    self.pool.put_f32(out);
+                    self.fail_reducer(from, e.into(), true);
+                    return;
+                }
+                if !ops::all_finite(&out) {
+                    self.pool.put_f32(out);
+                    self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
+                    return;
+                }
+                if codec.kind() == CompressionType::None {
+                    // A lossless payload that decoded: the average as values.
+                    let mut avg = self.pool.take_bytes(spec.len * 4);
+                    avg.extend(out.iter().flat_map(|v| v.to_le_bytes()));
+                    self.pool.put_f32(out);
+                    PartResult::Average(self.pool.freeze(avg))
+                } else {
+                    PartResult::Delta(out)
                 }
             };
-            if !finite {
-                out.fill(0.0);
-                self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
-                return;
-            }
+            let outputs = self.outputs.as_mut().expect("senders have outputs");
+            outputs[g] = output;
             self.results[g] = Some(msg.contributors);
         }
         let link = self.out_links[from].as_mut().expect("checked above");
@@ -660,12 +663,11 @@ impl Butterfly {
         };
         for g in reducer.span() {
             let spec = *self.partition.part(g);
-            let view = self.tensors[spec.tensor].part(spec.range());
-            let mut buf = reducer.take_buffer(spec.len);
-            view.copy_to_f32(&mut buf);
-            // Kept (not copied again) so that the rare exact fallback has every input.
+            // Our values are read where they are, when the part is averaged.
+            let local = LocalValues::new(self.tensors.clone(), spec.tensor, spec.range())
+                .expect("the partition covers the tensors");
             reducer
-                .accumulate(me, g, buf, self.cfg.weight, true)
+                .accumulate(me, g, Input::Local(local), self.cfg.weight)
                 .expect("own contribution is well-formed: checked weight, own partition");
         }
     }
@@ -757,7 +759,7 @@ impl Butterfly {
             }
             Input::Values(buf)
         };
-        if let Err(e) = reducer.accumulate(from, g, input, msg.weight, true) {
+        if let Err(e) = reducer.accumulate(from, g, input, msg.weight) {
             self.ban(from, e.into(), true);
             return;
         }
@@ -810,35 +812,25 @@ impl Butterfly {
         let Some(reducer) = self.reducer.as_mut() else {
             return;
         };
+        let mut non_finite = Vec::new();
         while let Some(done) = reducer.poll_completed() {
             let g = done.part;
             let spec = *self.partition.part(g);
             let codec = self.codecs[spec.tensor];
-            // Our own delta, straight from our values (never compressed).
-            if let (Some(avg), Some(deltas)) = (&done.average, self.deltas.as_mut()) {
-                let out = &mut deltas[spec.tensor][spec.range()];
-                match self.tensors[spec.tensor].part(spec.range()) {
-                    PartView::F32(x) => ops::scaled_sub(out, avg, 1.0, x),
-                    other => {
-                        self.scratch.resize(spec.len, 0.0);
-                        other.copy_to_f32(&mut self.scratch);
-                        ops::scaled_sub(out, avg, 1.0, &self.scratch);
-                    }
-                }
-            }
-            self.results[g] = done.average.as_ref().map(|_| done.contributors.clone());
-            // Lossless codec: every sender gets the same bytes, the average itself, encoded
-            // once (a sender's delta `average − input` is then computed by the sender, with the
-            // same f32 arithmetic). Lossy codecs reply with the delta against the input as
-            // the reducer decoded it, so that compression error does not accumulate.
-            let shared = match (&done.average, codec.kind()) {
-                (Some(avg), CompressionType::None) => {
-                    let mut payload = self.pool.take_bytes(spec.len * 4);
-                    codec.encode(PartView::F32(avg), &mut payload);
-                    Some(self.pool.freeze(payload))
-                }
-                _ => None,
-            };
+            let own_left_out = done.non_finite.contains(&me);
+            non_finite.extend(done.non_finite.iter().map(|&s| (s, g)));
+            self.results[g] =
+                (done.average.is_some() && !own_left_out).then(|| done.contributors.clone());
+            // Lossless codec: every sender gets the same bytes, the average itself, shared
+            // without a copy (a sender's delta `average − input` is computed when it applies
+            // the result). Lossy codecs reply with the delta against the input as the reducer
+            // decoded it, so that compression error does not accumulate; they need the
+            // average as values first.
+            let lossless = codec.kind() == CompressionType::None;
+            let mut average = done.average;
+            let shared = average
+                .take_if(|_| lossless)
+                .map(|avg| self.pool.freeze_f32(avg));
             for (s, input) in done.inputs {
                 let Some(link) = self.in_links[s].as_mut() else {
                     reducer.recycle_input(input);
@@ -848,9 +840,9 @@ impl Butterfly {
                     reducer.recycle_input(input);
                     continue;
                 }
-                let payload = match (&done.average, &shared) {
-                    (Some(_), Some(shared)) => shared.clone(),
-                    (Some(avg), None) => {
+                let payload = match (&shared, &average) {
+                    (Some(shared), _) => shared.clone(),
+                    (None, Some(avg)) => {
                         self.scratch.resize(spec.len, 0.0);
                         let mut raw = Vec::new();
                         ops::scaled_sub(&mut self.scratch, avg, 1.0, input.values(&mut raw));
@@ -858,7 +850,7 @@ impl Butterfly {
                         codec.encode(PartView::F32(&self.scratch), &mut payload);
                         self.pool.freeze(payload)
                     }
-                    (None, _) => Bytes::new(),
+                    (None, None) => Bytes::new(),
                 };
                 reducer.recycle_input(input);
                 let reply = Message::Averaged(AveragedMessage {
@@ -875,11 +867,21 @@ impl Butterfly {
                     self.outbox[s].push_back(reply);
                 }
             }
-            if let Some(avg) = done.average {
-                reducer.recycle(avg);
+            // Our own result: the exact average (never compressed). Values of ours that are
+            // not finite were left out of it: that part stays local for us, as it does in the
+            // other reducers' spans, which ban us for them.
+            let own = shared.or_else(|| average.map(|avg| self.pool.freeze_f32(avg)));
+            if let (Some(own), Some(outputs)) = (own, self.outputs.as_mut())
+                && !own_left_out
+            {
+                outputs[g] = PartResult::Average(own);
             }
         }
-        let _ = me;
+        for (s, g) in non_finite {
+            if s != me {
+                self.ban(s, ReduceError::NonFinite(g).into(), true);
+            }
+        }
     }
 
     fn check_finished(&mut self) {
@@ -896,14 +898,6 @@ impl Butterfly {
         // Finished means every message was handed out too: a driver may stop at `Finished`.
         let drained = self.outbox.iter().all(VecDeque::is_empty);
         if sending_done && reducing_done && drained {
-            if let Some(deltas) = self.deltas.as_mut() {
-                for (g, result) in self.results.iter().enumerate() {
-                    if result.is_none() {
-                        let spec = self.partition.part(g);
-                        deltas[spec.tensor][spec.range()].fill(0.0);
-                    }
-                }
-            }
             self.state = State::Finished;
             self.events.push_back(RoundEvent::Finished);
         }

@@ -1,26 +1,37 @@
-//! Weighted accumulation of one peer's span of parts.
+//! Weighted averaging of one peer's span of parts.
 //!
-//! For each part of the span the reducer keeps an f32 accumulator `Σ w·x` and the denominator
-//! `Σ w` over the senders that actually contributed that part. A part is complete once every
-//! sender that is not excluded has contributed it; its average is `Σ w·x / Σ w`. Senders may be
-//! at different parts at the same time (out-of-order across senders); contributions of one
-//! sender to one part are accepted once. Excluding (banning) a sender removes it from every part
-//! it has not contributed yet, while its earlier contributions stay in their averages, so a
-//! part's average is always over exactly the senders listed as its contributors.
+//! For each part of the span the reducer collects one contribution per sender, with the
+//! sender's weight. A part is complete once every sender that is not excluded has contributed
+//! it; its average `Σ w·x / Σ w` is then computed in a single pass over memory
+//! ([`ops::weighted_mean`]): every contribution is read once and the average written once,
+//! instead of an accumulator read and written once per contribution. Senders may be at
+//! different parts at the same time (out-of-order across senders); contributions of one sender
+//! to one part are accepted once. The contributions a part holds until it completes are
+//! bounded by the senders' in-flight windows, and a received payload is held as the bytes that
+//! arrived ([`Input::RawF32`]) and this peer's own values as a view of its tensors
+//! ([`Input::Local`]): neither is copied.
+//!
+//! Contributions are checked for NaN and infinity in the same pass: a non-finite contribution
+//! is left out of its part's average and its sender named in [`CompletedPart::non_finite`] (the
+//! caller bans it). Excluding (banning) a sender removes it from every part it has not
+//! contributed yet, while its earlier contributions stay in their averages, so a part's average
+//! is always over exactly the senders listed as its contributors.
 //!
 //! A part whose contributors all have weight 0, or that has no contributors at all, has no
 //! average: it completes with `average = None` and every sender keeps its local values there
 //! (hivemind divides by zero and returns NaN).
 
 use std::collections::VecDeque;
+use std::fmt;
 use std::ops::Range;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
 use super::peer_set::PeerSet;
 use crate::buffers::BufferPool;
-use crate::tensor::ops;
-use crate::tensor::ops::{CpuBuffer, ReduceBuffer};
+use crate::tensor::ops::{CpuKernel, ReduceKernel, Source};
+use crate::tensor::{PartView, Tensor, ops};
 
 /// Largest accepted weight. In the exact f64 fallback no sum of finite f32 values times weights
 /// up to this bound overflows, for any group size.
@@ -64,7 +75,8 @@ pub enum ReduceError {
     /// the smallest normal f64.
     #[error("weight {0} is not 0 or a normal number in [{min:e}, {MAX_WEIGHT:e}]", min = f64::MIN_POSITIVE)]
     BadWeight(f64),
-    /// The values contain NaN or infinity.
+    /// The values contain NaN or infinity (found when the part is reduced; the sender is named
+    /// in [`CompletedPart::non_finite`]).
     #[error("part {0} carries non-finite values")]
     NonFinite(usize),
     /// The sender was excluded earlier; the contribution is ignored.
@@ -77,32 +89,71 @@ pub fn valid_weight(w: f64) -> bool {
     w == 0.0 || (f64::MIN_POSITIVE..=MAX_WEIGHT).contains(&w)
 }
 
+/// One sender's contribution as the reducer holds it until its part completes.
+type Contribution = (usize, f64, Input);
+
 /// Recomputes `Σ w·x / Σ w` in f64 into `out` (the slow, exact path for averages that came out
-/// non-finite in f32: weights below f32's range, or sums above it). Needs every contributor's
-/// input; returns false if one is missing.
-fn exact_average(out: &mut [f32], weights: &[(usize, f64)], inputs: &[(usize, Input)]) -> bool {
+/// non-finite in f32: weights below f32's range, or sums above it). Returns whether the result
+/// is finite.
+fn exact_average(out: &mut [f32], contributions: &[Contribution]) -> bool {
     let mut acc = vec![0.0f64; out.len()];
     let mut den = 0.0;
     let mut scratch = Vec::new();
-    for &(s, w) in weights {
-        let Some((_, x)) = inputs.iter().find(|(i, _)| *i == s) else {
-            return false;
-        };
-        ops::add_scaled_f64(&mut acc, x.values(&mut scratch), w);
+    for (_, w, x) in contributions {
+        ops::add_scaled_f64(&mut acc, x.values(&mut scratch), *w);
         den += w;
     }
     ops::average_into(out, &acc, den);
     ops::all_finite(out)
 }
 
-/// One sender's values for one part, as the reducer holds them: decoded, or still the received
-/// little-endian f32 bytes (the lossless codec's payload, used without a decoding copy).
+/// A run of this peer's own tensor values, shared with the round that owns the tensors: the
+/// reducer reads its own contribution from there, without a copy.
+#[derive(Clone)]
+pub struct LocalValues {
+    tensors: Arc<Vec<Tensor>>,
+    tensor: usize,
+    range: Range<usize>,
+}
+
+impl LocalValues {
+    /// Elements `range` of the flattened tensor `tensor` of `tensors`, or `None` if there is no
+    /// such run.
+    pub fn new(tensors: Arc<Vec<Tensor>>, tensor: usize, range: Range<usize>) -> Option<Self> {
+        let numel = tensors.get(tensor)?.numel();
+        (range.start <= range.end && range.end <= numel).then_some(Self {
+            tensors,
+            tensor,
+            range,
+        })
+    }
+
+    /// The values.
+    pub fn view(&self) -> PartView<'_> {
+        self.tensors[self.tensor].part(self.range.clone())
+    }
+}
+
+impl fmt::Debug for LocalValues {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalValues")
+            .field("tensor", &self.tensor)
+            .field("range", &self.range)
+            .finish()
+    }
+}
+
+/// One sender's values for one part, as the reducer holds them: decoded, still the received
+/// little-endian f32 bytes (the lossless codec's payload, used without a decoding copy), or a
+/// view of this peer's own tensors.
 #[derive(Debug)]
 pub enum Input {
     /// Decoded values.
     Values(Vec<f32>),
     /// Little-endian f32 values as received (any alignment; a multiple of 4 bytes).
     RawF32(Bytes),
+    /// This peer's own values.
+    Local(LocalValues),
 }
 
 impl From<Vec<f32>> for Input {
@@ -117,6 +168,7 @@ impl Input {
         match self {
             Input::Values(v) => v.len(),
             Input::RawF32(b) => b.len() / 4,
+            Input::Local(l) => l.range.len(),
         }
     }
 
@@ -125,7 +177,7 @@ impl Input {
         self.len() == 0
     }
 
-    /// The values as f32: borrowed when decoded, else decoded into `scratch`.
+    /// The values as f32: borrowed where they are f32 already, else decoded into `scratch`.
     pub fn values<'a>(&'a self, scratch: &'a mut Vec<f32>) -> &'a [f32] {
         match self {
             Input::Values(v) => v,
@@ -134,28 +186,23 @@ impl Input {
                 ops::copy_from_le(scratch, b);
                 scratch
             }
+            Input::Local(l) => match l.view() {
+                PartView::F32(x) => x,
+                other => {
+                    scratch.resize(other.len(), 0.0);
+                    other.copy_to_f32(scratch);
+                    scratch
+                }
+            },
         }
     }
 
-    fn all_finite(&self) -> bool {
+    /// The values as the reduction kernel reads them (no copy).
+    pub fn source(&self) -> Source<'_> {
         match self {
-            Input::Values(v) => ops::all_finite(v),
-            Input::RawF32(b) => b
-                .chunks_exact(4)
-                .all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
-        }
-    }
-
-    /// `acc = w · self` (`first`) or `acc += w · self`; whether every value was finite.
-    fn add_into(&self, acc: &mut CpuBuffer, w: f64, first: bool) -> bool {
-        match (self, first) {
-            (Input::Values(v), true) => {
-                acc.assign_scaled(v, w);
-                ops::all_finite(v)
-            }
-            (Input::Values(v), false) => acc.add_scaled_checked(v, w),
-            (Input::RawF32(b), true) => acc.assign_scaled_le(b, w),
-            (Input::RawF32(b), false) => acc.add_scaled_le(b, w),
+            Input::Values(v) => Source::F32(v),
+            Input::RawF32(b) => Source::Le(b),
+            Input::Local(l) => l.view().into(),
         }
     }
 }
@@ -169,23 +216,21 @@ pub struct CompletedPart {
     pub average: Option<Vec<f32>>,
     /// Senders whose values are in the average (empty when `average` is `None`).
     pub contributors: PeerSet,
-    /// The inputs of senders that asked to keep them (to compute their deltas).
+    /// The inputs of the part's contributors (for replies that depend on them: lossy codecs'
+    /// deltas). Non-finite contributions are not among them.
     pub inputs: Vec<(usize, Input)>,
+    /// Senders whose contribution held NaN or infinity and was left out (to be banned).
+    pub non_finite: Vec<usize>,
 }
 
 #[derive(Debug, Default)]
 struct PartAcc {
-    acc: Option<CpuBuffer>,
-    denominator: f64,
+    contributions: Vec<Contribution>,
     contributors: PeerSet,
-    weights: Vec<(usize, f64)>,
-    inputs: Vec<(usize, Input)>,
-    /// Whether every contribution so far is in `inputs` (so `acc` can be rebuilt from them).
-    partial_inputs: bool,
     done: bool,
 }
 
-/// Accumulates one span of parts from many senders.
+/// Collects and averages one span of parts from many senders.
 #[derive(Debug)]
 pub struct Reducer {
     span: Range<usize>,
@@ -196,6 +241,7 @@ pub struct Reducer {
     completed: VecDeque<usize>,
     remaining: usize,
     pool: BufferPool,
+    kernel: CpuKernel,
 }
 
 impl Reducer {
@@ -222,6 +268,7 @@ impl Reducer {
             excluded: PeerSet::new(),
             completed: VecDeque::new(),
             pool,
+            kernel: CpuKernel,
         };
         if r.senders.is_empty() {
             for i in 0..r.parts.len() {
@@ -268,19 +315,15 @@ impl Reducer {
         }
     }
 
-    /// Adds `weight · values` from `sender` to global part `part`. With `keep_input`, the
-    /// values are handed back in [`CompletedPart::inputs`]; otherwise the buffer is recycled.
-    ///
-    /// The finiteness check runs in the same pass as the sum when every contribution to the
-    /// part is kept (a non-finite input is then taken out again by rebuilding the sum from the
-    /// kept inputs, a rare path); otherwise it runs first.
+    /// Takes `weight · values` from `sender` for global part `part`. The values are held
+    /// until the part completes; they are checked for NaN and infinity then, in the averaging
+    /// pass, and handed back in [`CompletedPart::inputs`].
     pub fn accumulate(
         &mut self,
         sender: usize,
         part: usize,
         values: impl Into<Input>,
         weight: f64,
-        keep_input: bool,
     ) -> Result<(), ReduceError> {
         let input = values.into();
         if let Err(e) = self.check(sender, part, input.len(), weight) {
@@ -288,54 +331,11 @@ impl Reducer {
             return Err(e);
         }
         let i = part - self.span.start;
-        let fused = keep_input && !self.parts[i].partial_inputs;
-        if !fused && !input.all_finite() {
-            self.recycle_input(input);
-            return Err(ReduceError::NonFinite(part));
-        }
-        let (mut acc, first) = match self.parts[i].acc.take() {
-            Some(acc) => (acc, false),
-            None => (CpuBuffer::from_vec(self.pool.take_f32(input.len())), true),
-        };
-        if !input.add_into(&mut acc, weight, first) {
-            self.parts[i].acc = Some(acc);
-            self.rebuild(i);
-            self.recycle_input(input);
-            return Err(ReduceError::NonFinite(part));
-        }
         let p = &mut self.parts[i];
-        p.acc = Some(acc);
-        p.denominator += weight;
         p.contributors.insert(sender);
-        p.weights.push((sender, weight));
-        if keep_input {
-            p.inputs.push((sender, input));
-        } else {
-            p.partial_inputs = true;
-            self.recycle_input(input);
-        }
+        p.contributions.push((sender, weight, input));
         self.try_complete(i);
         Ok(())
-    }
-
-    /// Recomputes part `i`'s sum from its kept inputs (after a non-finite contribution).
-    fn rebuild(&mut self, i: usize) {
-        let p = &mut self.parts[i];
-        let Some(mut acc) = p.acc.take() else {
-            return;
-        };
-        let mut first = true;
-        for &(s, w) in &p.weights {
-            if let Some((_, x)) = p.inputs.iter().find(|(k, _)| *k == s) {
-                x.add_into(&mut acc, w, first);
-                first = false;
-            }
-        }
-        if first {
-            self.pool.put_f32(acc.into_vec());
-        } else {
-            self.parts[i].acc = Some(acc);
-        }
     }
 
     fn check(
@@ -374,10 +374,6 @@ impl Reducer {
         Ok(())
     }
 
-    fn recycle_acc(&mut self, acc: CpuBuffer) {
-        self.pool.put_f32(acc.into_vec());
-    }
-
     /// Excludes `sender` from every part it has not contributed yet. Returns whether it was
     /// newly excluded.
     pub fn exclude(&mut self, sender: usize) -> bool {
@@ -413,42 +409,76 @@ impl Reducer {
         }
     }
 
-    /// The next completed part, if any (in completion order).
+    /// Averages `contributions` into a pooled buffer of `len` values. Non-finite contributions
+    /// are moved out (their senders pushed to `non_finite`) and the rest averaged again; an
+    /// average that overflows f32 is recomputed exactly. `None` when the remaining weight is
+    /// zero.
+    fn average(
+        &mut self,
+        len: usize,
+        contributions: &mut Vec<Contribution>,
+        non_finite: &mut Vec<usize>,
+    ) -> Option<Vec<f32>> {
+        let mut out: Option<Vec<f32>> = None;
+        loop {
+            let den: f64 = contributions.iter().map(|(_, w, _)| w).sum();
+            if den <= 0.0 {
+                if let Some(buf) = out {
+                    self.pool.put_f32(buf);
+                }
+                return None;
+            }
+            let mut buf = out.take().unwrap_or_else(|| self.pool.take_f32(len));
+            let sources: Vec<(Source<'_>, f32)> = contributions
+                .iter()
+                .map(|(_, w, x)| (x.source(), *w as f32))
+                .collect();
+            let mut bad = vec![false; sources.len()];
+            let finite =
+                self.kernel
+                    .weighted_mean(&sources, (1.0 / den) as f32, &mut buf, &mut bad);
+            drop(sources);
+            if bad.iter().any(|&b| b) {
+                let all = std::mem::take(contributions);
+                for ((s, w, x), is_bad) in all.into_iter().zip(bad) {
+                    if is_bad {
+                        non_finite.push(s);
+                        self.recycle_input(x);
+                    } else {
+                        contributions.push((s, w, x));
+                    }
+                }
+                out = Some(buf);
+                continue;
+            }
+            if finite || exact_average(&mut buf, contributions) {
+                return Some(buf);
+            }
+            // Unreachable with validated weights and finite inputs; never hand out a
+            // non-finite average.
+            self.pool.put_f32(buf);
+            return None;
+        }
+    }
+
+    /// The next completed part, if any (in completion order), with its average computed.
     pub fn poll_completed(&mut self) -> Option<CompletedPart> {
         let i = self.completed.pop_front()?;
-        let p = &mut self.parts[i];
-        let acc = p.acc.take();
-        let inputs = std::mem::take(&mut p.inputs);
-        let denominator = p.denominator;
-        let contributors = std::mem::take(&mut p.contributors);
         let len = self.lens[i];
-        let weights = std::mem::take(&mut p.weights);
-        let (average, contributors) = match acc {
-            Some(acc) if denominator > 0.0 => {
-                let mut avg = self.take_buffer(len);
-                acc.average_to_host(denominator, &mut avg);
-                self.recycle_acc(acc);
-                if !ops::all_finite(&avg) && !exact_average(&mut avg, &weights, &inputs) {
-                    // Unreachable with validated weights and every input kept; never apply
-                    // a non-finite average.
-                    self.recycle(avg);
-                    (None, PeerSet::new())
-                } else {
-                    (Some(avg), contributors)
-                }
-            }
-            other => {
-                if let Some(acc) = other {
-                    self.recycle_acc(acc);
-                }
-                (None, PeerSet::new())
-            }
+        let mut contributions = std::mem::take(&mut self.parts[i].contributions);
+        let mut non_finite = Vec::new();
+        let average = self.average(len, &mut contributions, &mut non_finite);
+        let contributors = if average.is_some() {
+            PeerSet::from_indices(contributions.iter().map(|(s, _, _)| *s))
+        } else {
+            PeerSet::new()
         };
         Some(CompletedPart {
             part: self.span.start + i,
             average,
             contributors,
-            inputs,
+            inputs: contributions.into_iter().map(|(s, _, x)| (s, x)).collect(),
+            non_finite,
         })
     }
 }
@@ -496,8 +526,7 @@ mod tests {
                             continue;
                         }
                         let k = next[s];
-                        r.accumulate(s, 10 + k, inputs[s][k].clone(), 1.0, true)
-                            .unwrap();
+                        r.accumulate(s, 10 + k, inputs[s][k].clone(), 1.0).unwrap();
                         next[s] += 1;
                         while let Some(c) = r.poll_completed() {
                             done.push(c);
@@ -524,10 +553,10 @@ mod tests {
     #[test]
     fn weighted_and_excluded() {
         let mut r = Reducer::new(0..2, vec![2, 2], PeerSet::from_indices([0, 1, 2]));
-        r.accumulate(0, 0, vec![1.0, 2.0], 1.0, false).unwrap();
-        r.accumulate(1, 0, vec![3.0, 4.0], 3.0, false).unwrap();
-        r.accumulate(0, 1, vec![1.0, 1.0], 1.0, false).unwrap();
-        r.accumulate(2, 1, vec![5.0, 5.0], 1.0, false).unwrap();
+        r.accumulate(0, 0, vec![1.0, 2.0], 1.0).unwrap();
+        r.accumulate(1, 0, vec![3.0, 4.0], 3.0).unwrap();
+        r.accumulate(0, 1, vec![1.0, 1.0], 1.0).unwrap();
+        r.accumulate(2, 1, vec![5.0, 5.0], 1.0).unwrap();
         assert!(r.poll_completed().is_none());
         // Sender 1 banned: stays in part 0 (contributed), excluded from part 1.
         // Sender 2 never sent part 0: ban it too.
@@ -543,7 +572,7 @@ mod tests {
         assert_eq!(c0.contributors, PeerSet::from_indices([0, 1]));
         assert!(r.is_finished());
         assert_eq!(
-            r.accumulate(1, 1, vec![0.0, 0.0], 1.0, false),
+            r.accumulate(1, 1, vec![0.0, 0.0], 1.0),
             Err(ReduceError::Excluded(1))
         );
     }
@@ -552,15 +581,15 @@ mod tests {
     fn rejects_bad_contributions() {
         let mut r = Reducer::new(4..6, vec![2, 3], PeerSet::from_indices([0, 1]));
         assert_eq!(
-            r.accumulate(5, 4, vec![0.0; 2], 1.0, false),
+            r.accumulate(5, 4, vec![0.0; 2], 1.0),
             Err(ReduceError::NotASender(5))
         );
         assert!(matches!(
-            r.accumulate(0, 6, vec![0.0; 2], 1.0, false),
+            r.accumulate(0, 6, vec![0.0; 2], 1.0),
             Err(ReduceError::OutsideSpan { .. })
         ));
         assert!(matches!(
-            r.accumulate(0, 4, vec![0.0; 3], 1.0, false),
+            r.accumulate(0, 4, vec![0.0; 3], 1.0),
             Err(ReduceError::Length {
                 expected: 2,
                 actual: 3,
@@ -569,70 +598,96 @@ mod tests {
         ));
         for w in [-1.0, f64::NAN, f64::INFINITY, 1e13, 1e-310] {
             assert!(matches!(
-                r.accumulate(0, 4, vec![0.0; 2], w, false),
+                r.accumulate(0, 4, vec![0.0; 2], w),
                 Err(ReduceError::BadWeight(_))
             ));
         }
-        assert_eq!(
-            r.accumulate(0, 4, vec![f32::NAN, 0.0], 1.0, false),
-            Err(ReduceError::NonFinite(4))
-        );
-        r.accumulate(0, 4, vec![0.0; 2], 1.0, false).unwrap();
+        r.accumulate(0, 4, vec![0.0; 2], 1.0).unwrap();
         assert!(matches!(
-            r.accumulate(0, 4, vec![0.0; 2], 1.0, false),
+            r.accumulate(0, 4, vec![0.0; 2], 1.0),
             Err(ReduceError::Duplicate { .. })
         ));
     }
 
-    /// A non-finite contribution in the fused path (kept inputs, raw bytes or decoded values,
-    /// first or later contributor) is refused and leaves the part's sum exactly as if it had
-    /// never arrived.
+    /// A non-finite contribution (raw bytes, decoded values or local values; first, middle or
+    /// last in arrival order; one or two of them) is left out of the average, which comes out
+    /// exactly as if it had never arrived, and its sender is named for a ban.
     #[test]
-    fn non_finite_input_is_taken_out_of_the_fused_sum() {
+    fn non_finite_input_is_left_out_of_the_average() {
         let raw = |v: &[f32]| {
             Input::RawF32(Bytes::from(
                 v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
             ))
         };
-        for bad_first in [false, true] {
-            for bad_raw in [false, true] {
-                let mut r = Reducer::new(0..1, vec![3], PeerSet::from_indices([0, 1, 2]));
-                let bad = [1.0, f32::INFINITY, 2.0];
-                let bad_input = || -> Input {
-                    if bad_raw {
-                        raw(&bad)
-                    } else {
-                        bad.to_vec().into()
+        let bad = [1.0, f32::INFINITY, 2.0];
+        let local_bad = {
+            let t = Tensor::from_f32(&[3], vec![f32::NAN, 0.0, 0.0]).unwrap();
+            LocalValues::new(Arc::new(vec![t]), 0, 0..3).unwrap()
+        };
+        for position in 0..3 {
+            for kind in 0..3 {
+                for two_bad in [false, true] {
+                    let mut r = Reducer::new(0..1, vec![3], PeerSet::from_indices([0, 1, 2, 3]));
+                    let bad_input = || -> Input {
+                        match kind {
+                            0 => raw(&bad),
+                            1 => bad.to_vec().into(),
+                            _ => Input::Local(local_bad.clone()),
+                        }
+                    };
+                    let mut good = vec![
+                        (0, raw(&[1.0, 2.0, 3.0]), 1.0),
+                        (1, Input::from(vec![3.0, 4.0, 5.0]), 3.0),
+                    ];
+                    good.insert(position.min(good.len()), (2, bad_input(), 1.0));
+                    for (s, x, w) in good {
+                        r.accumulate(s, 0, x, w).unwrap();
                     }
-                };
-                if bad_first {
-                    assert_eq!(
-                        r.accumulate(2, 0, bad_input(), 1.0, true),
-                        Err(ReduceError::NonFinite(0))
-                    );
+                    if two_bad {
+                        r.accumulate(3, 0, vec![f32::NAN; 3], 1.0).unwrap();
+                    } else {
+                        r.exclude(3);
+                    }
+                    let done = r.poll_completed().unwrap();
+                    assert_eq!(done.average.unwrap(), vec![2.5, 3.5, 4.5]);
+                    assert_eq!(done.contributors, PeerSet::from_indices([0, 1]));
+                    let want_bad = if two_bad { vec![2, 3] } else { vec![2] };
+                    assert_eq!(done.non_finite, want_bad);
+                    let mut scratch = Vec::new();
+                    let kept: Vec<Vec<f32>> = done
+                        .inputs
+                        .iter()
+                        .map(|(_, x)| x.values(&mut scratch).to_vec())
+                        .collect();
+                    assert_eq!(kept, vec![vec![1.0, 2.0, 3.0], vec![3.0, 4.0, 5.0]]);
                 }
-                r.accumulate(0, 0, raw(&[1.0, 2.0, 3.0]), 1.0, true)
-                    .unwrap();
-                if !bad_first {
-                    assert_eq!(
-                        r.accumulate(2, 0, bad_input(), 1.0, true),
-                        Err(ReduceError::NonFinite(0))
-                    );
-                }
-                r.accumulate(1, 0, vec![3.0, 4.0, 5.0], 3.0, true).unwrap();
-                r.exclude(2);
-                let done = r.poll_completed().unwrap();
-                assert_eq!(done.average.unwrap(), vec![2.5, 3.5, 4.5]);
-                assert_eq!(done.contributors, PeerSet::from_indices([0, 1]));
-                let mut scratch = Vec::new();
-                let kept: Vec<Vec<f32>> = done
-                    .inputs
-                    .iter()
-                    .map(|(_, x)| x.values(&mut scratch).to_vec())
-                    .collect();
-                assert_eq!(kept, vec![vec![1.0, 2.0, 3.0], vec![3.0, 4.0, 5.0]]);
             }
         }
+        // Only non-finite contributions: no average at all.
+        let mut r = Reducer::new(0..1, vec![1], PeerSet::from_indices([0]));
+        r.accumulate(0, 0, vec![f32::NAN], 1.0).unwrap();
+        let done = r.poll_completed().unwrap();
+        assert!(done.average.is_none() && done.contributors.is_empty());
+        assert_eq!(done.non_finite, vec![0]);
+    }
+
+    /// Own values are read in place, in their own dtype.
+    #[test]
+    fn local_values_are_averaged_in_place() {
+        let t16 =
+            Tensor::from_f32_as(&[4], &[1.0, 2.0, 3.0, 4.0], crate::tensor::DType::F16).unwrap();
+        let t32 = Tensor::from_f32(&[4], vec![5.0, 6.0, 7.0, 8.0]).unwrap();
+        let tensors = Arc::new(vec![t16, t32]);
+        assert!(LocalValues::new(tensors.clone(), 2, 0..1).is_none());
+        assert!(LocalValues::new(tensors.clone(), 0, 2..5).is_none());
+        let mut r = Reducer::new(0..2, vec![2, 2], PeerSet::from_indices([0, 1]));
+        let local = |t, range| Input::Local(LocalValues::new(tensors.clone(), t, range).unwrap());
+        r.accumulate(0, 0, local(0, 1..3), 1.0).unwrap();
+        r.accumulate(0, 1, local(1, 2..4), 1.0).unwrap();
+        r.accumulate(1, 0, vec![0.0, 1.0], 1.0).unwrap();
+        r.accumulate(1, 1, vec![1.0, 0.0], 3.0).unwrap();
+        assert_eq!(r.poll_completed().unwrap().average.unwrap(), vec![1.0, 2.0]);
+        assert_eq!(r.poll_completed().unwrap().average.unwrap(), vec![2.5, 2.0]);
     }
 
     #[test]
@@ -640,31 +695,28 @@ mod tests {
         // Tiny and huge (valid) weights, values at the f32 limits: the f32 path overflows or
         // underflows, the exact f64 fallback gives the true mean (hivemind: NaN or inf).
         let mut r = Reducer::new(0..2, vec![2, 2], PeerSet::from_indices([0, 1]));
-        r.accumulate(0, 0, vec![f32::MAX, 1.0], MAX_WEIGHT, true)
-            .unwrap();
-        r.accumulate(1, 0, vec![f32::MAX, 3.0], MAX_WEIGHT, true)
-            .unwrap();
-        r.accumulate(0, 1, vec![1.0, -1.0], 1e-300, true).unwrap();
-        r.accumulate(1, 1, vec![3.0, -3.0], 1e-300, true).unwrap();
+        r.accumulate(0, 0, vec![f32::MAX, 1.0], MAX_WEIGHT).unwrap();
+        r.accumulate(1, 0, vec![f32::MAX, 3.0], MAX_WEIGHT).unwrap();
+        r.accumulate(0, 1, vec![1.0, -1.0], 1e-300).unwrap();
+        r.accumulate(1, 1, vec![3.0, -3.0], 1e-300).unwrap();
         let a = r.poll_completed().unwrap().average.unwrap();
         assert_eq!(a, vec![f32::MAX, 2.0]);
         let b = r.poll_completed().unwrap().average.unwrap();
         assert_eq!(b, vec![2.0, -2.0]);
-        // Without the inputs there is no exact path: no average, never a non-finite one.
+        // Every input is held until its part completes, so the exact path always has them.
         let mut r = Reducer::new(0..1, vec![1], PeerSet::from_indices([0, 1]));
-        r.accumulate(0, 0, vec![f32::MAX], MAX_WEIGHT, false)
-            .unwrap();
-        r.accumulate(1, 0, vec![f32::MAX], MAX_WEIGHT, false)
-            .unwrap();
+        r.accumulate(0, 0, vec![-f32::MAX], MAX_WEIGHT).unwrap();
+        r.accumulate(1, 0, vec![-f32::MAX], MAX_WEIGHT).unwrap();
         let c = r.poll_completed().unwrap();
-        assert!(c.average.is_none() && c.contributors.is_empty());
+        assert_eq!(c.average.unwrap(), vec![-f32::MAX]);
+        assert_eq!(c.contributors, PeerSet::from_indices([0, 1]));
     }
 
     #[test]
     fn zero_weight_and_no_senders_have_no_average() {
         let mut r = Reducer::new(0..1, vec![1], PeerSet::from_indices([0, 1]));
-        r.accumulate(0, 0, vec![1.0], 0.0, false).unwrap();
-        r.accumulate(1, 0, vec![2.0], 0.0, false).unwrap();
+        r.accumulate(0, 0, vec![1.0], 0.0).unwrap();
+        r.accumulate(1, 0, vec![2.0], 0.0).unwrap();
         let c = r.poll_completed().unwrap();
         assert!(c.average.is_none() && c.contributors.is_empty());
         let mut empty = Reducer::new(0..3, vec![1, 2, 3], PeerSet::new());

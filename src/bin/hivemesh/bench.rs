@@ -371,7 +371,7 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         cfg.part_size_bytes,
         &cfg.compression,
     )?;
-    // One runner config, so one buffer pool, for every round; it keeps the deltas too.
+    // One runner config, so one buffer pool, for every round; it keeps the received averages too.
     let runner_cfg = RunnerConfig {
         pool: BufferPool::new(bench.elements() * 4 + hivemesh::buffers::DEFAULT_RETAIN_BYTES),
         ..RunnerConfig::default()
@@ -413,9 +413,7 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         ensure!(go == "CHECK", "expected CHECK, got '{go}'");
         let (err_report, err_mean, local) = check(&bench, &partition, &start, &outcome);
         println!("CHECKED {round} {err_report:e} {err_mean:e} {local}");
-        for delta in outcome.deltas.into_iter().flatten() {
-            runner_cfg.pool.put_f32(delta);
-        }
+        outcome.recycle(&runner_cfg.pool);
         tensors = start;
     }
     println!("DONE");
@@ -451,9 +449,9 @@ fn check(
     start: &[hivemesh::tensor::Tensor],
     outcome: &hivemesh::allreduce::Outcome,
 ) -> (f32, f32, usize) {
-    let Some(deltas) = &outcome.deltas else {
+    if outcome.results.is_none() {
         return (0.0, 0.0, 0);
-    };
+    }
     let hivemesh::tensor::PartView::F32(own) = start[0].flat() else {
         return (f32::INFINITY, f32::INFINITY, 0);
     };
@@ -465,6 +463,7 @@ fn check(
         (sum / count as f64) as f32
     };
     let (mut err_report, mut err_mean, mut local) = (0.0f32, 0.0f32, 0);
+    let mut result = Vec::new();
     for span in &outcome.report.spans {
         for seg in &span.segments {
             let everyone = seg.contributors.as_ref().is_some_and(|c| c.len() == n);
@@ -473,9 +472,12 @@ fn check(
                 if seg.contributors.is_none() {
                     local += 1;
                 }
-                for e in spec.range() {
+                result.resize(spec.len, 0.0);
+                if outcome.result_into(g, start, &mut result).is_none() {
+                    return (f32::INFINITY, f32::INFINITY, local);
+                }
+                for (e, &result) in spec.range().zip(&result) {
                     let mean = mean_of(&mut (0..n), e);
-                    let result = own[e] + deltas[0][e];
                     let named = match &seg.contributors {
                         None => own[e],
                         Some(_) if everyone => mean,
