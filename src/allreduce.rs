@@ -257,6 +257,11 @@ pub struct AveragedMessage {
     /// For lossy codecs, the encoded `average − sender's decoded input`; for the lossless
     /// `none` codec, the encoded average itself (the same bytes for every sender).
     pub payload: Bytes,
+    /// Not on the wire: whether the payload's little-endian f32 values are all finite, when
+    /// the receiving side has checked already (the runner checks a lossless f32 payload as
+    /// soon as its frame is read, while the bytes are still in cache); `None` when not
+    /// checked, and then the round checks it.
+    pub finite: Option<bool>,
 }
 
 /// An outgoing message.

@@ -30,7 +30,8 @@ use tokio::task::JoinHandle;
 
 use crate::allreduce::{Butterfly, Message, Outcome, RoundConfig, RoundError, RoundEvent};
 use crate::buffers::BufferPool;
-use crate::tensor::Tensor;
+use crate::compression::CompressionType;
+use crate::tensor::{DType, Tensor, ops};
 use crate::wire::{self, Frame, FrameDecoder, WireError};
 
 /// A bidirectional byte stream to one group member.
@@ -342,6 +343,15 @@ async fn read_link(
         };
         if g != group_id {
             break LinkError::ForeignGroup;
+        }
+        let mut message = message;
+        if let Message::Averaged(m) = &mut message
+            && m.codec == CompressionType::None
+            && m.dtype == DType::F32
+        {
+            // Checked here, right after the frame's bytes were decrypted into memory and are
+            // still in this core's cache; the compute thread would read them back from RAM.
+            m.finite = Some(ops::all_finite_le(&m.payload));
         }
         if tx
             .send(Inbound::Message {

@@ -198,6 +198,7 @@ impl TryFrom<proto::RoundFrame> for Frame {
                     dtype,
                     contributors: PeerSet::from_words(a.contributors),
                     payload,
+                    finite: None,
                 })
             }
             Body::Abort(a) => Message::Abort {
@@ -612,6 +613,7 @@ mod tests {
                     dtype: DType::BF16,
                     contributors: PeerSet::from_indices([0, 3, 70]),
                     payload: Bytes::new(),
+                    finite: None,
                 }),
             },
             Frame {

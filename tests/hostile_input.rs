@@ -63,7 +63,8 @@ fn arb_message() -> impl Strategy<Value = Message> {
                     codec,
                     dtype,
                     contributors: PeerSet::from_words(words),
-                    payload
+                    payload,
+                    finite: None,
                 }
             )),
         (prop_oneof![Just(Role::Sender), Just(Role::Reducer)]).prop_map(|role| Message::Abort {

@@ -588,8 +588,12 @@ impl Butterfly {
                 && msg.dtype == DType::F32
                 && msg.payload.len() == spec.len * 4
             {
-                // The average itself, kept in the frame it arrived in; checked, not copied.
-                if !ops::all_finite_le(&msg.payload) {
+                // The average itself, kept in the frame it arrived in; checked (by the runner
+                // already, where it read the frame), not copied.
+                if !msg
+                    .finite
+                    .unwrap_or_else(|| ops::all_finite_le(&msg.payload))
+                {
                     self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
                     return;
                 }
@@ -859,6 +863,7 @@ impl Butterfly {
                     dtype: codec.wire_dtype(DType::F32),
                     contributors: done.contributors.clone(),
                     payload,
+                    finite: None,
                 });
                 let sending_done = link.status == LinkStatus::Done;
                 if self.modes[s] == Mode::Client && !sending_done {
