@@ -503,7 +503,8 @@ fn check_layout(parts: &[PartSpec], tensors: &[Tensor], what: &str) -> Result<()
     for p in parts {
         let fits = tensors
             .get(p.tensor)
-            .is_some_and(|t| p.offset + p.len <= t.numel());
+            .zip(p.offset.checked_add(p.len))
+            .is_some_and(|(t, end)| end <= t.numel());
         if !fits {
             return Err(TensorError::Mismatch(format!(
                 "{what}: {} tensors do not hold part {:?} of the round",

@@ -295,7 +295,9 @@ impl Tensor {
     ) -> Result<(), TensorError> {
         let n = self.numel();
         let len = start.len();
-        if average.len() != len * 4 || offset + len > n {
+        if Some(average.len()) != len.checked_mul(4)
+            || offset.checked_add(len).is_none_or(|end| end > n)
+        {
             return Err(TensorError::Mismatch(format!(
                 "an average of {} bytes for {len} start values at offset {offset} of {n} elements",
                 average.len()

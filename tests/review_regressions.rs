@@ -231,3 +231,97 @@ fn huge_timeouts_do_not_panic() {
     let m = machine(cfg, Instant::now());
     assert!(m.poll_timeout().is_none());
 }
+
+fn reply_parts(m: &mut Butterfly, now: Instant, to: usize) -> Vec<(usize, bool)> {
+    let mut out = Vec::new();
+    while let Some(t) = m.poll_transmit(now, |_| true) {
+        if let hivemesh::allreduce::Message::Averaged(a) = &t.message
+            && t.to == to
+        {
+            out.push((a.part as usize, !a.contributors.is_empty()));
+        }
+    }
+    out
+}
+
+/// Session-4 review: a NaN found when a part completes bans its sender, and the ban completes
+/// the parts that only waited for that sender. Those used to stay unanswered: the round
+/// finished with them queued, the honest sender got no replies for them, and the queued
+/// parts kept the round's tensors shared (a copy instead of a move at the end).
+#[test]
+fn parts_completed_by_a_nan_ban_are_still_answered() {
+    let now = Instant::now();
+    let mut cfg = node_config(3, 0);
+    cfg.max_in_flight_parts = 16;
+    let mut m = machine(cfg, now);
+    let span = m.partition().span(0);
+    assert!(span.len() > 2);
+    // Our own reducers are gone, so only our span keeps the round open.
+    for r in [1, 2] {
+        let abort = hivemesh::allreduce::Message::Abort {
+            role: hivemesh::allreduce::Role::Reducer,
+            reason: hivemesh::allreduce::AbortReason::Banned,
+        };
+        m.handle_message(now, r, abort).unwrap();
+    }
+    while m.poll_transmit(now, |_| true).is_some() {}
+    for g in span.clone() {
+        let len = m.partition().part(g).len;
+        m.handle_message(now, 1, f32_part(g, &vec![0.5; len], 1.0))
+            .unwrap();
+    }
+    let len = m.partition().part(span.start).len;
+    m.handle_message(now, 2, f32_part(span.start, &vec![f32::NAN; len], 1.0))
+        .unwrap();
+    let replies = reply_parts(&mut m, now, 1);
+    assert_eq!(
+        replies,
+        span.clone().map(|g| (g, true)).collect::<Vec<_>>(),
+        "every part answered with an average"
+    );
+    assert!(m.is_finished());
+    let bans = banned(&mut m);
+    assert!(bans.iter().any(|(p, _)| *p == 2), "{bans:?}");
+    for g in span.clone() {
+        let named = m.outcome().unwrap().report.contributors(g).cloned();
+        assert_eq!(
+            named,
+            Some(hivemesh::allreduce::PeerSet::from_indices([0, 1]))
+        );
+    }
+    let before = m.tensors().as_ptr();
+    let (tensors, _) = m.into_outcome().unwrap();
+    assert_eq!(
+        tensors.as_ptr(),
+        before,
+        "the tensors are moved out, not copied"
+    );
+}
+
+/// Session-4 review: a NaN in a sender's last part is found only after its link is done. It
+/// used to go unreported and unanswered (the sender waited out its reducer timeout); now it is
+/// named as banned and told that the part has no average for it.
+#[test]
+fn a_nan_in_the_last_part_is_reported_and_answered() {
+    let now = Instant::now();
+    let mut m = machine(node_config(3, 0), now);
+    let span = m.partition().span(0);
+    let mut to_bad = Vec::new();
+    for g in span.clone() {
+        let len = m.partition().part(g).len;
+        let v = if g + 1 == span.end {
+            vec![f32::NAN; len]
+        } else {
+            vec![1.5; len]
+        };
+        m.handle_message(now, 1, f32_part(g, &vec![0.5; len], 1.0))
+            .unwrap();
+        m.handle_message(now, 2, f32_part(g, &v, 1.0)).unwrap();
+        to_bad.extend(reply_parts(&mut m, now, 2));
+    }
+    let last = span.end - 1;
+    assert_eq!(to_bad.last(), Some(&(last, false)), "{to_bad:?}");
+    assert!(to_bad[..to_bad.len() - 1].iter().all(|&(_, avg)| avg));
+    let bans = banned(&mut m);
+    assert!(bans.iter().any(|(p, _)| *p == 2), "{bans:?}");
+}

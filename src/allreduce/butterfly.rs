@@ -811,12 +811,64 @@ impl Butterfly {
             .push_back(RoundEvent::Banned { peer: s, reason });
     }
 
+    /// Answers every completed part, then deals with the senders whose contributions were not
+    /// finite. Banning one excludes it from the parts it has not sent, which may complete
+    /// more parts: those are answered in the next turn of the loop, so that nothing completed
+    /// stays unanswered when the round may finish.
     fn drain_completed(&mut self) {
-        let me = self.cfg.me;
-        let Some(reducer) = self.reducer.as_mut() else {
+        loop {
+            let non_finite = self.answer_completed();
+            if non_finite.is_empty() {
+                return;
+            }
+            for (s, g) in non_finite {
+                self.reject_non_finite(s, g);
+            }
+        }
+    }
+
+    /// A contribution of `s` to part `g` was not finite (found when the part completed).
+    fn reject_non_finite(&mut self, s: usize, g: usize) {
+        if s == self.cfg.me {
+            return; // our own values: that part stays local for us (see answer_completed)
+        }
+        let reason: Violation = ReduceError::NonFinite(g).into();
+        let Some(link) = self.in_links[s].as_mut() else {
             return;
         };
+        match link.status {
+            LinkStatus::Active => self.ban(s, reason, true),
+            LinkStatus::Done => {
+                // It delivered everything already, so there is nothing left to exclude it
+                // from; it is still named, and told that this part has no average for it
+                // (it would otherwise wait out its reducer timeout for the reply).
+                let spec = *self.partition.part(g);
+                let codec = self.codecs[spec.tensor];
+                self.outbox[s].push_back(Message::Averaged(AveragedMessage {
+                    part: g as u32,
+                    codec: codec.kind(),
+                    dtype: codec.wire_dtype(DType::F32),
+                    contributors: PeerSet::new(),
+                    payload: Bytes::new(),
+                    finite: None,
+                }));
+                if self.banned.insert(s) {
+                    self.events
+                        .push_back(RoundEvent::Banned { peer: s, reason });
+                }
+            }
+            LinkStatus::Failed => {}
+        }
+    }
+
+    /// Answers every part the reducer has completed; returns the `(sender, part)` pairs whose
+    /// contributions were not finite.
+    fn answer_completed(&mut self) -> Vec<(usize, usize)> {
+        let me = self.cfg.me;
         let mut non_finite = Vec::new();
+        let Some(reducer) = self.reducer.as_mut() else {
+            return non_finite;
+        };
         while let Some(done) = reducer.poll_completed() {
             let g = done.part;
             let spec = *self.partition.part(g);
@@ -882,11 +934,7 @@ impl Butterfly {
                 outputs[g] = PartResult::Average(own);
             }
         }
-        for (s, g) in non_finite {
-            if s != me {
-                self.ban(s, ReduceError::NonFinite(g).into(), true);
-            }
-        }
+        non_finite
     }
 
     fn check_finished(&mut self) {
@@ -898,7 +946,10 @@ impl Butterfly {
             .iter()
             .flatten()
             .all(|l| l.status != LinkStatus::Active);
-        let reducing_done = self.reducer.as_ref().is_none_or(Reducer::is_finished)
+        let reducing_done = self
+            .reducer
+            .as_ref()
+            .is_none_or(|r| r.is_finished() && !r.has_completed())
             && self.in_links.iter().flatten().all(|l| l.held.is_empty());
         // Finished means every message was handed out too: a driver may stop at `Finished`.
         let drained = self.outbox.iter().all(VecDeque::is_empty);

@@ -7,9 +7,9 @@
 //! instead of an accumulator read and written once per contribution. Senders may be at
 //! different parts at the same time (out-of-order across senders); contributions of one sender
 //! to one part are accepted once. The contributions a part holds until it completes are
-//! bounded by the senders' in-flight windows, and a received payload is held as the bytes that
-//! arrived ([`Input::RawF32`]) and this peer's own values as a view of its tensors
-//! ([`Input::Local`]): neither is copied.
+//! bounded by the senders' in-flight windows (clients, which have no window, by their span); a
+//! received payload is held as the bytes that arrived ([`Input::RawF32`]) and this peer's own
+//! values as a view of its tensors ([`Input::Local`]): neither is copied.
 //!
 //! Contributions are checked for NaN and infinity in the same pass: a non-finite contribution
 //! is left out of its part's average and its sender named in [`CompletedPart::non_finite`] (the
@@ -291,6 +291,11 @@ impl Reducer {
     /// Whether every part has completed.
     pub fn is_finished(&self) -> bool {
         self.remaining == 0
+    }
+
+    /// Whether completed parts wait to be taken out with [`Reducer::poll_completed`].
+    pub fn has_completed(&self) -> bool {
+        !self.completed.is_empty()
     }
 
     /// Whether `sender` has been excluded.

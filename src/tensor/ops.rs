@@ -338,14 +338,21 @@ impl Pass<'_, '_> {
 /// one loop straight into `out`; with more, `out` is built block by block, the block's
 /// partial sums staying in L1 while the groups of inputs pass over it. f16 and bf16 inputs
 /// take a slower path that converts them as it goes.
+///
+/// # Panics
+///
+/// If `bad` does not have one flag per input, or an input is not as long as `out`.
 pub fn weighted_mean(
     inputs: &[(Source<'_>, f32)],
     inv: f32,
     out: &mut [f32],
     bad: &mut [bool],
 ) -> bool {
-    debug_assert_eq!(inputs.len(), bad.len());
-    debug_assert!(inputs.iter().all(|(x, _)| x.len() == out.len()));
+    assert_eq!(inputs.len(), bad.len(), "one flag per input");
+    assert!(
+        inputs.iter().all(|(x, _)| x.len() == out.len()),
+        "every input as long as the output"
+    );
     let lanes: Option<Vec<Lane<'_>>> = inputs
         .iter()
         .map(|&(x, w)| match x {
