@@ -425,10 +425,7 @@ fn main() -> anyhow::Result<()> {
 /// A bootstrap node and one node + averager per peer, on loopback.
 async fn start_swarm(peers: usize, dim: usize) -> anyhow::Result<(Vec<Node>, Vec<Averager>)> {
     let bootstrap = Node::start(
-        NodeConfig {
-            data_listen: None,
-            ..NodeConfig::loopback()
-        },
+        NodeConfig::loopback_bootstrap(),
         libp2p::identity::Keypair::generate_ed25519(),
     )
     .await

@@ -22,7 +22,7 @@ use super::{
     RoundEvent, RoundReport, Segment, SpanReport, TensorDescriptor, Transmit, Violation,
 };
 use crate::buffers::BufferPool;
-use crate::compression::{Codec, CompressionType};
+use crate::compression::{Codec, CodecError, CompressionType};
 use crate::tensor::{DType, PartView, Tensor, ops};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -584,12 +584,20 @@ impl Butterfly {
             return;
         }
         if !msg.contributors.is_empty() {
-            let output = if codec.kind() == CompressionType::None
-                && msg.dtype == DType::F32
-                && msg.payload.len() == spec.len * 4
-            {
-                // The average itself, kept in the frame it arrived in; checked (by the runner
-                // already, where it read the frame), not copied.
+            let output = if codec.kind() == CompressionType::None {
+                // The average itself (f32: `check_encoding` above), kept in the frame it
+                // arrived in; checked (by the runner already, where it read the frame), not
+                // copied.
+                if msg.payload.len() != spec.len * 4 {
+                    let e = CodecError::Length {
+                        codec: CompressionType::None,
+                        expected: spec.len * 4,
+                        actual: msg.payload.len(),
+                        elements: spec.len,
+                    };
+                    self.fail_reducer(from, e.into(), true);
+                    return;
+                }
                 if !msg
                     .finite
                     .unwrap_or_else(|| ops::all_finite_le(&msg.payload))
@@ -600,25 +608,17 @@ impl Butterfly {
                 PartResult::Average(msg.payload)
             } else {
                 let mut out = self.pool.take_f32(spec.len);
-                if let Err(e) = codec.decode(&msg.payload, msg.dtype, &mut out) {
+                let failure = match codec.decode(&msg.payload, msg.dtype, &mut out) {
+                    Err(e) => Some(e.into()),
+                    Ok(()) if !ops::all_finite(&out) => Some(Violation::NonFiniteDelta(msg.part)),
+                    Ok(()) => None,
+                };
+                if let Some(reason) = failure {
                     self.pool.put_f32(out);
-                    self.fail_reducer(from, e.into(), true);
+                    self.fail_reducer(from, reason, true);
                     return;
                 }
-                if !ops::all_finite(&out) {
-                    self.pool.put_f32(out);
-                    self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
-                    return;
-                }
-                if codec.kind() == CompressionType::None {
-                    // A lossless payload that decoded: the average as values.
-                    let mut avg = self.pool.take_bytes(spec.len * 4);
-                    avg.extend(out.iter().flat_map(|v| v.to_le_bytes()));
-                    self.pool.put_f32(out);
-                    PartResult::Average(self.pool.freeze(avg))
-                } else {
-                    PartResult::Delta(out)
-                }
+                PartResult::Delta(out)
             };
             let outputs = self.outputs.as_mut().expect("senders have outputs");
             outputs[g] = output;

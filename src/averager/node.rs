@@ -34,6 +34,15 @@ impl NodeConfig {
             hub: HubConfig::default(),
         }
     }
+
+    /// A bootstrap node on loopback: the swarm and DHT only, no data-plane listener (it takes
+    /// part in no rounds).
+    pub fn loopback_bootstrap() -> Self {
+        Self {
+            data_listen: None,
+            ..Self::loopback()
+        }
+    }
 }
 
 /// Why a node could not start.

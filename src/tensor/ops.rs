@@ -32,20 +32,6 @@ fn le_f32(chunk: &[u8]) -> f32 {
     f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]])
 }
 
-/// `out[i] = avg[i] - own[i]` for an average given as little-endian f32 bytes (any
-/// alignment), returning whether every result is finite.
-#[inline]
-pub fn sub_le_checked(out: &mut [f32], avg: &[u8], own: &[f32]) -> bool {
-    debug_assert!(avg.len() == out.len() * 4 && own.len() == out.len());
-    let mut bad = 0u32;
-    for ((o, c), &y) in out.iter_mut().zip(avg.chunks_exact(4)).zip(own) {
-        let d = le_f32(c) - y;
-        bad |= non_finite_bits(d.to_bits());
-        *o = d;
-    }
-    bad == 0
-}
-
 /// `x[i] += alpha · (avg[i] − start[i])` for an average given as little-endian f32 bytes
 /// (any alignment): the delta rule applied in one pass.
 #[inline]
@@ -495,27 +481,29 @@ mod tests {
         let unaligned = &shifted[1..];
         let base: Vec<f32> = (0..1001).map(|i| i as f32).collect();
 
-        let mut out = vec![0.0; x.len()];
-        assert!(sub_le_checked(&mut out, unaligned, &base));
-        let mut want = x.clone();
-        sub_assign(&mut want, &base);
-        assert_eq!(out, want);
-
         let mut decoded = vec![0.0; x.len()];
         copy_from_le(&mut decoded, unaligned);
         assert_eq!(decoded, x);
 
+        let mut applied = base.clone();
+        add_average_le(&mut applied, unaligned, &base, 0.5);
+        let want: Vec<f32> = base
+            .iter()
+            .zip(&x)
+            .map(|(b, v)| b + 0.5 * (v - b))
+            .collect();
+        assert_eq!(applied, want);
+
+        assert!(all_finite_le(unaligned));
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             for at in [0, 500, 1000] {
                 let mut y = x.clone();
                 y[at] = bad;
-                let yb: Vec<u8> = y.iter().flat_map(|v| v.to_le_bytes()).collect();
-                assert!(!sub_le_checked(&mut vec![0.0; y.len()], &yb, &base));
+                let mut yb = vec![0u8; 3];
+                yb.extend(y.iter().flat_map(|v| v.to_le_bytes()));
+                assert!(!all_finite_le(&yb[3..]));
             }
         }
-        // An overflowing difference of finite values is caught too.
-        let big = f32::MAX.to_le_bytes();
-        assert!(!sub_le_checked(&mut [0.0], &big, &[-f32::MAX]));
     }
 
     /// The plain reference of [`weighted_mean`]: sums in input order, in f32.

@@ -42,7 +42,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Mutex;
+use std::sync::LazyLock;
 use std::task::{Context, Poll, ready};
 
 use aws_lc_rs::aead::{
@@ -51,6 +51,8 @@ use aws_lc_rs::aead::{
 use rustls::ConnectionTrafficSecrets;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+
+use crate::buffers::BufferPool;
 
 /// Bytes of a record header.
 const HEADER: usize = 5;
@@ -80,33 +82,8 @@ pub const WRITE_BUFFER: usize = 1024 * 1024;
 /// Send and receive buffers of closed connections, kept for the next ones. A round opens fresh
 /// connections, and a fresh 1 MiB buffer costs 256 page faults (zeroing included) the first
 /// time it is written; they held only ciphertext, and every byte is written before it is read.
-static SPARE_BUFFERS: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
-
-/// At most this many spare buffers are kept (16 MiB at the default size).
-const SPARE_BUFFERS_KEPT: usize = 16;
-
-/// Smaller buffers are not kept (the handshake's, for one).
-const SPARE_BUFFER_MIN: usize = 256 << 10;
-
-/// A buffer of `len` bytes (contents unspecified): a spare one of that length, else a fresh one.
-fn take_buffer(len: usize) -> Vec<u8> {
-    let mut spare = SPARE_BUFFERS.lock().unwrap_or_else(|e| e.into_inner());
-    match spare.iter().position(|b| b.len() == len) {
-        Some(i) => spare.swap_remove(i),
-        None => vec![0; len],
-    }
-}
-
-/// Keeps a large buffer for the next connection (dropped if enough are kept).
-fn keep_buffer(buf: Vec<u8>) {
-    if buf.len() < SPARE_BUFFER_MIN {
-        return;
-    }
-    let mut spare = SPARE_BUFFERS.lock().unwrap_or_else(|e| e.into_inner());
-    if spare.len() < SPARE_BUFFERS_KEPT {
-        spare.push(buf);
-    }
-}
+/// Bounded to 16 MiB.
+static SPARE_BUFFERS: LazyLock<BufferPool> = LazyLock::new(|| BufferPool::new(16 << 20));
 
 /// One direction's key, iv and sequence number.
 pub(crate) struct Direction {
@@ -192,7 +169,7 @@ impl Sender {
     pub(crate) fn new(dir: Direction) -> Self {
         Self {
             dir,
-            buf: take_buffer(WRITE_BUFFER),
+            buf: SPARE_BUFFERS.take_filled(WRITE_BUFFER),
             start: 0,
             end: 0,
             close_sealed: false,
@@ -384,13 +361,13 @@ pub(crate) struct Receiver {
 
 impl Drop for Sender {
     fn drop(&mut self) {
-        keep_buffer(std::mem::take(&mut self.buf));
+        SPARE_BUFFERS.put_bytes(std::mem::take(&mut self.buf));
     }
 }
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        keep_buffer(std::mem::take(&mut self.buf));
+        SPARE_BUFFERS.put_bytes(std::mem::take(&mut self.buf));
     }
 }
 
@@ -413,7 +390,7 @@ impl Receiver {
         let (buf, start, end) = if buf.len() >= len {
             (buf, start, end)
         } else {
-            let mut large = take_buffer(len);
+            let mut large = SPARE_BUFFERS.take_filled(len);
             large[..end - start].copy_from_slice(&buf[start..end]);
             (large, 0, end - start)
         };
@@ -711,29 +688,6 @@ pub(crate) async fn handshake(
 mod tests {
     use super::*;
     use tokio::io::AsyncReadExt as _;
-
-    /// A closed connection's large buffers serve the next one; small ones are not kept.
-    #[test]
-    fn large_buffers_are_kept_for_the_next_connection() {
-        // An unusual length, so that no other test's connections take this buffer.
-        let len = SPARE_BUFFER_MIN + 4093;
-        let first = take_buffer(len);
-        let ptr = first.as_ptr();
-        keep_buffer(first);
-        let again = take_buffer(len);
-        assert_eq!(again.as_ptr(), ptr);
-        assert_eq!(again.len(), len);
-        let small = vec![0u8; 1000];
-        let small_ptr = small.as_ptr();
-        keep_buffer(small);
-        assert!(
-            SPARE_BUFFERS
-                .lock()
-                .unwrap()
-                .iter()
-                .all(|b| b.as_ptr() != small_ptr)
-        );
-    }
 
     fn direction() -> Direction {
         let secrets = ConnectionTrafficSecrets::Chacha20Poly1305 {

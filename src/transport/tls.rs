@@ -793,7 +793,10 @@ mod tests {
         served.shutdown().await.expect("shutdown");
         drop(served);
         let mut answer = Vec::new();
-        client.read_to_end(&mut answer).await.expect("read to end");
+        tokio::time::timeout(T, client.read_to_end(&mut answer))
+            .await
+            .expect("no hang")
+            .expect("read to end");
         assert_eq!(answer, b"no");
     }
 
@@ -914,7 +917,9 @@ mod tests {
             stream.shutdown().await.expect("close_notify");
             stream
         };
-        let (got, _stream) = tokio::join!(client, serve);
+        let (got, _stream) = tokio::time::timeout(T, async { tokio::join!(client, serve) })
+            .await
+            .expect("both ends finish");
         assert_eq!(got, vec![7u8; 50_000]);
     }
 
@@ -979,7 +984,10 @@ mod tests {
         });
         let (_, mut served) = accepted.expect("accepted");
         let mut got = Vec::new();
-        let err = served.read_to_end(&mut got).await.expect_err("truncation");
+        let err = tokio::time::timeout(T, served.read_to_end(&mut got))
+            .await
+            .expect("no hang")
+            .expect_err("truncation");
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
         assert_eq!(got, b"partial");
         drop(client);
@@ -1073,7 +1081,10 @@ mod tests {
         client.write_all(b"ping").await.expect("write");
         client.shutdown().await.expect("shutdown");
         let mut got = Vec::new();
-        served.read_to_end(&mut got).await.expect("read");
+        tokio::time::timeout(T, served.read_to_end(&mut got))
+            .await
+            .expect("no hang")
+            .expect("read");
         assert_eq!(got, b"ping");
     }
 

@@ -38,10 +38,7 @@ pub struct Swarm {
 impl Swarm {
     pub async fn start(n: usize, no_listener: impl Fn(usize) -> bool) -> Self {
         let bootstrap = Node::start(
-            NodeConfig {
-                data_listen: None,
-                ..NodeConfig::loopback()
-            },
+            NodeConfig::loopback_bootstrap(),
             libp2p::identity::Keypair::generate_ed25519(),
         )
         .await

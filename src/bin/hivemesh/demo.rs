@@ -96,10 +96,7 @@ async fn demo(args: DemoArgs, dims: usize, rounds: usize) -> anyhow::Result<()> 
     let started = Instant::now();
     let grid = Grid::new(args.group_size, dims)?;
     let bootstrap = Node::start(
-        NodeConfig {
-            data_listen: None,
-            ..NodeConfig::loopback()
-        },
+        NodeConfig::loopback_bootstrap(),
         libp2p::identity::Keypair::generate_ed25519(),
     )
     .await

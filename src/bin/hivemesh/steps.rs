@@ -105,10 +105,7 @@ pub fn run(args: StepsArgs) -> anyhow::Result<()> {
         .build()?;
     let (bootstrap, addr) = runtime.block_on(async {
         let node = Node::start(
-            NodeConfig {
-                data_listen: None,
-                ..NodeConfig::loopback()
-            },
+            NodeConfig::loopback_bootstrap(),
             libp2p::identity::Keypair::generate_ed25519(),
         )
         .await?;

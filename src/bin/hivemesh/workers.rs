@@ -69,11 +69,17 @@ impl Workers {
         for c in &mut self.children {
             drop(c.stdin.take());
         }
+        // Every worker is waited for, even after one failed (none is left running).
+        let mut failure = None;
         for mut c in std::mem::take(&mut self.children) {
-            let status = c.wait()?;
-            anyhow::ensure!(status.success(), "a worker failed: {status}");
+            let result = match c.wait() {
+                Ok(status) if status.success() => Ok(()),
+                Ok(status) => Err(anyhow::anyhow!("a worker failed: {status}")),
+                Err(e) => Err(e.into()),
+            };
+            failure = failure.or(result.err());
         }
-        Ok(())
+        failure.map_or(Ok(()), Err)
     }
 }
 
