@@ -10,8 +10,8 @@ use std::time::{Duration, SystemTime};
 use bytes::{Bytes, BytesMut};
 use hivemesh::allreduce::{Member, Mode, Outcome, Partition, RoundConfig, TensorDescriptor};
 use hivemesh::links::{
-    Carrier, DataPlane, EstablishedLinks, HubConfig, HubError, LinkHub, LinkPeer, PART_PROTOCOL,
-    establish_links,
+    Carrier, DataPlane, EstablishedLinks, HubConfig, HubError, HubStats, LinkHub, LinkPeer,
+    PART_PROTOCOL, establish_links,
 };
 use hivemesh::p2p::{P2p, P2pConfig, RecordPolicy};
 use hivemesh::runner::{self, Link, RunnerConfig};
@@ -78,6 +78,11 @@ impl Node {
 
 /// Swarms that know each other's addresses; a hub on each where `tls` is `Some`.
 async fn nodes(tls: &[Option<Tls>]) -> Vec<Node> {
+    nodes_with(tls, HubConfig::default()).await
+}
+
+/// [`nodes`], with hubs configured by `config`.
+async fn nodes_with(tls: &[Option<Tls>], config: HubConfig) -> Vec<Node> {
     let mut nodes = Vec::new();
     for t in tls {
         let keypair = Keypair::generate_ed25519();
@@ -95,7 +100,7 @@ async fn nodes(tls: &[Option<Tls>]) -> Vec<Node> {
                     }),
                 };
                 Some(
-                    LinkHub::start(p2p.clone(), data_plane, HubConfig::default())
+                    LinkHub::start(p2p.clone(), data_plane, config.clone())
                         .await
                         .expect("hub"),
                 )
@@ -315,37 +320,78 @@ async fn bad_data_addresses_fall_back_to_streams() {
     .await;
 }
 
-/// A Hello that arrives before its round registered is refused as "not yet" and retried.
+/// Node 0 opens its link for group `late` before node 1 registers that group; node 1
+/// registers another group, then `late`, once its hub's counters satisfy `ready`. Checks that
+/// the pair is linked on the expected carrier and carries bytes; returns node 1's counters.
+async fn register_late(config: &HubConfig, tls: Tls, ready: fn(&HubStats) -> bool) -> HubStats {
+    let nodes = nodes_with(&[Some(tls); 2], config.clone()).await;
+    let members: Vec<LinkPeer> = nodes.iter().map(Node::peer).collect();
+    let mut stats = nodes[1].hub().watch_stats();
+    let early = {
+        let hub = nodes[0]
+            .hub()
+            .expect(Bytes::from_static(b"late"), &members, 0);
+        let expectation = hub.expect("register");
+        tokio::spawn(expectation.establish(T))
+    };
+    tokio::time::timeout(T, stats.wait_for(ready))
+        .await
+        .expect("node 0's Hello arrives")
+        .expect("hub alive");
+    // Another round's registration does not admit a Hello for `late`.
+    let other = nodes[1]
+        .hub()
+        .expect(Bytes::from_static(b"other"), &members, 1)
+        .expect("register");
+    let late = establish_links(nodes[1].hub(), Bytes::from_static(b"late"), &members, 1, T)
+        .await
+        .expect("register");
+    drop(other);
+    let early = early.await.expect("opener");
+    let carrier = if tls == Tls::Listen {
+        Carrier::Tls
+    } else {
+        Carrier::Stream
+    };
+    assert_eq!(early.carriers, [None, Some(carrier)], "{early:?}");
+    assert_eq!(late.carriers, [Some(carrier), None], "{late:?}");
+    ping_pong(early, late).await;
+    nodes[1].hub().stats()
+}
+
+/// A Hello that arrives before its round registered waits for the registration and is acked
+/// then, without a refusal and a retry (the opener's retry delay is an hour here, so only the
+/// wait can link the pair in time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_hello_waits_for_its_round() {
+    let config = HubConfig {
+        early_hello_wait: T,
+        ack_timeout: 2 * T,
+        retry_delay: Duration::from_secs(3600),
+        ..HubConfig::default()
+    };
+    for tls in [Tls::Listen, Tls::None] {
+        let counted = register_late(&config, tls, |s| s.early >= 1).await;
+        assert_eq!(
+            (counted.early, counted.refused, counted.accepted),
+            (1, 0, 1),
+            "{counted:?}"
+        );
+    }
+}
+
+/// Without the wait (`early_hello_wait` zero), a Hello that arrives before its round registered
+/// is refused as "not yet" and retried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hello_before_registration_is_retried() {
+    let config = HubConfig {
+        early_hello_wait: Duration::ZERO,
+        ..HubConfig::default()
+    };
     for tls in [Tls::Listen, Tls::None] {
-        let nodes = nodes(&[Some(tls); 2]).await;
-        let members: Vec<LinkPeer> = nodes.iter().map(Node::peer).collect();
-        let mut refused = nodes[1].hub().watch_stats();
-        let early = {
-            let hub = nodes[0]
-                .hub()
-                .expect(Bytes::from_static(b"late"), &members, 0);
-            let expectation = hub.expect("register");
-            tokio::spawn(expectation.establish(T))
-        };
-        // Node 1 registers only after it has refused node 0's first Hello.
-        tokio::time::timeout(T, refused.wait_for(|s| s.refused >= 1))
-            .await
-            .expect("node 0's Hello arrives")
-            .expect("hub alive");
-        let late = establish_links(nodes[1].hub(), Bytes::from_static(b"late"), &members, 1, T)
-            .await
-            .expect("register");
-        let early = early.await.expect("opener");
-        let carrier = if tls == Tls::Listen {
-            Carrier::Tls
-        } else {
-            Carrier::Stream
-        };
-        assert_eq!(early.carriers, [None, Some(carrier)], "{early:?}");
-        assert_eq!(late.carriers, [Some(carrier), None], "{late:?}");
-        ping_pong(early, late).await;
+        let counted = register_late(&config, tls, |s| s.refused >= 1).await;
+        assert_eq!(counted.early, 0, "{counted:?}");
+        assert!(counted.refused >= 1 && counted.accepted == 1, "{counted:?}");
     }
 }
 

@@ -52,6 +52,8 @@ pub(super) struct Shared {
     pub(super) data_addr: Option<SocketAddr>,
     pub(super) config: HubConfig,
     groups: Mutex<HashMap<Bytes, Registration>>,
+    /// Bumped after every registration: wakes Hellos waiting for their round.
+    registered: watch::Sender<u64>,
     next_token: AtomicU64,
     stats: watch::Sender<HubStats>,
 }
@@ -154,6 +156,7 @@ impl LinkHub {
             data_addr: listener.as_ref().map(DataListener::local_addr),
             config,
             groups: Mutex::new(HashMap::new()),
+            registered: watch::Sender::new(0),
             next_token: AtomicU64::new(0),
             stats: watch::Sender::new(HubStats::default()),
         });
@@ -248,6 +251,9 @@ impl LinkHub {
             },
         );
         drop(groups);
+        self.shared
+            .registered
+            .send_modify(|n| *n = n.wrapping_add(1));
         Ok(Expectation {
             shared: Arc::clone(&self.shared),
             group_id,
@@ -410,6 +416,39 @@ async fn supervise(shared: Arc<Shared>, mut rx: mpsc::Receiver<Inbound>) {
     }
 }
 
+/// The checks of [`Shared::admit`]; a Hello for a group not registered (yet) waits up to
+/// [`HubConfig::early_hello_wait`] for a registration and is checked again after each one.
+///
+/// [`HubConfig::early_hello_wait`]: super::HubConfig::early_hello_wait
+async fn admit_when_registered(
+    shared: &Shared,
+    hello: &Hello,
+    peer: PeerId,
+    registered: &mut watch::Receiver<u64>,
+) -> Result<Admitted, Reject> {
+    let deadline = tokio::time::Instant::now() + shared.config.early_hello_wait;
+    let mut counted = false;
+    loop {
+        match shared.admit(hello, peer) {
+            Err(reject)
+                if reject.reason == RejectReason::UnknownGroup
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                if !counted {
+                    counted = true;
+                    bump(shared, |s| &mut s.early);
+                }
+                // Woken by the next registration (any group's), or refused at the deadline.
+                match tokio::time::timeout_at(deadline, registered.changed()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) | Err(_) => return Err(reject),
+                }
+            }
+            result => return result,
+        }
+    }
+}
+
 /// One inbound link: its Hello, the checks, the answer, the hand-over.
 async fn serve(shared: Arc<Shared>, inbound: Inbound) {
     let Inbound {
@@ -418,6 +457,8 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
         mut link,
     } = inbound;
     let timeout = shared.config.hello_timeout;
+    // Subscribed before the first check, so a registration right after it is not missed.
+    let mut registered = shared.registered.subscribe();
     let hello = match tokio::time::timeout(timeout, wire::read_link_frame(&mut link)).await {
         Ok(Ok(LinkMessage::Hello(hello))) => hello,
         Ok(Ok(_)) => {
@@ -447,7 +488,7 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
             return;
         }
     };
-    match shared.admit(&hello, peer) {
+    match admit_when_registered(&shared, &hello, peer, &mut registered).await {
         Err(reject) => {
             bump(&shared, |s| &mut s.refused);
             let error = HubError::Refused {
