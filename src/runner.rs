@@ -444,6 +444,15 @@ async fn write_link(
 ) {
     let mut head = BytesMut::new();
     while let Some(message) = rx.recv().await {
+        // The compute thread hands this link a message only while its queue has room. If the
+        // queue was full, it may be waiting for room, which this receive just made: wake it.
+        // Otherwise it saw room at its last look and needs no wake-up (one saved per frame:
+        // a futex wake and a context switch). A push racing with this check can only make it
+        // wake needlessly: the queue is then full again, and the next receive wakes it.
+        if rx.len() + 1 >= rx.max_capacity() {
+            // Dropped if the inbound queue is full: the compute thread is awake then anyway.
+            let _ = events.try_send(Inbound::Writable);
+        }
         head.clear();
         // The payload is written from the message's own buffer, after a small head.
         let payload = wire::encode_frame_split(
@@ -473,8 +482,6 @@ async fn write_link(
             let _ = events.send(Inbound::Failed { from: peer, error }).await;
             return;
         }
-        // Wake the compute thread: this link has room again. Dropped if it is busy anyway.
-        let _ = events.try_send(Inbound::Writable);
     }
     let _ = tokio::time::timeout(close_timeout, async {
         let _ = write.flush().await;

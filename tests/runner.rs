@@ -105,11 +105,16 @@ impl AsyncWrite for Dying {
 
 /// Full mesh of duplex links: `links[a][b]` is a's end towards b.
 fn mesh(n: usize) -> Vec<Vec<Option<DuplexStream>>> {
+    mesh_buffered(n, 1 << 20)
+}
+
+/// [`mesh`] with `buffer` bytes of room in each direction of a link.
+fn mesh_buffered(n: usize, buffer: usize) -> Vec<Vec<Option<DuplexStream>>> {
     let mut links: Vec<Vec<Option<DuplexStream>>> =
         (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
     for a in 0..n {
         for b in a + 1..n {
-            let (x, y) = tokio::io::duplex(1 << 20);
+            let (x, y) = tokio::io::duplex(buffer);
             links[a][b] = Some(x);
             links[b][a] = Some(y);
         }
@@ -135,19 +140,46 @@ fn max_err(
     hivemesh::sim::deviation_from_report(me, outcome, &part, start, weights)
 }
 
+/// How [`run_group_with`] departs from the defaults.
+struct Setup {
+    runner: RunnerConfig,
+    /// Room in each direction of a link.
+    link_buffer: usize,
+    /// Replaces the sender timeout; the reducer timeout is twice that.
+    timeouts: Option<Duration>,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Self {
+            runner: RunnerConfig::default(),
+            link_buffer: 1 << 20,
+            timeouts: None,
+        }
+    }
+}
+
+type Results = Vec<Result<(Vec<Tensor>, Outcome), runner::RunnerError>>;
+
 async fn run_group(
     modes: &[Mode],
     weights: &[f64],
     budgets: &[Option<usize>],
-) -> (
-    Vec<Vec<Tensor>>,
-    Vec<Result<(Vec<Tensor>, Outcome), runner::RunnerError>>,
-) {
+) -> (Vec<Vec<Tensor>>, Results) {
+    run_group_with(modes, weights, budgets, Setup::default()).await
+}
+
+async fn run_group_with(
+    modes: &[Mode],
+    weights: &[f64],
+    budgets: &[Option<usize>],
+    setup: Setup,
+) -> (Vec<Vec<Tensor>>, Results) {
     let n = modes.len();
     let start: Vec<Vec<Tensor>> = (0..n)
         .map(|p| make_tensors(&descriptors(), 7, p).unwrap())
         .collect();
-    let mut links = mesh(n);
+    let mut links = mesh_buffered(n, setup.link_buffer);
     let mut tasks = Vec::new();
     for me in 0..n {
         let budget = budgets[me].map(|b| Arc::new(AtomicUsize::new(b)));
@@ -163,14 +195,18 @@ async fn run_group(
                 })
             })
             .collect();
-        let cfg = config(modes, me, weights[me]);
+        let mut cfg = config(modes, me, weights[me]);
+        if let Some(t) = setup.timeouts {
+            cfg.sender_timeout = t;
+            cfg.reducer_timeout = 2 * t;
+        }
         let tensors = start[me].clone();
         tasks.push(tokio::spawn(runner::run_round(
             cfg,
             Bytes::from_static(b"group-a"),
             tensors,
             my_links,
-            RunnerConfig::default(),
+            setup.runner.clone(),
         )));
     }
     let mut results = Vec::new();
@@ -195,6 +231,30 @@ async fn four_nodes_average_exactly() {
         assert!(outcome.report.local_parts().next().is_none(), "peer {p}");
         assert!(outcome.report.banned.is_empty() && outcome.report.failed_reducers.is_empty());
         let err = max_err(p, outcome, &start, &weights, &config(&modes, p, weights[p]));
+        assert!(err < 1e-5, "peer {p}: {err}");
+    }
+}
+
+/// Link queues of one message over links with little room: the compute thread keeps finding
+/// queues full and must be woken when a writer makes room (nothing else would wake it at the
+/// end of the round: the timeouts are an hour, and the round must end well within a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_link_queues_do_not_stall_the_round() {
+    let modes = [Mode::Node; 4];
+    let weights = [1.0; 4];
+    let setup = Setup {
+        runner: RunnerConfig {
+            link_queue: 1,
+            ..RunnerConfig::default()
+        },
+        link_buffer: 4 << 10,
+        timeouts: Some(Duration::from_secs(3600)),
+    };
+    let (start, results) = run_group_with(&modes, &weights, &[None; 4], setup).await;
+    for (p, r) in results.iter().enumerate() {
+        let (_, outcome) = r.as_ref().unwrap();
+        assert!(outcome.report.local_parts().next().is_none(), "peer {p}");
+        let err = max_err(p, outcome, &start, &weights, &config(&modes, p, 1.0));
         assert!(err < 1e-5, "peer {p}: {err}");
     }
 }
