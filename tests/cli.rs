@@ -341,6 +341,15 @@ mod bench {
             stdin.write_all(roster.as_bytes()).unwrap();
             stdin.flush().unwrap();
         }
+        // Every worker links, then all are told to go (the bench's timing barrier).
+        for (i, w) in workers.iter_mut().enumerate() {
+            assert_eq!(w.next_line(), "LINKED 0", "worker {i}");
+        }
+        for w in &mut workers {
+            let stdin = w.child.stdin.as_mut().unwrap();
+            stdin.write_all(b"GO\n").unwrap();
+            stdin.flush().unwrap();
+        }
         // Kill worker 3 the moment its round starts.
         assert_eq!(workers[3].next_line(), "START 0");
         let pid = workers[3].child.id().to_string();

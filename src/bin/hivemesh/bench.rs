@@ -7,11 +7,13 @@
 //! sends every worker the roster (`ROSTER <id>@<multiaddr>@<data> ...`). For every round each
 //! worker registers the round with its hub and links to the others (the lower index opens;
 //! TLS where a data address is given, `/hivemesh/part/1` streams otherwise; the links double as
-//! a start barrier), checks that every link uses the requested carrier, runs the round, checks
-//! its result against the exact mean (computed from the generator, without holding the other
-//! peers' data) and against the weighted mean over the contributors its report names, and
-//! prints `START <r>` before and `ROUND <r> <seconds> <cpu seconds>` after each round, then,
-//! once the parent says `CHECK`, `CHECKED <r> <err_vs_report> <err_vs_mean> <local_parts>`.
+//! a first barrier), checks that every link uses the requested carrier and prints `LINKED <r>`.
+//! Once every worker is linked, the parent says `GO` (the timing barrier: the members start
+//! the timed round within a pipe write of each other, not a TLS handshake or two apart). Each
+//! worker then prints `START <r>`, runs the round, prints `ROUND <r> <seconds> <cpu seconds>`
+//! and, once the parent says `CHECK`, checks its result against the exact mean (computed from
+//! the generator, without holding the other peers' data) and against the weighted mean over
+//! the contributors its report names: `CHECKED <r> <err_vs_report> <err_vs_mean> <local_parts>`.
 //! The parent prints each round's slowest time and the workers' total CPU time on stderr.
 //! Round 0 is a warm-up. A round's time is the slowest worker's; the parent prints the median.
 
@@ -198,6 +200,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let total_rounds = args.rounds + 1;
     let mut times = vec![vec![0.0f64; args.peers]; total_rounds];
     let mut reported = vec![0usize; total_rounds];
+    let mut linked = vec![0usize; total_rounds];
     let mut cpu_s = vec![0.0f64; total_rounds];
     let mut finished = vec![false; args.peers];
     let mut done = 0;
@@ -211,6 +214,14 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             .context("bench timed out")?;
         let fields: Vec<&str> = line.split_whitespace().collect();
         match fields.as_slice() {
+            ["LINKED", r] => {
+                let r: usize = r.parse()?;
+                ensure!(r < total_rounds, "worker {i}: round {r} out of range");
+                linked[r] += 1;
+                if linked[r] == args.peers {
+                    workers.broadcast("GO")?;
+                }
+            }
             ["START", _] => {}
             ["ROUND", r, secs, cpu] => {
                 let r: usize = r.parse()?;
@@ -319,7 +330,7 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         .map_or_else(|| "-".to_owned(), |a| a.to_string());
     println!("READY {peer_id} {maddr} {data}");
 
-    // Lines from the parent: the roster, then one CHECK per round.
+    // Lines from the parent: the roster, then a GO and a CHECK per round.
     let mut lines = stdin_lines();
     let roster_line = lines.recv().await.context("parent closed stdin")?;
     let roster: Vec<(PeerId, libp2p::Multiaddr, Option<SocketAddr>)> = roster_line
@@ -395,6 +406,9 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
                 (None, error) => bail!("no link to peer {j}: {error:?}"),
             }
         }
+        println!("LINKED {round}");
+        let go = lines.recv().await.context("parent closed stdin")?;
+        ensure!(go == "GO", "expected GO, got '{go}'");
         println!("START {round}");
         let started = Instant::now();
         let cpu_before = process_cpu_seconds();
