@@ -151,8 +151,9 @@ pub struct HubConfig {
     pub early_hello_wait: Duration,
     /// Inbound links waiting for their Hello at once; more are dropped.
     pub max_pending_links: usize,
-    /// Tasks accepting TLS connections (each runs one TLS handshake at a time).
-    pub tls_acceptors: usize,
+    /// Inbound TLS handshakes running at once (each in its own task, under `hello_timeout`);
+    /// clients arriving while this many run are dropped (counted in [`HubStats::dropped`]).
+    pub max_tls_handshakes: usize,
     /// Inbound streams queued between the swarm and the hub.
     pub stream_queue: usize,
 }
@@ -167,7 +168,7 @@ impl Default for HubConfig {
             retry_delay: Duration::from_millis(25),
             early_hello_wait: Duration::from_millis(500),
             max_pending_links: 64,
-            tls_acceptors: 4,
+            max_tls_handshakes: 16,
             stream_queue: 32,
         }
     }
@@ -281,7 +282,8 @@ pub struct HubStats {
     pub early: u64,
     /// Inbound links that failed before a valid Hello (malformed, oversized, late, closed).
     pub failed: u64,
-    /// Inbound links dropped because [`HubConfig::max_pending_links`] were pending.
+    /// Inbound links dropped because [`HubConfig::max_pending_links`] were pending, or TLS
+    /// clients dropped because [`HubConfig::max_tls_handshakes`] handshakes were running.
     pub dropped: u64,
     /// TLS connections that failed their handshake.
     pub tls_failed: u64,

@@ -57,12 +57,15 @@
 //! handshake, sends garbage or stays silent costs its own `accept` call an error and nothing
 //! more: the listener keeps serving. `accept` takes `&self`, so several tasks may accept
 //! concurrently (share the listener in an `Arc`) and a slow handshake then holds up only the
-//! task running it. Memory per stream: the receive buffer, the send buffer and one record of
+//! task running it; or [`DataListener::accept_tcp`] hands each client over as a [`Handshake`]
+//! to run in a task of its own (what the link hub does, with a bound on how many run at
+//! once). Memory per stream: the receive buffer, the send buffer and one record of
 //! staging (about 2 MiB; a connection still in its handshake holds 33 KiB).
 
 mod record;
 mod tls;
 
 pub use tls::{
-    ALPN, DataIdentity, DataListener, DataStream, PeerMismatch, READ_BUFFER, TlsError, connect,
+    ALPN, DataIdentity, DataListener, DataStream, Handshake, PeerMismatch, READ_BUFFER, TlsError,
+    connect,
 };

@@ -257,6 +257,51 @@ async fn four_nodes_over_tls_links() {
     .await;
 }
 
+/// Clients that connect to a TLS port and never start their handshake hold up only
+/// themselves: with eight of them stalled at member 1, member 0 still links to it over TLS.
+/// (If its handshake had to wait for theirs, which last `hello_timeout`, the opener would fall
+/// back to a stream after `ack_timeout`.) Past `max_tls_handshakes` at once, new clients are
+/// dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_tls_handshakes_hold_up_nobody() {
+    let config = HubConfig {
+        hello_timeout: T,
+        ack_timeout: T / 3,
+        ..HubConfig::default()
+    };
+    assert!(config.max_tls_handshakes > 8);
+    let nodes = nodes_with(&[Some(Tls::Listen); 2], config.clone()).await;
+    let members: Vec<LinkPeer> = nodes.iter().map(Node::peer).collect();
+    let addr = members[1].data_addr.expect("listener");
+    let mut stalled = Vec::new();
+    for _ in 0..8 {
+        stalled.push(TcpStream::connect(addr).await.expect("tcp"));
+    }
+    exact_round(&nodes, &[0, 1], &members, b"past-the-stalled", |_, _| {
+        Carrier::Tls
+    })
+    .await;
+    drop(stalled);
+
+    let limited = HubConfig {
+        max_tls_handshakes: 2,
+        ..config
+    };
+    let nodes = nodes_with(&[Some(Tls::Listen)], limited).await;
+    let addr = nodes[0].peer().data_addr.expect("listener");
+    let mut stats = nodes[0].hub().watch_stats();
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        stalled.push(TcpStream::connect(addr).await.expect("tcp"));
+    }
+    let counted = tokio::time::timeout(T, stats.wait_for(|s| s.dropped >= 1))
+        .await
+        .expect("the third client is dropped")
+        .map(|s| *s)
+        .expect("hub alive");
+    assert_eq!((counted.dropped, counted.tls_failed), (1, 0), "{counted:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_nodes_over_streams_without_data_addresses() {
     let nodes = nodes(&[Some(Tls::None); 4]).await;

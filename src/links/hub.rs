@@ -2,8 +2,9 @@
 //!
 //! Task tree (all owned by [`LinkHub::tasks`], aborted on shutdown or drop):
 //!
-//! * `tls_acceptors` tasks, each looping on [`DataListener::accept`] (wait + handshake under
-//!   one deadline), forward authenticated TLS streams;
+//! * one task accepts TCP clients on the [`DataListener`] and runs each TLS handshake (under
+//!   `hello_timeout`) in a task of its own, at most `max_tls_handshakes` at once (later
+//!   clients are dropped), in a `JoinSet` it owns; they forward authenticated TLS streams;
 //! * one task forwards the node's inbound [`PART_PROTOCOL`] streams;
 //! * the *supervisor* receives both (one bounded queue) and runs one task per inbound link in
 //!   its own `JoinSet` (dropped, so aborted, with it), at most `max_pending_links` at once.
@@ -23,7 +24,7 @@ use tokio::task::JoinSet;
 use super::{Carrier, DataPlane, HubConfig, HubError, HubStats, LinkPeer, PART_PROTOCOL};
 use crate::p2p::{InboundStreams, P2p};
 use crate::runner::Link;
-use crate::transport::{DataIdentity, DataListener, PeerMismatch, TlsError};
+use crate::transport::{DataIdentity, DataListener, Handshake, PeerMismatch};
 use crate::wire::{self, Hello, LinkMessage, Reject, RejectReason};
 
 /// A node's link hub: accepts links over both carriers and dispatches them to the rounds that
@@ -163,14 +164,7 @@ impl LinkHub {
         let (tx, rx) = mpsc::channel(shared.config.max_pending_links.max(1));
         let mut tasks = JoinSet::new();
         if let Some(listener) = listener {
-            let listener = Arc::new(listener);
-            for _ in 0..shared.config.tls_acceptors.max(1) {
-                tasks.spawn(accept_tls(
-                    Arc::clone(&shared),
-                    Arc::clone(&listener),
-                    tx.clone(),
-                ));
-            }
+            tasks.spawn(accept_tls(Arc::clone(&shared), listener, tx.clone()));
         }
         tasks.spawn(accept_streams(streams, tx));
         tasks.spawn(supervise(Arc::clone(&shared), rx));
@@ -351,29 +345,62 @@ pub(super) async fn write_link_frame(
     link.flush().await
 }
 
-async fn accept_tls(shared: Arc<Shared>, listener: Arc<DataListener>, tx: mpsc::Sender<Inbound>) {
+async fn accept_tls(shared: Arc<Shared>, listener: DataListener, tx: mpsc::Sender<Inbound>) {
+    // Each handshake runs in a task of its own, so a client that connects and stalls holds up
+    // nobody else; at most `max_tls_handshakes` run at once, later clients are dropped.
+    let mut handshakes = JoinSet::new();
+    let limit = shared.config.max_tls_handshakes.max(1);
     loop {
-        match listener.accept(shared.config.hello_timeout).await {
-            Ok((peer, stream)) => {
-                let inbound = Inbound {
-                    peer,
-                    carrier: Carrier::Tls,
-                    link: Box::new(stream),
-                };
-                if tx.send(inbound).await.is_err() {
-                    return;
+        tokio::select! {
+            accepted = listener.accept_tcp() => match accepted {
+                Ok(handshake) if handshakes.len() >= limit => {
+                    bump(&shared, |s| &mut s.dropped);
+                    tracing::info!(
+                        addr = %handshake.peer_addr(),
+                        "too many TLS handshakes at once: dropped"
+                    );
+                }
+                Ok(handshake) => {
+                    handshakes.spawn(handshake_and_forward(
+                        Arc::clone(&shared),
+                        handshake,
+                        tx.clone(),
+                    ));
+                }
+                Err(error) => {
+                    // The socket itself failed (e.g. out of file descriptors): do not spin.
+                    tracing::warn!(%error, "accepting a TLS link failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(done) = handshakes.join_next(), if !handshakes.is_empty() => {
+                if let Err(e) = done {
+                    tracing::error!(error = %e, "TLS handshake task failed");
                 }
             }
-            Err(TlsError::AcceptTimeout(_)) => {}
-            Err(TlsError::Accept(detail)) => {
-                // The socket itself failed (e.g. out of file descriptors): do not spin.
-                tracing::warn!(%detail, "accepting a TLS link failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(error) => {
-                bump(&shared, |s| &mut s.tls_failed);
-                tracing::debug!(%error, "inbound TLS link failed its handshake");
-            }
+        }
+    }
+}
+
+/// Runs one inbound TLS handshake (under `hello_timeout`) and hands the link to the supervisor.
+async fn handshake_and_forward(
+    shared: Arc<Shared>,
+    handshake: Handshake,
+    tx: mpsc::Sender<Inbound>,
+) {
+    match handshake.run(shared.config.hello_timeout).await {
+        Ok((peer, stream)) => {
+            let inbound = Inbound {
+                peer,
+                carrier: Carrier::Tls,
+                link: Box::new(stream),
+            };
+            // Fails only when the hub is shutting down.
+            let _ = tx.send(inbound).await;
+        }
+        Err(error) => {
+            bump(&shared, |s| &mut s.tls_failed);
+            tracing::debug!(%error, "inbound TLS link failed its handshake");
         }
     }
 }

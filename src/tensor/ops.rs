@@ -85,24 +85,6 @@ pub fn average_into(out: &mut [f32], acc: &[f64], denominator: f64) {
     }
 }
 
-/// `acc[i] += w * x[i]` for any element type of `x` (converted to f32 on the fly).
-pub fn add_scaled_view(acc: &mut [f32], x: PartView<'_>, w: f32) {
-    debug_assert_eq!(acc.len(), x.len());
-    match x {
-        PartView::F32(s) => add_scaled(acc, s, w),
-        PartView::F16(s) => {
-            for (a, v) in acc.iter_mut().zip(s) {
-                *a += w * v.to_f32();
-            }
-        }
-        PartView::BF16(s) => {
-            for (a, v) in acc.iter_mut().zip(s) {
-                *a += w * v.to_f32();
-            }
-        }
-    }
-}
-
 /// `out[i] = a[i] * scale - b[i]`: the delta of an average (given as a sum and `1/denominator`)
 /// against one sender's input.
 #[inline]
@@ -122,14 +104,6 @@ pub fn sub_assign(x: &mut [f32], b: &[f32]) {
     }
 }
 
-/// `x[i] *= s`.
-#[inline]
-pub fn scale(x: &mut [f32], s: f32) {
-    for v in x.iter_mut() {
-        *v *= s;
-    }
-}
-
 /// Whether every value is finite (no NaN, no infinity). Branch-free so that it vectorises.
 pub fn all_finite(x: &[f32]) -> bool {
     const EXP: u32 = 0x7f80_0000;
@@ -143,19 +117,6 @@ pub fn all_finite(x: &[f32]) -> bool {
         }
     }
     true
-}
-
-/// Largest `|a[i] - b[i]|` (0 for empty input; NaN if any difference is NaN).
-pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    a.iter().zip(b).fold(0.0f32, |m, (&x, &y)| {
-        let d = (x - y).abs();
-        if d.is_nan() || m.is_nan() {
-            f32::NAN
-        } else {
-            m.max(d)
-        }
-    })
 }
 
 /// One contribution to a part, as the reduction reads it: f32 values, little-endian f32 bytes
@@ -449,17 +410,11 @@ mod tests {
         let mut acc = vec![1.0, 2.0, 3.0];
         add_scaled(&mut acc, &[1.0, 1.0, 1.0], 2.0);
         assert_eq!(acc, vec![3.0, 4.0, 5.0]);
-        let h: Vec<f16> = [1.0f32, 2.0, 3.0]
-            .iter()
-            .map(|&v| f16::from_f32(v))
-            .collect();
-        add_scaled_view(&mut acc, PartView::F16(&h), -1.0);
+        sub_assign(&mut acc, &[1.0, 2.0, 3.0]);
         assert_eq!(acc, vec![2.0, 2.0, 2.0]);
         let mut out = vec![0.0; 3];
         scaled_sub(&mut out, &acc, 0.5, &[1.0, 0.0, -1.0]);
         assert_eq!(out, vec![0.0, 1.0, 2.0]);
-        assert_eq!(max_abs_diff(&out, &[0.0, 1.0, 1.5]), 0.5);
-        assert!(max_abs_diff(&[f32::NAN], &[0.0]).is_nan());
         let mut acc64 = vec![1.0f64];
         add_scaled_f64(&mut acc64, &[f32::MAX], 1e12);
         let mut avg = [0.0f32];

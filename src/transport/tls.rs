@@ -318,18 +318,56 @@ impl DataListener {
     /// welcome (drop the stream to reject it).
     ///
     /// An error concerns only the connection it names; the next call works as before. Several
-    /// tasks may call this concurrently on one listener: each gets its own connection.
+    /// tasks may call this concurrently on one listener: each gets its own connection. A server
+    /// that must not let one slow client hold up the next uses [`DataListener::accept_tcp`]
+    /// and runs each [`Handshake`] in a task of its own.
     pub async fn accept(&self, timeout: Duration) -> Result<(PeerId, DataStream), TlsError> {
-        let (tcp, addr) = tokio::time::timeout(timeout, self.listener.accept())
+        let handshake = tokio::time::timeout(timeout, self.accept_tcp())
             .await
-            .map_err(|_| TlsError::AcceptTimeout(timeout))?
+            .map_err(|_| TlsError::AcceptTimeout(timeout))??;
+        handshake.run(timeout).await
+    }
+
+    /// Waits for one TCP client; its TLS handshake is left to the returned [`Handshake`].
+    pub async fn accept_tcp(&self) -> Result<Handshake, TlsError> {
+        let (tcp, addr) = self
+            .listener
+            .accept()
+            .await
             .map_err(|e| TlsError::Accept(e.to_string()))?;
+        Ok(Handshake {
+            tcp,
+            addr,
+            config: Arc::clone(&self.config),
+        })
+    }
+}
+
+/// An accepted TCP client whose TLS handshake (server side) has not run yet
+/// ([`DataListener::accept_tcp`]). Owns everything it needs: it can run in a task of its own.
+#[derive(Debug)]
+pub struct Handshake {
+    tcp: TcpStream,
+    addr: SocketAddr,
+    config: Arc<rustls::ServerConfig>,
+}
+
+impl Handshake {
+    /// The client's address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Runs the handshake under `timeout`. Returns the client's authenticated PeerId and the
+    /// stream.
+    pub async fn run(self, timeout: Duration) -> Result<(PeerId, DataStream), TlsError> {
+        let Self { tcp, addr, config } = self;
         let attempt = tokio::time::timeout(timeout, async {
             tcp.set_nodelay(true).map_err(|e| TlsError::Handshake {
                 addr,
                 detail: format!("cannot set TCP_NODELAY: {e}"),
             })?;
-            let conn = rustls::ServerConnection::new(Arc::clone(&self.config));
+            let conn = rustls::ServerConnection::new(config);
             DataStream::establish(tcp, conn, addr).await
         })
         .await;

@@ -163,19 +163,18 @@ impl BenchArgs {
 /// The parent: spawns the workers, relays the roster, prints the result line.
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     args.validate()?;
-    let mut workers = Workers::spawn(args.peers, "bench-worker", |_| {
-        [
+    let mut workers = Workers::spawn(
+        args.peers,
+        "bench-worker",
+        &[
             ("--peers", args.peers.to_string()),
             ("--mib", args.mib.to_string()),
             ("--rounds", args.rounds.to_string()),
             ("--part-bytes", args.part_bytes.to_string()),
             ("--compression", compression_name(&args.compression)),
             ("--transport", args.transport.name().to_owned()),
-        ]
-        .into_iter()
-        .flat_map(|(k, v)| [k.to_owned(), v])
-        .collect()
-    })?;
+        ],
+    )?;
 
     let mut ready: Vec<Option<String>> = vec![None; args.peers];
     while ready.iter().any(Option::is_none) {

@@ -113,8 +113,10 @@ pub fn run(args: StepsArgs) -> anyhow::Result<()> {
         anyhow::Ok((node, addr))
     })?;
 
-    let mut workers = Workers::spawn(args.peers, "bench-steps-worker", |_| {
-        [
+    let mut workers = Workers::spawn(
+        args.peers,
+        "bench-steps-worker",
+        &[
             ("--bootstrap", addr.to_string()),
             ("--peers", args.peers.to_string()),
             ("--group-size", args.group_size.to_string()),
@@ -125,11 +127,8 @@ pub fn run(args: StepsArgs) -> anyhow::Result<()> {
                 args.min_matchmaking_time.to_string(),
             ),
             ("--step-timeout", args.step_timeout.to_string()),
-        ]
-        .into_iter()
-        .flat_map(|(k, v)| [k.to_owned(), v])
-        .collect()
-    })?;
+        ],
+    )?;
 
     let mut ready = 0;
     while ready < args.peers {

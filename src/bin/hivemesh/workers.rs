@@ -16,12 +16,9 @@ pub struct Workers {
 }
 
 impl Workers {
-    /// Starts `n` workers: `hivemesh <subcommand> --index i <args(i)...>`.
-    pub fn spawn(
-        n: usize,
-        subcommand: &str,
-        args: impl Fn(usize) -> Vec<String>,
-    ) -> anyhow::Result<Self> {
+    /// Starts `n` workers: `hivemesh <subcommand> --index i <flag value>...` (the same flags
+    /// for every worker).
+    pub fn spawn(n: usize, subcommand: &str, flags: &[(&str, String)]) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("locating the hivemesh binary")?;
         let (tx, lines) = std_mpsc::channel();
         let mut workers = Self {
@@ -32,7 +29,7 @@ impl Workers {
             let mut child = Command::new(&exe)
                 .arg(subcommand)
                 .args(["--index", &i.to_string()])
-                .args(args(i))
+                .args(flags.iter().flat_map(|(k, v)| [*k, v.as_str()]))
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
