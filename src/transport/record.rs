@@ -155,6 +155,28 @@ fn header(length: usize) -> [u8; HEADER] {
     ]
 }
 
+/// The first error a half of the stream hit: every later call on that half reports it again
+/// (a record stream that failed once cannot be resynchronised).
+#[derive(Default)]
+struct StickyError(Option<(io::ErrorKind, String)>);
+
+impl StickyError {
+    /// The recorded error, if any.
+    fn check(&self) -> io::Result<()> {
+        match &self.0 {
+            Some((kind, message)) => Err(io::Error::new(*kind, message.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Records an error (keeping the first) and returns it.
+    fn set(&mut self, kind: io::ErrorKind, message: String) -> io::Error {
+        let error = io::Error::new(kind, message.clone());
+        self.0.get_or_insert((kind, message));
+        error
+    }
+}
+
 /// The sending half: seals records into a buffer and writes it to the socket.
 pub(crate) struct Sender {
     dir: Direction,
@@ -162,7 +184,7 @@ pub(crate) struct Sender {
     start: usize,
     end: usize,
     close_sealed: bool,
-    error: Option<(io::ErrorKind, String)>,
+    error: StickyError,
 }
 
 impl Sender {
@@ -173,20 +195,16 @@ impl Sender {
             start: 0,
             end: 0,
             close_sealed: false,
-            error: None,
+            error: StickyError::default(),
         }
     }
 
     fn check(&self) -> io::Result<()> {
-        match &self.error {
-            Some((kind, message)) => Err(io::Error::new(*kind, message.clone())),
-            None => Ok(()),
-        }
+        self.error.check()
     }
 
     fn fail(&mut self, e: io::Error) -> io::Error {
-        self.error = Some((e.kind(), e.to_string()));
-        e
+        self.error.set(e.kind(), e.to_string())
     }
 
     /// Seals one record of `plaintext` (at most [`MAX_PLAINTEXT`] bytes, room checked by the
@@ -356,7 +374,7 @@ pub(crate) struct Receiver {
     /// deliver nothing).
     empty_records: u32,
     closed: bool,
-    error: Option<(io::ErrorKind, String)>,
+    error: StickyError,
 }
 
 impl Drop for Sender {
@@ -404,13 +422,12 @@ impl Receiver {
             staged_end: 0,
             empty_records: 0,
             closed: false,
-            error: None,
+            error: StickyError::default(),
         }
     }
 
     fn fail(&mut self, kind: io::ErrorKind, message: &str) -> io::Error {
-        self.error = Some((kind, message.to_owned()));
-        io::Error::new(kind, message.to_owned())
+        self.error.set(kind, message.to_owned())
     }
 
     /// Records an error; reports it now, or on the next read when this one already delivered
@@ -481,8 +498,8 @@ impl Receiver {
             if self.closed {
                 return Poll::Ready(Ok(()));
             }
-            if let Some((kind, message)) = &self.error {
-                return Poll::Ready(Err(io::Error::new(*kind, message.clone())));
+            if let Err(e) = self.error.check() {
+                return Poll::Ready(Err(e));
             }
             if delivered && out.remaining() == 0 {
                 return Poll::Ready(Ok(()));

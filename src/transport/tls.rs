@@ -1001,11 +1001,20 @@ mod tests {
                 let (_, mut stream) = server.accept(T).await.expect("accepted");
                 let mut got = Vec::new();
                 let result = tokio::time::timeout(T, stream.read_to_end(&mut got)).await;
-                result.expect("no hang")
+                // The error sticks: a later read reports it again, without touching the socket.
+                let again = tokio::time::timeout(T, stream.read(&mut [0u8; 16])).await;
+                (result.expect("no hang"), again.expect("no hang"))
             };
-            let (tcp, result) = tokio::join!(client, serve);
+            let (tcp, (result, again)) = tokio::join!(client, serve);
             drop(tcp);
-            assert!(result.is_err(), "{name}: {result:?}");
+            let (Err(first), Err(second)) = (&result, &again) else {
+                panic!("{name}: {result:?}, then {again:?}");
+            };
+            assert_eq!(
+                (first.kind(), first.to_string()),
+                (second.kind(), second.to_string()),
+                "{name}"
+            );
         }
         // A truncated stream: the client's socket closes without close_notify.
         let config = client_id
