@@ -146,13 +146,16 @@ pub struct HubConfig {
     /// First delay before retrying a failed or "not yet" attempt; doubles up to 16×.
     pub retry_delay: Duration,
     /// Acceptor: how long a Hello for a group that is not registered (yet) waits for its round
-    /// to register before it is refused as unknown. Keep it below `ack_timeout`, or the opener
-    /// opens another attempt beside the waiting one. Zero refuses at once.
+    /// to register before it is refused as unknown. Keep it well below the openers'
+    /// `ack_timeout` (theirs, not ours: nothing checks the two against each other): an opener
+    /// whose TLS attempt stays unanswered that long opens the next attempt on a stream. At most
+    /// half of `max_pending_links` Hellos wait at once; beyond that they are refused at once,
+    /// as with zero, which turns the wait off.
     pub early_hello_wait: Duration,
     /// Inbound links waiting for their Hello at once; more are dropped.
     pub max_pending_links: usize,
     /// Inbound TLS handshakes running at once (each in its own task, under `hello_timeout`);
-    /// clients arriving while this many run are dropped (counted in [`HubStats::dropped`]).
+    /// clients arriving while this many run wait in the kernel's accept queue.
     pub max_tls_handshakes: usize,
     /// Inbound streams queued between the swarm and the hub.
     pub stream_queue: usize,
@@ -272,6 +275,7 @@ pub enum HubError {
 
 /// Counters of a hub's inbound side (for tests and monitoring).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HubStats {
     /// Links acked and handed to a round.
     pub accepted: u64,
@@ -282,8 +286,7 @@ pub struct HubStats {
     pub early: u64,
     /// Inbound links that failed before a valid Hello (malformed, oversized, late, closed).
     pub failed: u64,
-    /// Inbound links dropped because [`HubConfig::max_pending_links`] were pending, or TLS
-    /// clients dropped because [`HubConfig::max_tls_handshakes`] handshakes were running.
+    /// Inbound links dropped because [`HubConfig::max_pending_links`] were pending.
     pub dropped: u64,
     /// TLS connections that failed their handshake.
     pub tls_failed: u64,

@@ -260,8 +260,7 @@ async fn four_nodes_over_tls_links() {
 /// Clients that connect to a TLS port and never start their handshake hold up only
 /// themselves: with eight of them stalled at member 1, member 0 still links to it over TLS.
 /// (If its handshake had to wait for theirs, which last `hello_timeout`, the opener would fall
-/// back to a stream after `ack_timeout`.) Past `max_tls_handshakes` at once, new clients are
-/// dropped.
+/// back to a stream after `ack_timeout`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_tls_handshakes_hold_up_nobody() {
     let config = HubConfig {
@@ -270,7 +269,7 @@ async fn stalled_tls_handshakes_hold_up_nobody() {
         ..HubConfig::default()
     };
     assert!(config.max_tls_handshakes > 8);
-    let nodes = nodes_with(&[Some(Tls::Listen); 2], config.clone()).await;
+    let nodes = nodes_with(&[Some(Tls::Listen); 2], config).await;
     let members: Vec<LinkPeer> = nodes.iter().map(Node::peer).collect();
     let addr = members[1].data_addr.expect("listener");
     let mut stalled = Vec::new();
@@ -281,25 +280,39 @@ async fn stalled_tls_handshakes_hold_up_nobody() {
         Carrier::Tls
     })
     .await;
-    drop(stalled);
+}
 
-    let limited = HubConfig {
+/// At `max_tls_handshakes` the hub stops accepting instead of dropping clients: with both
+/// slots held by stalled clients, an honest member's TLS link waits in the accept queue until
+/// their handshakes time out (2 s here; its own connect and ack timeouts are 30 s), and then
+/// links over TLS. A dropped client would have fallen back to a stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_past_the_handshake_limit_wait_their_turn() {
+    let config = HubConfig {
+        hello_timeout: Duration::from_secs(2),
+        ack_timeout: T,
+        connect_timeout: T,
         max_tls_handshakes: 2,
-        ..config
+        ..HubConfig::default()
     };
-    let nodes = nodes_with(&[Some(Tls::Listen)], limited).await;
-    let addr = nodes[0].peer().data_addr.expect("listener");
-    let mut stats = nodes[0].hub().watch_stats();
+    let nodes = nodes_with(&[Some(Tls::Listen); 2], config).await;
+    let members: Vec<LinkPeer> = nodes.iter().map(Node::peer).collect();
+    let addr = members[1].data_addr.expect("listener");
     let mut stalled = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..2 {
         stalled.push(TcpStream::connect(addr).await.expect("tcp"));
     }
-    let counted = tokio::time::timeout(T, stats.wait_for(|s| s.dropped >= 1))
+    exact_round(&nodes, &[0, 1], &members, b"wait-your-turn", |_, _| {
+        Carrier::Tls
+    })
+    .await;
+    let mut stats = nodes[1].hub().watch_stats();
+    let counted = tokio::time::timeout(T, stats.wait_for(|s| s.tls_failed >= 2))
         .await
-        .expect("the third client is dropped")
+        .expect("both stalled handshakes time out")
         .map(|s| *s)
         .expect("hub alive");
-    assert_eq!((counted.dropped, counted.tls_failed), (1, 0), "{counted:?}");
+    assert_eq!((counted.dropped, counted.tls_failed), (0, 2), "{counted:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -401,7 +414,12 @@ async fn register_late(config: &HubConfig, tls: Tls, ready: fn(&HubStats) -> boo
     assert_eq!(early.carriers, [None, Some(carrier)], "{early:?}");
     assert_eq!(late.carriers, [Some(carrier), None], "{late:?}");
     ping_pong(early, late).await;
-    nodes[1].hub().stats()
+    // The hub counts an acceptance just after handing the link over: wait for the count.
+    tokio::time::timeout(T, stats.wait_for(|s| s.accepted >= 1))
+        .await
+        .expect("counted")
+        .map(|s| *s)
+        .expect("hub alive")
 }
 
 /// A Hello that arrives before its round registered waits for the registration and is acked
@@ -643,13 +661,22 @@ async fn outsider_garbage(outsider: &Node, members: &[LinkPeer], group: &[u8], r
 /// as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_on_both_carriers_while_a_round_runs() {
-    let nodes = nodes(&[
-        Some(Tls::DialOnly),
-        Some(Tls::Listen),
-        Some(Tls::Listen),
-        Some(Tls::Listen),
-        None,
-    ])
+    // Hellos for unknown groups refused at once: with the early-Hello wait, the outsider's
+    // second go would take seconds and miss the running round.
+    let config = HubConfig {
+        early_hello_wait: Duration::ZERO,
+        ..HubConfig::default()
+    };
+    let nodes = nodes_with(
+        &[
+            Some(Tls::DialOnly),
+            Some(Tls::Listen),
+            Some(Tls::Listen),
+            Some(Tls::Listen),
+            None,
+        ],
+        config,
+    )
     .await;
     let members: Vec<LinkPeer> = nodes[..4].iter().map(Node::peer).collect();
     let group: &'static [u8] = b"garbage-round";

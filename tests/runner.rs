@@ -142,7 +142,9 @@ fn max_err(
 
 /// How [`run_group_with`] departs from the defaults.
 struct Setup {
-    runner: RunnerConfig,
+    /// Messages queued per link (`RunnerConfig::link_queue`); each member has its own runner
+    /// config, so its own buffer pool.
+    link_queue: Option<usize>,
     /// Room in each direction of a link.
     link_buffer: usize,
     /// Replaces the sender timeout; the reducer timeout is twice that.
@@ -152,7 +154,7 @@ struct Setup {
 impl Default for Setup {
     fn default() -> Self {
         Self {
-            runner: RunnerConfig::default(),
+            link_queue: None,
             link_buffer: 1 << 20,
             timeouts: None,
         }
@@ -206,7 +208,12 @@ async fn run_group_with(
             Bytes::from_static(b"group-a"),
             tensors,
             my_links,
-            setup.runner.clone(),
+            RunnerConfig {
+                link_queue: setup
+                    .link_queue
+                    .unwrap_or(RunnerConfig::default().link_queue),
+                ..RunnerConfig::default()
+            },
         )));
     }
     let mut results = Vec::new();
@@ -235,27 +242,28 @@ async fn four_nodes_average_exactly() {
     }
 }
 
-/// Link queues of one message over links with little room: the compute thread keeps finding
-/// queues full and must be woken when a writer makes room (nothing else would wake it at the
-/// end of the round: the timeouts are an hour, and the round must end well within a minute).
+/// Short link queues over links with little room: the compute thread keeps finding queues
+/// full and must be woken when a writer makes room (nothing else would wake it at the end of
+/// the round: the timeouts are an hour, and `run_group_with` gives the round a minute). With
+/// one-message queues every receive finds the queue full (this run hangs without the wake-up);
+/// with two, writers also take from queues with room left and skip it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_link_queues_do_not_stall_the_round() {
     let modes = [Mode::Node; 4];
     let weights = [1.0; 4];
-    let setup = Setup {
-        runner: RunnerConfig {
-            link_queue: 1,
-            ..RunnerConfig::default()
-        },
-        link_buffer: 4 << 10,
-        timeouts: Some(Duration::from_secs(3600)),
-    };
-    let (start, results) = run_group_with(&modes, &weights, &[None; 4], setup).await;
-    for (p, r) in results.iter().enumerate() {
-        let (_, outcome) = r.as_ref().unwrap();
-        assert!(outcome.report.local_parts().next().is_none(), "peer {p}");
-        let err = max_err(p, outcome, &start, &weights, &config(&modes, p, 1.0));
-        assert!(err < 1e-5, "peer {p}: {err}");
+    for queue in [1, 2] {
+        let setup = Setup {
+            link_queue: Some(queue),
+            link_buffer: 4 << 10,
+            timeouts: Some(Duration::from_secs(3600)),
+        };
+        let (start, results) = run_group_with(&modes, &weights, &[None; 4], setup).await;
+        for (p, r) in results.iter().enumerate() {
+            let (_, outcome) = r.as_ref().unwrap();
+            assert!(outcome.report.local_parts().next().is_none(), "peer {p}");
+            let err = max_err(p, outcome, &start, &weights, &config(&modes, p, 1.0));
+            assert!(err < 1e-5, "queue {queue}, peer {p}: {err}");
+        }
     }
 }
 

@@ -3,15 +3,16 @@
 //! Task tree (all owned by [`LinkHub::tasks`], aborted on shutdown or drop):
 //!
 //! * one task accepts TCP clients on the [`DataListener`] and runs each TLS handshake (under
-//!   `hello_timeout`) in a task of its own, at most `max_tls_handshakes` at once (later
-//!   clients are dropped), in a `JoinSet` it owns; they forward authenticated TLS streams;
+//!   `hello_timeout`) in a task of its own, at most `max_tls_handshakes` at once (at the limit
+//!   it stops accepting: later clients wait in the kernel's queue), in a `JoinSet` it owns
+//!   (aborted when the task is); they forward authenticated TLS streams;
 //! * one task forwards the node's inbound [`PART_PROTOCOL`] streams;
 //! * the *supervisor* receives both (one bounded queue) and runs one task per inbound link in
 //!   its own `JoinSet` (dropped, so aborted, with it), at most `max_pending_links` at once.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -55,6 +56,8 @@ pub(super) struct Shared {
     groups: Mutex<HashMap<Bytes, Registration>>,
     /// Bumped after every registration: wakes Hellos waiting for their round.
     registered: watch::Sender<u64>,
+    /// Hellos waiting for their round now (at most half of `max_pending_links`).
+    early_waiting: AtomicUsize,
     next_token: AtomicU64,
     stats: watch::Sender<HubStats>,
 }
@@ -158,6 +161,7 @@ impl LinkHub {
             config,
             groups: Mutex::new(HashMap::new()),
             registered: watch::Sender::new(0),
+            early_waiting: AtomicUsize::new(0),
             next_token: AtomicU64::new(0),
             stats: watch::Sender::new(HubStats::default()),
         });
@@ -347,19 +351,14 @@ pub(super) async fn write_link_frame(
 
 async fn accept_tls(shared: Arc<Shared>, listener: DataListener, tx: mpsc::Sender<Inbound>) {
     // Each handshake runs in a task of its own, so a client that connects and stalls holds up
-    // nobody else; at most `max_tls_handshakes` run at once, later clients are dropped.
+    // nobody else while fewer than `max_tls_handshakes` run. At the limit the loop stops
+    // accepting: later clients wait in the kernel's accept queue (none is dropped) until a
+    // handshake ends (at most `hello_timeout`).
     let mut handshakes = JoinSet::new();
     let limit = shared.config.max_tls_handshakes.max(1);
     loop {
         tokio::select! {
-            accepted = listener.accept_tcp() => match accepted {
-                Ok(handshake) if handshakes.len() >= limit => {
-                    bump(&shared, |s| &mut s.dropped);
-                    tracing::info!(
-                        addr = %handshake.peer_addr(),
-                        "too many TLS handshakes at once: dropped"
-                    );
-                }
+            accepted = listener.accept_tcp(), if handshakes.len() < limit => match accepted {
                 Ok(handshake) => {
                     handshakes.spawn(handshake_and_forward(
                         Arc::clone(&shared),
@@ -445,33 +444,51 @@ async fn supervise(shared: Arc<Shared>, mut rx: mpsc::Receiver<Inbound>) {
 
 /// The checks of [`Shared::admit`]; a Hello for a group not registered (yet) waits up to
 /// [`HubConfig::early_hello_wait`] for a registration and is checked again after each one.
+/// At most half of [`HubConfig::max_pending_links`] Hellos wait at once (each holds a pending
+/// slot meanwhile); the others are refused at once.
 ///
 /// [`HubConfig::early_hello_wait`]: super::HubConfig::early_hello_wait
+/// [`HubConfig::max_pending_links`]: super::HubConfig::max_pending_links
 async fn admit_when_registered(
     shared: &Shared,
     hello: &Hello,
     peer: PeerId,
     registered: &mut watch::Receiver<u64>,
 ) -> Result<Admitted, Reject> {
+    let first = shared.admit(hello, peer);
+    match &first {
+        Err(reject) if reject.reason == RejectReason::UnknownGroup => {}
+        _ => return first,
+    }
+    let limit = shared.config.max_pending_links / 2;
+    let waiting = &shared.early_waiting;
+    if shared.config.early_hello_wait.is_zero()
+        || waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_err()
+    {
+        return first;
+    }
+    // Given back however this ends (the task may be aborted while it waits).
+    struct Slot<'a>(&'a AtomicUsize);
+    impl Drop for Slot<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let _slot = Slot(waiting);
+    bump(shared, |s| &mut s.early);
     let deadline = tokio::time::Instant::now() + shared.config.early_hello_wait;
-    let mut counted = false;
     loop {
-        match shared.admit(hello, peer) {
-            Err(reject)
-                if reject.reason == RejectReason::UnknownGroup
-                    && tokio::time::Instant::now() < deadline =>
-            {
-                if !counted {
-                    counted = true;
-                    bump(shared, |s| &mut s.early);
-                }
-                // Woken by the next registration (any group's), or refused at the deadline.
-                match tokio::time::timeout_at(deadline, registered.changed()).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(_)) | Err(_) => return Err(reject),
-                }
-            }
-            result => return result,
+        // Woken by the next registration (any group's), or refused at the deadline.
+        match tokio::time::timeout_at(deadline, registered.changed()).await {
+            Ok(Ok(())) => match shared.admit(hello, peer) {
+                Err(reject) if reject.reason == RejectReason::UnknownGroup => {}
+                result => return result,
+            },
+            Ok(Err(_)) | Err(_) => return shared.admit(hello, peer),
         }
     }
 }

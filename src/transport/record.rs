@@ -169,11 +169,10 @@ impl StickyError {
         }
     }
 
-    /// Records an error (keeping the first) and returns it.
-    fn set(&mut self, kind: io::ErrorKind, message: String) -> io::Error {
-        let error = io::Error::new(kind, message.clone());
-        self.0.get_or_insert((kind, message));
-        error
+    /// Records `e` (unless an earlier error is recorded) and hands it back unchanged.
+    fn record(&mut self, e: io::Error) -> io::Error {
+        self.0.get_or_insert_with(|| (e.kind(), e.to_string()));
+        e
     }
 }
 
@@ -204,7 +203,7 @@ impl Sender {
     }
 
     fn fail(&mut self, e: io::Error) -> io::Error {
-        self.error.set(e.kind(), e.to_string())
+        self.error.record(e)
     }
 
     /// Seals one record of `plaintext` (at most [`MAX_PLAINTEXT`] bytes, room checked by the
@@ -427,7 +426,7 @@ impl Receiver {
     }
 
     fn fail(&mut self, kind: io::ErrorKind, message: &str) -> io::Error {
-        self.error.set(kind, message.to_owned())
+        self.error.record(io::Error::new(kind, message.to_owned()))
     }
 
     /// Records an error; reports it now, or on the next read when this one already delivered
