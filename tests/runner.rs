@@ -144,7 +144,7 @@ fn max_err(
 struct Setup {
     /// Messages queued per link (`RunnerConfig::link_queue`); each member has its own runner
     /// config, so its own buffer pool.
-    link_queue: Option<usize>,
+    link_queue: usize,
     /// Room in each direction of a link.
     link_buffer: usize,
     /// Replaces the sender timeout; the reducer timeout is twice that.
@@ -154,7 +154,7 @@ struct Setup {
 impl Default for Setup {
     fn default() -> Self {
         Self {
-            link_queue: None,
+            link_queue: RunnerConfig::default().link_queue,
             link_buffer: 1 << 20,
             timeouts: None,
         }
@@ -209,9 +209,7 @@ async fn run_group_with(
             tensors,
             my_links,
             RunnerConfig {
-                link_queue: setup
-                    .link_queue
-                    .unwrap_or(RunnerConfig::default().link_queue),
+                link_queue: setup.link_queue,
                 ..RunnerConfig::default()
             },
         )));
@@ -253,7 +251,7 @@ async fn full_link_queues_do_not_stall_the_round() {
     let weights = [1.0; 4];
     for queue in [1, 2] {
         let setup = Setup {
-            link_queue: Some(queue),
+            link_queue: queue,
             link_buffer: 4 << 10,
             timeouts: Some(Duration::from_secs(3600)),
         };

@@ -198,14 +198,6 @@ impl Sender {
         }
     }
 
-    fn check(&self) -> io::Result<()> {
-        self.error.check()
-    }
-
-    fn fail(&mut self, e: io::Error) -> io::Error {
-        self.error.record(e)
-    }
-
     /// Seals one record of `plaintext` (at most [`MAX_PLAINTEXT`] bytes, room checked by the
     /// caller) after the pending bytes.
     fn seal(&mut self, plaintext: &[u8], content_type: u8) -> io::Result<()> {
@@ -237,10 +229,10 @@ impl Sender {
         while self.start < self.end {
             match Pin::new(&mut *tcp).poll_write(cx, &self.buf[self.start..self.end]) {
                 Poll::Ready(Ok(0)) => {
-                    return Poll::Ready(Err(self.fail(io::ErrorKind::WriteZero.into())));
+                    return Poll::Ready(Err(self.error.record(io::ErrorKind::WriteZero.into())));
                 }
                 Poll::Ready(Ok(n)) => self.start += n,
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(self.fail(e))),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(self.error.record(e))),
                 Poll::Pending => return Poll::Pending,
             }
         }
@@ -270,7 +262,7 @@ impl Sender {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        self.check()?;
+        self.error.check()?;
         if self.close_sealed {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
@@ -293,7 +285,7 @@ impl Sender {
                 let take = rest.len().min(MAX_PLAINTEXT).min(room);
                 if let Err(e) = self.seal(&rest[..take], APPLICATION_DATA) {
                     // Reported now, or on the next call when some bytes were accepted.
-                    let e = self.fail(e);
+                    let e = self.error.record(e);
                     if consumed == 0 {
                         return Poll::Ready(Err(e));
                     }
@@ -318,7 +310,7 @@ impl Sender {
         tcp: &mut TcpStream,
         cx: &mut Context<'_>,
     ) -> Poll<io::Result<()>> {
-        self.check()?;
+        self.error.check()?;
         ready!(self.poll_drain(tcp, cx))?;
         Pin::new(tcp).poll_flush(cx)
     }
@@ -329,13 +321,13 @@ impl Sender {
         tcp: &mut TcpStream,
         cx: &mut Context<'_>,
     ) -> Poll<io::Result<()>> {
-        self.check()?;
+        self.error.check()?;
         if !self.close_sealed {
             if self.room() < CLOSE_NOTIFY.len() {
                 ready!(self.poll_drain(tcp, cx))?;
             }
             if let Err(e) = self.seal(&CLOSE_NOTIFY, ALERT) {
-                return Poll::Ready(Err(self.fail(e)));
+                return Poll::Ready(Err(self.error.record(e)));
             }
             self.close_sealed = true;
         }
@@ -425,19 +417,10 @@ impl Receiver {
         }
     }
 
-    fn fail(&mut self, kind: io::ErrorKind, message: &str) -> io::Error {
-        self.error.record(io::Error::new(kind, message.to_owned()))
-    }
-
     /// Records an error; reports it now, or on the next read when this one already delivered
     /// bytes (a read that returns an error must not have filled any).
-    fn fail_read(
-        &mut self,
-        delivered: bool,
-        kind: io::ErrorKind,
-        message: &str,
-    ) -> Poll<io::Result<()>> {
-        let e = self.fail(kind, message);
+    fn fail_read(&mut self, delivered: bool, e: io::Error) -> Poll<io::Result<()>> {
+        let e = self.error.record(e);
         Poll::Ready(if delivered { Ok(()) } else { Err(e) })
     }
 
@@ -509,8 +492,7 @@ impl Receiver {
                 if h[0] != APPLICATION_DATA || h[1..3] != LEGACY_VERSION {
                     return self.fail_read(
                         delivered,
-                        io::ErrorKind::InvalidData,
-                        "not a TLS 1.3 record",
+                        io::Error::new(io::ErrorKind::InvalidData, "not a TLS 1.3 record"),
                     );
                 }
                 let length = usize::from(u16::from_be_bytes([h[3], h[4]]));
@@ -518,8 +500,10 @@ impl Receiver {
                 if !(TAG + 1..=MAX_PLAINTEXT + 1 + TAG).contains(&length) {
                     return self.fail_read(
                         delivered,
-                        io::ErrorKind::InvalidData,
-                        "TLS record length out of range",
+                        io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "TLS record length out of range",
+                        ),
                     );
                 }
                 if delivered && out.remaining() < length - TAG {
@@ -529,7 +513,7 @@ impl Receiver {
                 if buffered >= HEADER + length {
                     let opened = match self.open_record(length, out) {
                         Ok(opened) => opened,
-                        Err(e) => return self.fail_read(delivered, e.kind(), &e.to_string()),
+                        Err(e) => return self.fail_read(delivered, e),
                     };
                     match opened {
                         Opened::Direct(0) | Opened::Staged(0) => {
@@ -537,8 +521,10 @@ impl Receiver {
                             if self.empty_records > MAX_EMPTY_RECORDS {
                                 return self.fail_read(
                                     delivered,
-                                    io::ErrorKind::InvalidData,
-                                    "too many empty TLS records in a row",
+                                    io::Error::new(
+                                        io::ErrorKind::InvalidData,
+                                        "too many empty TLS records in a row",
+                                    ),
                                 );
                             }
                         }
@@ -556,15 +542,19 @@ impl Receiver {
                         Opened::Alert => {
                             return self.fail_read(
                                 delivered,
-                                io::ErrorKind::ConnectionAborted,
-                                "the peer sent a TLS alert",
+                                io::Error::new(
+                                    io::ErrorKind::ConnectionAborted,
+                                    "the peer sent a TLS alert",
+                                ),
                             );
                         }
                         Opened::Unexpected => {
                             return self.fail_read(
                                 delivered,
-                                io::ErrorKind::InvalidData,
-                                "unexpected TLS content type after the handshake",
+                                io::Error::new(
+                                    io::ErrorKind::InvalidData,
+                                    "unexpected TLS content type after the handshake",
+                                ),
                             );
                         }
                     }
@@ -587,13 +577,13 @@ impl Receiver {
             let polled = ready!(Pin::new(&mut *tcp).poll_read(cx, &mut read));
             let n = read.filled().len();
             if let Err(e) = polled {
-                return Poll::Ready(Err(self.fail(e.kind(), &e.to_string())));
+                return Poll::Ready(Err(self.error.record(e)));
             }
             if n == 0 {
-                return Poll::Ready(Err(self.fail(
+                return Poll::Ready(Err(self.error.record(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     "the peer closed the connection without close_notify",
-                )));
+                ))));
             }
             self.end += n;
         }
