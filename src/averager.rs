@@ -53,11 +53,12 @@ use crate::allreduce::{Mode, Outcome, RoundConfig, RoundReport, TensorDescriptor
 use crate::buffers::BufferPool;
 use crate::compression::Compression;
 use crate::dht::{Dht, DhtTime};
-use crate::links::{Carrier, LinkHub, LinkPeer};
+use crate::links::{Carrier, LinkHub, LinkKind, LinkPeer};
 use crate::matchmaking::{
     self, Config as MmConfig, DhtRequest, Event, Grid, GroupKey, KeyManager, Matchmaker,
     MatchmakingError, MemberInfo, Message, RejectReason, Reply, ReplyBody,
 };
+use crate::reach::Reach;
 use crate::runner::{self, RunnerConfig};
 use crate::tensor::Tensor;
 
@@ -104,8 +105,15 @@ pub struct AveragerConfig {
     pub part_size_bytes: usize,
     /// Codec for parts.
     pub compression: Compression,
-    /// Node (sends and reduces), client (sends only; cannot be dialled) or aux (reduces only).
-    pub mode: Mode,
+    /// Node (sends and reduces), client (sends only; cannot be dialled) or aux (reduces only);
+    /// `None` (the default, hivemind's `client_mode=None`): a node, or a client when this
+    /// node is behind a NAT that nobody can dial or punch through ([`Reach::Private`]), so
+    /// that such a peer never holds up a group as a reducer.
+    pub mode: Option<Mode>,
+    /// Let this peer's tensor data go through relays when no direct connection to another
+    /// member can be made (both members must allow it; within the relay's limits). Default
+    /// `false`: relays carry only control messages and hole-punch signalling.
+    pub allow_relayed_data: bool,
     /// Advertised bandwidth for load balancing (any unit shared by the group).
     pub bandwidth: Option<f64>,
     /// Group keys.
@@ -134,7 +142,8 @@ impl AveragerConfig {
             link_timeout: Duration::from_secs(10),
             part_size_bytes: crate::allreduce::DEFAULT_PART_SIZE_BYTES,
             compression: Compression::default(),
-            mode: Mode::Node,
+            mode: None,
+            allow_relayed_data: false,
             bandwidth: None,
             keys: KeySchedule::Bits {
                 initial_bits: String::new(),
@@ -143,6 +152,17 @@ impl AveragerConfig {
             state_priority: 0.0,
             state: state::StateConfig::default(),
         }
+    }
+}
+
+impl AveragerConfig {
+    /// The mode to take part in with reachability `reach`: [`AveragerConfig::mode`] if set,
+    /// else a client when [`Reach::Private`] and a node otherwise.
+    pub fn resolved_mode(&self, reach: Reach) -> Mode {
+        self.mode.unwrap_or(match reach {
+            Reach::Private => Mode::Client,
+            Reach::Public | Reach::Punchable => Mode::Node,
+        })
     }
 }
 
@@ -192,6 +212,14 @@ pub struct StepOutcome {
     pub gathered: Vec<Bytes>,
     /// The carrier of our link to each member (`None`: ourselves, or no link).
     pub carriers: Vec<Option<Carrier>>,
+    /// How our link to each member was carried end to end: direct TLS, a libp2p stream on a
+    /// direct or hole-punched connection (and its transport), or relayed (`None`: ourselves,
+    /// no traffic between us, or no link).
+    pub links: Vec<Option<LinkKind>>,
+    /// Our mode in this step (see [`AveragerConfig::mode`]).
+    pub mode: Mode,
+    /// How others could reach us when the step began.
+    pub reach: Reach,
     /// Part by part, whose values we now hold the mean of.
     pub report: RoundReport,
     /// The group key the step used.
@@ -214,6 +242,10 @@ pub enum AveragerError {
     /// Linking to the group failed.
     #[error("linking to the group: {0}")]
     Links(String),
+    /// The group's members cannot reach each other (NATs keep apart every member that could
+    /// reduce from some member that sends); found before any link is tried.
+    #[error("the group cannot average: {0}")]
+    Unreachable(String),
     /// The all-reduce failed.
     #[error("all-reduce: {0}")]
     Round(String),
@@ -494,6 +526,53 @@ fn schema_hash(config: &AveragerConfig, descriptors: &[TensorDescriptor]) -> Byt
     Bytes::copy_from_slice(&h.finalize()[..20])
 }
 
+/// The addresses other peers reach this node at, for declarations, state announcements and
+/// member infos: our listen addresses (dial-back-confirmed ones first) while we are public,
+/// our relay circuit addresses while we are not.
+pub(crate) async fn contact_addrs(p2p: &crate::p2p::P2p) -> Vec<libp2p::Multiaddr> {
+    let r = p2p.reachability();
+    match r.class() {
+        Reach::Public => {
+            let mut addrs = r.confirmed.clone();
+            for a in p2p.listen_addrs().await.unwrap_or_default() {
+                let bare: libp2p::Multiaddr = a
+                    .iter()
+                    .filter(|p| !matches!(p, libp2p::multiaddr::Protocol::P2p(_)))
+                    .collect();
+                if !addrs.contains(&bare) {
+                    addrs.push(bare);
+                }
+            }
+            addrs
+        }
+        Reach::Punchable | Reach::Private => r.relayed,
+    }
+}
+
+/// Our TLS data address as others should dial it: the listener's address, with an unspecified
+/// IP (a listener on all interfaces) replaced by one that others saw us at.
+fn advertised_data_addr(
+    listen: Option<std::net::SocketAddr>,
+    reachability: &crate::p2p::Reachability,
+) -> Option<std::net::SocketAddr> {
+    let mut addr = listen?;
+    if addr.ip().is_unspecified() {
+        let ip = reachability
+            .confirmed
+            .iter()
+            .chain(&reachability.observed)
+            .find_map(|a| {
+                a.iter().find_map(|p| match p {
+                    libp2p::multiaddr::Protocol::Ip4(ip) => Some(std::net::IpAddr::V4(ip)),
+                    libp2p::multiaddr::Protocol::Ip6(ip) => Some(std::net::IpAddr::V6(ip)),
+                    _ => None,
+                })
+            })?;
+        addr.set_ip(ip);
+    }
+    Some(addr)
+}
+
 fn to_mm(peer: &libp2p::PeerId) -> matchmaking::PeerId {
     matchmaking::PeerId::from_bytes(peer.to_bytes()).expect("libp2p peer ids are 1..=128 bytes")
 }
@@ -507,6 +586,14 @@ fn instant_of(t: DhtTime) -> tokio::time::Instant {
     let now = DhtTime::now().as_secs();
     let ahead = (t.as_secs() - now).clamp(0.0, 86_400.0);
     tokio::time::Instant::now() + Duration::from_secs_f64(ahead)
+}
+
+/// A group ready to link: member ids, the round's members (modes and fractions), and the round
+/// registered with the link hub.
+struct Prepared {
+    members: Vec<libp2p::PeerId>,
+    round_members: Vec<crate::allreduce::Member>,
+    expectation: crate::links::Expectation,
 }
 
 enum Wake {
@@ -615,27 +702,62 @@ impl Actor {
         }
     }
 
-    /// What we bring to a group: mode, bandwidth, gathered bytes, and where to reach us: the
-    /// TLS data address (`ip:port`) and our libp2p listen addresses (multiaddrs), so members
-    /// that never talked to us can link over either carrier.
+    /// What we bring to a group: mode (resolved from our reachability), bandwidth, gathered
+    /// bytes, how others reach us, and where: the TLS data address (`ip:port`, only when we
+    /// are public) and our contact multiaddrs ([`contact_addrs`]: listen addresses when public,
+    /// relay circuit addresses when not), so members that never talked to us can link.
     async fn member_info(&self, options: &StepOptions) -> MemberInfo {
-        let mut info = MemberInfo::new(self.config.mode);
+        let reachability = self.dht.p2p().reachability();
+        let reach = reachability.class();
+        let mut info = MemberInfo::new(self.config.resolved_mode(reach));
+        info.reach = reach;
+        info.relay_data = self.config.allow_relayed_data;
         info.bandwidth = self.config.bandwidth;
         info.gathered = options.gather.clone();
-        if self.config.mode != Mode::Client {
-            if let Some(addr) = self.hub.data_addr() {
-                info.addrs.push(addr.to_string());
-            }
-            let listen = self.dht.p2p().listen_addrs().await.unwrap_or_default();
-            info.addrs.extend(
-                listen
-                    .into_iter()
-                    .map(|a| a.to_string())
-                    .filter(|a| a.len() <= matchmaking::MAX_ADDR_BYTES)
-                    .take(matchmaking::MAX_ADDRS - 1),
-            );
+        if reach == Reach::Public
+            && let Some(addr) = advertised_data_addr(self.hub.data_addr(), &reachability)
+        {
+            info.addrs.push(addr.to_string());
         }
+        let contact = contact_addrs(self.dht.p2p()).await;
+        let room = matchmaking::MAX_ADDRS - info.addrs.len();
+        info.addrs.extend(
+            contact
+                .into_iter()
+                .map(|a| a.to_string())
+                .filter(|a| a.len() <= matchmaking::MAX_ADDR_BYTES)
+                .take(room),
+        );
         info
+    }
+
+    /// Tells the swarm where the peers declared in `value` can be reached (the contact
+    /// addresses in their declarations), once per peer and step: a NATed leader is in no
+    /// routing table, and its relay address is how a follower reaches it.
+    fn learn_contacts(
+        &mut self,
+        value: Option<&crate::dht::DhtValue>,
+        known: &mut std::collections::HashSet<libp2p::PeerId>,
+    ) {
+        let Some(value) = value else { return };
+        let me = self.dht.p2p().peer_id();
+        let now = DhtTime::now();
+        for (peer, entry) in value.owner_entries() {
+            if peer == me || entry.is_expired(now) || known.contains(&peer) {
+                continue;
+            }
+            let Some(addrs) = matchmaking::declaration_contact(&entry.value)
+                .and_then(crate::dht::decode_addrs)
+                .filter(|a| !a.is_empty())
+            else {
+                continue;
+            };
+            known.insert(peer);
+            let p2p = self.dht.p2p().clone();
+            self.sends.spawn(async move {
+                let _ = p2p.add_peer_addresses(peer, addrs).await;
+            });
+        }
     }
 
     async fn run_step(&mut self, request: StepRequest, shutdown: &mut watch::Receiver<bool>) {
@@ -697,7 +819,7 @@ impl Actor {
         }
         // Register the round with the hub at once, so members that start linking while we
         // still wait for our trigger (or are slower to see `Begin`) are not turned away.
-        let (members, expectation) = self.prepare_links(&group).await?;
+        let prepared = self.prepare_links(&group).await?;
         let _ = stage.send(Stage::AwaitingTrigger);
         let wait = async {
             tokio::select! {
@@ -709,29 +831,49 @@ impl Actor {
         self.while_serving(wait, step_deadline, options.timeout)
             .await?;
         let _ = stage.send(Stage::AllReduce);
-        self.all_reduce(options, group, members, expectation, cancel, step_deadline)
+        self.all_reduce(options, group, prepared, cancel, step_deadline)
             .await
     }
 
-    /// The members' libp2p ids, their addresses handed to the swarm, and the round registered
+    /// The members' libp2p ids, the round's members (modes and fractions: members that not
+    /// every sender can reach reduce nothing, and a group where nobody may reduce fails here,
+    /// before any link is tried), their addresses handed to the swarm, and the round registered
     /// with the link hub.
     async fn prepare_links(
         &mut self,
         group: &matchmaking::Group,
-    ) -> Result<(Vec<libp2p::PeerId>, crate::links::Expectation), AveragerError> {
+    ) -> Result<Prepared, AveragerError> {
         let members: Vec<libp2p::PeerId> = group
             .members
             .iter()
             .map(|m| from_mm(&m.peer))
             .collect::<Option<_>>()
             .ok_or_else(|| AveragerError::Links("a member id is not a libp2p peer id".into()))?;
+        let elements: usize = self.descriptors.iter().map(TensorDescriptor::numel).sum();
+        let round_members = matchmaking::load_balancing::round_members(group, elements as u64, 1)
+            .map_err(|e| match e {
+            matchmaking::load_balancing::LoadBalanceError::Unreachable => {
+                let reach: Vec<String> = group
+                    .members
+                    .iter()
+                    .map(|m| format!("{}/{}", m.info.mode, m.info.reach))
+                    .collect();
+                AveragerError::Unreachable(format!("{e} (members: {})", reach.join(", ")))
+            }
+            other => AveragerError::Round(other.to_string()),
+        })?;
         let link_peers: Vec<LinkPeer> = group
             .members
             .iter()
             .zip(&members)
-            .map(|(m, &peer_id)| LinkPeer {
+            .zip(&round_members)
+            .map(|((m, &peer_id), r)| LinkPeer {
                 peer_id,
                 data_addr: m.info.addrs.iter().find_map(|a| a.parse().ok()),
+                reach: m.info.reach,
+                relay_data: m.info.relay_data,
+                sends: r.mode.is_sender(),
+                reduces: r.fraction > 0.0 && r.mode != Mode::Client,
             })
             .collect();
         let expectation = self
@@ -747,7 +889,11 @@ impl Actor {
                 let _ = p2p.add_peer_addresses(peer, maddrs).await;
             }
         }
-        Ok((members, expectation))
+        Ok(Prepared {
+            members,
+            round_members,
+            expectation,
+        })
     }
 
     /// Runs `fut` while refusing join requests that arrive meanwhile, bounded by the step's
@@ -794,6 +940,10 @@ impl Actor {
         mm_config.request_timeout = self.config.request_timeout;
         let key = self.step_key(options)?;
         let mut step = matchmaking::Step::new(key, self.member_info(options).await);
+        let mut contact = Vec::new();
+        crate::dht::encode_addrs(&contact_addrs(self.dht.p2p()).await, &mut contact);
+        step.contact = Bytes::from(contact);
+        let mut known_contacts = std::collections::HashSet::new();
         let now = DhtTime::now();
         step.scheduled_time = options.scheduled_in.map(|d| now.saturating_add(d));
         step.deadline = step_deadline
@@ -866,7 +1016,10 @@ impl Actor {
             let now = DhtTime::now();
             match wake {
                 Wake::Inbound(from, message) => machine.handle_message(now, to_mm(&from), message),
-                Wake::DhtGet(id, value) => machine.handle_dht_get(now, id, value),
+                Wake::DhtGet(id, value) => {
+                    self.learn_contacts(value.as_ref(), &mut known_contacts);
+                    machine.handle_dht_get(now, id, value)
+                }
                 Wake::Unreachable(peer) => machine.handle_unreachable(now, &to_mm(&peer)),
                 Wake::Timeout => machine.handle_timeout(now),
                 Wake::Cancel | Wake::Shutdown | Wake::StepTimeout => {
@@ -905,14 +1058,15 @@ impl Actor {
         &mut self,
         options: &StepOptions,
         group: matchmaking::Group,
-        members: Vec<libp2p::PeerId>,
-        expectation: crate::links::Expectation,
+        prepared: Prepared,
         cancel: &mut watch::Receiver<bool>,
         step_deadline: Option<tokio::time::Instant>,
     ) -> Result<StepOutcome, AveragerError> {
-        let elements: usize = self.descriptors.iter().map(TensorDescriptor::numel).sum();
-        let round_members = matchmaking::load_balancing::round_members(&group, elements as u64, 1)
-            .map_err(|e| AveragerError::Round(e.to_string()))?;
+        let Prepared {
+            members,
+            round_members,
+            expectation,
+        } = prepared;
         let mut cfg = RoundConfig::new(round_members, group.me);
         cfg.weight = options.weight;
         cfg.part_size_bytes = self.config.part_size_bytes;
@@ -930,6 +1084,19 @@ impl Actor {
             )
             .await?;
         let carriers = established.carriers.clone();
+        let links = established.kinds.clone();
+        let summary: Vec<String> = links
+            .iter()
+            .enumerate()
+            .map(|(i, k)| match k {
+                _ if i == group.me => "self".to_owned(),
+                Some(k) => k.to_string(),
+                None => "-".to_owned(),
+            })
+            .collect();
+        let summary = summary.join(",");
+        tracing::info!(links = %summary, "linked to the group");
+        let span = tracing::info_span!("step", links = %summary);
         let snapshot: Vec<Tensor> = self
             .shared
             .tensors
@@ -940,13 +1107,16 @@ impl Actor {
             pool: self.pool.clone(),
             ..RunnerConfig::default()
         };
-        let round = runner::run_round_cancellable(
-            cfg,
-            group.group_id.clone(),
-            snapshot,
-            established.links,
-            runner_cfg,
-            cancel.clone(),
+        let round = tracing::Instrument::instrument(
+            runner::run_round_cancellable(
+                cfg,
+                group.group_id.clone(),
+                snapshot,
+                established.links,
+                runner_cfg,
+                cancel.clone(),
+            ),
+            span,
         );
         let (start, outcome): (Vec<Tensor>, Outcome) = self
             .while_serving(
@@ -984,6 +1154,9 @@ impl Actor {
             members,
             me: group.me,
             carriers,
+            links,
+            mode: group.members[group.me].info.mode,
+            reach: group.members[group.me].info.reach,
             report,
             key: group.key,
         })

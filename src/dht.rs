@@ -122,8 +122,10 @@
 //! Every function here is pure: time comes in as a `now` argument ([`DhtTime::now`] is only a
 //! convenience for callers).
 
+mod addrs;
 mod client;
 mod owner;
+pub mod relays;
 mod value;
 mod wire;
 
@@ -134,10 +136,12 @@ use std::time::Duration;
 
 use libp2p::PeerId;
 
+pub use addrs::{MAX_ADDR_BYTES, MAX_ADDRS, decode_addrs, encode_addrs};
 pub use client::{Dht, DhtError, DhtPolicy, StoreRequest};
 pub use owner::{
     OWNER_SUBKEY_PREFIX, SIGNING_DOMAIN, SignError, owner_subkey, signing_payload, subkey_owner,
 };
+pub use relays::{RELAYS_KEY, RelayDirectory, lookup_relays};
 pub use value::{DhtTime, DhtValue, DhtView, Entry, merge, merge_all};
 
 /// Default [`ValidationLimits::max_value_bytes`]: 768 KiB.

@@ -34,6 +34,7 @@ pub mod dht;
 pub mod links;
 pub mod matchmaking;
 pub mod p2p;
+pub mod reach;
 pub mod runner;
 pub mod sim;
 pub mod tensor;

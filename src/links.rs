@@ -30,8 +30,10 @@
 //! 2. the peer id claimed in the Hello is the one the connection authenticated (the TLS client
 //!    certificate, or the libp2p connection's noise/QUIC handshake), else `IdentityMismatch`;
 //! 3. the claimed member index holds that peer id, else `NotMember`;
-//! 4. the opener's index is lower than ours, else `WrongDirection`;
-//! 5. the pair is not linked yet, else `Duplicate`.
+//! 4. that member opens the link to us (see "Who links with whom"), else `WrongDirection`;
+//! 5. the pair is not linked yet, else `Duplicate`;
+//! 6. a stream link that runs through a relay is allowed by both members
+//!    ([`LinkPeer::relay_data`]), else `RelayNotAllowed`.
 //!
 //! Then it writes `Ack` and hands the link to the round. A Hello that is malformed, oversized
 //! (the length prefix alone is checked against [`crate::wire::MAX_LINK_FRAME_BYTES`]), late, or
@@ -40,9 +42,25 @@
 //! # Establishing a round's links
 //!
 //! [`establish_links`] (or [`LinkHub::expect`] then [`Expectation::establish`]) builds the
-//! `Vec<Option<Box<dyn Link>>>` that [`crate::runner::run_round`] takes. For every pair the
-//! **lower member index opens** the link and the higher one waits for it; both sides stop at
+//! `Vec<Option<Box<dyn Link>>>` that [`crate::runner::run_round`] takes. Both sides stop at
 //! one deadline, and a member that never linked stays `None` (the runner fails it at once).
+//!
+//! # Who links with whom
+//!
+//! Every member derives the same plan from the group ([`LinkPeer`]: reachability, whether it
+//! sends and whether it reduces):
+//!
+//! * only pairs with traffic link: one of the two reduces and the other sends (two clients, or
+//!   two aux peers, never link);
+//! * the **path** is [`crate::reach::path`]: direct when one of them is public, a hole punch when
+//!   both are behind endpoint-independent NATs, a relay when both allow tensor data there;
+//! * the **opener** is [`crate::reach::opener`]: the one that can dial (a NATed member dials a
+//!   public one), else the lower member index;
+//! * a direct path uses TLS to the public member's data address, else a stream; a hole-punch
+//!   path first makes a direct libp2p connection ([`crate::p2p::P2p::connect_direct`]: through
+//!   the peer's relay, then DCUtR), then opens the stream on it; if the punch fails and both
+//!   allow relayed data, the stream runs through the relay. [`LinkKind`] reports what each link
+//!   became.
 //!
 //! The opener sends `Hello {group id, its index, its peer id}` and waits for the answer:
 //!
@@ -83,7 +101,8 @@ use std::time::Duration;
 
 use libp2p::PeerId;
 
-use crate::p2p::P2pError;
+use crate::p2p::{ConnPath, P2pError, Transport};
+use crate::reach::Reach;
 use crate::runner::Link;
 use crate::transport::{DataIdentity, PeerMismatch, TlsError};
 use crate::wire::{LinkReadError, RejectReason};
@@ -112,14 +131,123 @@ impl std::fmt::Display for Carrier {
     }
 }
 
+/// How a link is carried, end to end (reported per member in a step's outcome).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LinkKind {
+    /// A direct TLS connection to the peer's data address.
+    Tls,
+    /// A libp2p stream on a direct connection over this transport.
+    Stream(Transport),
+    /// A libp2p stream on a connection made by hole punching, over this transport.
+    Punched(Transport),
+    /// A libp2p stream through a relay.
+    Relayed,
+}
+
+impl LinkKind {
+    /// The kind of a stream link on a connection with `path`.
+    pub fn of_stream(path: ConnPath) -> Self {
+        if path.relayed {
+            Self::Relayed
+        } else if path.punched {
+            Self::Punched(path.transport)
+        } else {
+            Self::Stream(path.transport)
+        }
+    }
+
+    /// The carrier underneath.
+    pub fn carrier(self) -> Carrier {
+        match self {
+            Self::Tls => Carrier::Tls,
+            _ => Carrier::Stream,
+        }
+    }
+}
+
+impl std::fmt::Display for LinkKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Tls => f.write_str("tls"),
+            Self::Stream(t) => write!(f, "stream/{t}"),
+            Self::Punched(t) => write!(f, "punched/{t}"),
+            Self::Relayed => f.write_str("relayed"),
+        }
+    }
+}
+
 /// A group member as the link layer needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkPeer {
     /// Its libp2p identity (the swarm must be able to reach it: connected, or its addresses
     /// known to Kademlia or given with [`crate::p2p::P2p::add_peer_addresses`]).
     pub peer_id: PeerId,
-    /// Its TLS data-plane address, if it runs a data listener.
+    /// Its TLS data-plane address, if it runs a reachable data listener.
     pub data_addr: Option<SocketAddr>,
+    /// How others reach it.
+    pub reach: Reach,
+    /// It allows tensor data through relays.
+    pub relay_data: bool,
+    /// It sends data in the round (not aux).
+    pub sends: bool,
+    /// It reduces a part of the round (a positive fraction).
+    pub reduces: bool,
+}
+
+impl LinkPeer {
+    /// A public member that sends and reduces (every member of a plain group on one network).
+    pub fn public(peer_id: PeerId, data_addr: Option<SocketAddr>) -> Self {
+        Self {
+            peer_id,
+            data_addr,
+            reach: Reach::Public,
+            relay_data: false,
+            sends: true,
+            reduces: true,
+        }
+    }
+
+    fn plan(&self) -> crate::reach::Peer {
+        crate::reach::Peer {
+            reach: self.reach,
+            relay_data: self.relay_data,
+        }
+    }
+}
+
+/// What member `me` does about its link with one other member.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Plan {
+    /// No traffic between the two: no link.
+    Idle,
+    /// We open the link, over this path.
+    Open(crate::reach::Path),
+    /// The other member opens it, over this path.
+    Await(crate::reach::Path),
+    /// Traffic but no path (two NATed members that cannot punch and may not relay): no link;
+    /// the round's bans and timeouts deal with it. Load balancing gives no span to a member
+    /// that not every sender can reach, so only a sender/receiver pair of a bad plan gets here.
+    Unreachable,
+}
+
+/// The plan of member `me` for each member of `members` ([`Plan::Idle`] for itself).
+pub(crate) fn plan(members: &[LinkPeer], me: usize) -> Vec<Plan> {
+    let peers: Vec<crate::reach::Peer> = members.iter().map(LinkPeer::plan).collect();
+    (0..members.len())
+        .map(|j| {
+            let traffic = j != me
+                && ((members[me].reduces && members[j].sends)
+                    || (members[j].reduces && members[me].sends));
+            if !traffic {
+                return Plan::Idle;
+            }
+            match crate::reach::path(peers[me], peers[j]) {
+                None => Plan::Unreachable,
+                Some(path) if crate::reach::opener(&peers, me, j) == me => Plan::Open(path),
+                Some(path) => Plan::Await(path),
+            }
+        })
+        .collect()
 }
 
 /// The node's TLS data plane, for [`LinkHub::start`].
@@ -159,6 +287,8 @@ pub struct HubConfig {
     pub max_tls_handshakes: usize,
     /// Inbound streams queued between the swarm and the hub.
     pub stream_queue: usize,
+    /// Bound on making a direct connection by hole punching, per attempt.
+    pub punch_timeout: Duration,
 }
 
 impl Default for HubConfig {
@@ -173,6 +303,7 @@ impl Default for HubConfig {
             max_pending_links: 64,
             max_tls_handshakes: 16,
             stream_queue: 32,
+            punch_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -263,6 +394,15 @@ pub enum HubError {
         /// Why.
         detail: String,
     },
+    /// No path to this member: the hole punch failed and tensor data may not go through a
+    /// relay, or the stream we got runs through a relay that is not allowed.
+    #[error("no path to {peer}: {detail}")]
+    NoPath {
+        /// The member.
+        peer: PeerId,
+        /// Why.
+        detail: String,
+    },
     /// No link with this member within the timeout.
     #[error("no link with {peer} within {timeout:?}")]
     NoLink {
@@ -298,6 +438,8 @@ pub struct EstablishedLinks {
     pub links: Vec<Option<Box<dyn Link>>>,
     /// `carriers[i]`: the carrier of `links[i]`.
     pub carriers: Vec<Option<Carrier>>,
+    /// `kinds[i]`: how `links[i]` is carried, end to end.
+    pub kinds: Vec<Option<LinkKind>>,
     /// `errors[i]`: why member `i` has no link (`None` for ourselves and linked members).
     pub errors: Vec<Option<HubError>>,
     /// Attempts we opened beyond the first because earlier ones were silent or failed (the
@@ -308,7 +450,7 @@ pub struct EstablishedLinks {
 impl std::fmt::Debug for EstablishedLinks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EstablishedLinks")
-            .field("carriers", &self.carriers)
+            .field("kinds", &self.kinds)
             .field("errors", &self.errors)
             .field("reopened", &self.reopened)
             .finish_non_exhaustive()

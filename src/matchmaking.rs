@@ -87,10 +87,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::reach::Reach;
+
 pub use crate::allreduce::Mode;
 pub use crate::dht::DhtTime;
 pub use declaration::{
-    DECLARED_VALUE, LEFT_VALUE, active_declarations, declaration_subkey, subkey_owner,
+    DECLARED_VALUE, LEFT_VALUE, MAX_CONTACT_BYTES, active_declarations, declaration_contact,
+    declaration_subkey, declaration_value, is_declared, subkey_owner,
 };
 pub use key::{
     Grid, GroupKey, KeyError, KeyManager, MAX_GROUP_BITS, MAX_GROUP_KEY_BYTES, MAX_PREFIX_BYTES,
@@ -175,16 +178,31 @@ pub struct MemberInfo {
     pub addrs: Vec<String>,
     /// Opaque user bytes (hivemind's `gather`).
     pub gathered: Bytes,
+    /// How others reach it ([`crate::reach`]): decides whether it may reduce and who opens
+    /// its links.
+    pub reach: Reach,
+    /// It allows its tensor data to go through relays.
+    pub relay_data: bool,
 }
 
 impl MemberInfo {
-    /// A member of `mode` with no bandwidth, addresses or gathered bytes.
+    /// A public member of `mode` with no bandwidth, addresses or gathered bytes.
     pub fn new(mode: Mode) -> Self {
         Self {
             mode,
             bandwidth: None,
             addrs: Vec::new(),
             gathered: Bytes::new(),
+            reach: Reach::Public,
+            relay_data: false,
+        }
+    }
+
+    /// The member as [`crate::reach`]'s planner sees it.
+    pub fn plan_peer(&self) -> crate::reach::Peer {
+        crate::reach::Peer {
+            reach: self.reach,
+            relay_data: self.relay_data,
         }
     }
 
@@ -468,16 +486,20 @@ pub struct Step {
     pub scheduled_time: Option<DhtTime>,
     /// When to give up (`None`: never).
     pub deadline: Option<DhtTime>,
+    /// Opaque bytes published with the declaration ([`declaration_value`]), at most
+    /// [`MAX_CONTACT_BYTES`]: how followers that never met this peer reach it.
+    pub contact: Bytes,
 }
 
 impl Step {
-    /// A step under `key` with `info`, no schedule and no deadline.
+    /// A step under `key` with `info`, no schedule, no deadline and no contact bytes.
     pub fn new(key: GroupKey, info: MemberInfo) -> Self {
         Self {
             key,
             info,
             scheduled_time: None,
             deadline: None,
+            contact: Bytes::new(),
         }
     }
 }
@@ -489,6 +511,9 @@ pub enum ConfigError {
     /// Empty or too long schema hash.
     #[error("schema hash of {0} bytes (must be 1..={MAX_SCHEMA_HASH_BYTES})")]
     SchemaHash(usize),
+    /// More than [`MAX_CONTACT_BYTES`] contact bytes.
+    #[error("{0} contact bytes (at most {MAX_CONTACT_BYTES})")]
+    Contact(usize),
     /// `min_group_size` is 0, above `target_group_size`, or a size above [`MAX_GROUP_SIZE`].
     #[error(
         "group sizes min {min} / target {target:?} (need 1 <= min <= target <= {MAX_GROUP_SIZE})"

@@ -24,6 +24,33 @@
 //! client mode (they query but are never added to others' routing tables). Everyone else is
 //! forced to server mode: on loopback and LANs nothing would confirm an external address.
 //!
+//! # Reachability, relays and hole punching
+//!
+//! Volunteers sit behind home routers. The event loop (`nat.rs`) finds out how others can reach
+//! this node and makes it reachable where it is not:
+//!
+//! * **Reachability.** identify tells us the address each peer sees our connections come from;
+//!   the classification of [`crate::reach`] turns those into a [`Reach`] (public, punchable,
+//!   private), published in [`Reachability`] ([`P2p::reachability`], [`P2p::watch_reachability`])
+//!   and re-derived with every new observation. An AutoNAT v2 client asks peers to dial those
+//!   addresses back: a confirmed address makes the node public (a forwarded port), a failed
+//!   dial-back of its own address means a firewall. Every node also serves AutoNAT v2 dial-backs
+//!   ([`NatConfig::autonat_server`]). Kademlia runs in server mode while the node is public (or
+//!   unknown) and in client mode otherwise, unless [`P2pConfig::client_mode`] forces client mode.
+//! * **Relays.** A node with [`NatConfig::relay_server`] serves circuit relay v2 with limits
+//!   sized for tensor data ([`RelayLimits`]; libp2p's defaults, 128 KiB and 2 min per circuit,
+//!   carry nothing but signalling). A node that is not public reserves a slot on a relay among its
+//!   peers that speak the relay protocol (initial peers and others it meets, and the candidates
+//!   handed to [`P2p::add_relay_candidates`], e.g. from the DHT), keeps
+//!   [`NatConfig::relay_reservations`] reservations and replaces a relay that goes away. Its
+//!   circuit addresses (`<relay>/p2p-circuit/p2p/<us>`) are in [`Reachability::relayed`].
+//! * **Hole punching.** DCUtR runs on every node, over TCP and QUIC: when a peer connects to us
+//!   through a relay, both sides dial each other's observed addresses at once.
+//!   [`P2p::connect_direct`] makes sure a direct connection to a peer exists (dialing through its
+//!   relay and waiting for the punch if needed) and closes relayed connections to a peer once a
+//!   direct one exists, so that streams opened afterwards use the direct one (libp2p-stream picks
+//!   any connection to the peer). [`P2p::connection_paths`] says how we are connected to a peer.
+//!
 //! # Streams
 //!
 //! The swarm also runs the `libp2p-stream` behaviour (0.5.0-alpha, the version that builds with
@@ -40,6 +67,7 @@
 //! a silent stream and re-open it (`crate::links` does, with its Hello/Ack).
 
 mod identity;
+mod nat;
 mod swarm;
 
 use std::path::PathBuf;
@@ -52,10 +80,12 @@ use std::task::{Context, Poll};
 use futures::StreamExt as _;
 use libp2p::{Multiaddr, PeerId, identity::Keypair};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt as _};
 
 pub use identity::load_or_create as load_or_create_identity;
+
+use crate::reach::Reach;
 
 /// Kademlia protocol name of hivemesh DHTs.
 pub const KAD_PROTOCOL: &str = "/hivemesh/kad/1.0.0";
@@ -134,6 +164,14 @@ pub enum P2pError {
         /// Why (naming the protocol).
         detail: String,
     },
+    /// No direct connection to the peer could be made (the hole punch failed or timed out).
+    #[error("no direct connection to {peer}: {detail}")]
+    NoDirectConnection {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        detail: String,
+    },
     /// Opening a stream (including dialing the peer) took longer than the timeout.
     #[error("no stream to {peer} within {timeout:?}")]
     OpenStreamTimeout {
@@ -176,6 +214,151 @@ pub struct P2pConfig {
     pub bootstrap_timeout: Duration,
     /// Close connections idle for this long.
     pub idle_connection_timeout: Duration,
+    /// Reachability, relays and hole punching.
+    pub nat: NatConfig,
+}
+
+/// How a node finds out its reachability and makes itself reachable (module docs).
+#[derive(Clone, Debug)]
+pub struct NatConfig {
+    /// Take this reachability instead of finding it out (`None`: find out, the default). For
+    /// nodes whose operator knows better, and for tests.
+    pub assume: Option<Reach>,
+    /// Ask peers to dial our observed addresses back (AutoNAT v2 client).
+    pub autonat: bool,
+    /// Dial back the addresses peers ask us to test (AutoNAT v2 server).
+    pub autonat_server: bool,
+    /// How often the AutoNAT client tests untested address candidates.
+    pub autonat_interval: Duration,
+    /// Serve as a circuit relay v2 with these limits (`None`: not a relay).
+    pub relay_server: Option<RelayLimits>,
+    /// Relay reservations a node that is not public keeps (0: none).
+    pub relay_reservations: usize,
+    /// Hole punching (DCUtR) when a peer connects through a relay.
+    pub hole_punching: bool,
+}
+
+impl Default for NatConfig {
+    fn default() -> Self {
+        Self {
+            assume: None,
+            autonat: true,
+            autonat_server: true,
+            autonat_interval: Duration::from_secs(2),
+            relay_server: None,
+            relay_reservations: 1,
+            hole_punching: true,
+        }
+    }
+}
+
+/// Limits of a relay server. libp2p's defaults (128 KiB and 2 minutes per circuit, 16
+/// circuits) are for hole-punch signalling only; hivemesh relays also carry matchmaking and
+/// state-sharing messages of NATed peers for as long as they are members, and tensor parts where
+/// both ends allow it, so circuits get 1 GiB and 30 minutes (hivemind's relays: 4 GiB per
+/// direction, 30 min), and rate limits that a peer joining a group every few seconds stays far
+/// below. A circuit is closed when it reaches either limit; a link over it then fails like any
+/// link, and the next round opens a new circuit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RelayLimits {
+    /// Reservations held at once.
+    pub max_reservations: usize,
+    /// Reservations one peer may hold.
+    pub max_reservations_per_peer: usize,
+    /// How long a reservation lasts (the client renews it).
+    pub reservation_duration: Duration,
+    /// Circuits relayed at once.
+    pub max_circuits: usize,
+    /// Circuits one peer may have open at once.
+    pub max_circuits_per_peer: usize,
+    /// How long one circuit may last.
+    pub max_circuit_duration: Duration,
+    /// Bytes one circuit may carry (both directions together).
+    pub max_circuit_bytes: u64,
+    /// New circuits one source peer may open per minute.
+    pub circuits_per_peer_per_minute: u32,
+}
+
+impl Default for RelayLimits {
+    fn default() -> Self {
+        Self {
+            max_reservations: 128,
+            max_reservations_per_peer: 4,
+            reservation_duration: Duration::from_secs(3600),
+            max_circuits: 64,
+            max_circuits_per_peer: 16,
+            max_circuit_duration: Duration::from_secs(30 * 60),
+            max_circuit_bytes: 1 << 30,
+            circuits_per_peer_per_minute: 120,
+        }
+    }
+}
+
+/// How this node can be reached, as far as it knows ([`P2p::reachability`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reachability {
+    /// Its class; `None` while nothing was observed (e.g. a lone bootstrap node).
+    pub reach: Option<Reach>,
+    /// Addresses confirmed by dial-backs (AutoNAT) or configured as external.
+    pub confirmed: Vec<Multiaddr>,
+    /// The addresses peers observed our connections come from (newest last).
+    pub observed: Vec<Multiaddr>,
+    /// Our relay circuit addresses (`.../p2p/<relay>/p2p-circuit/p2p/<us>`), one per active
+    /// reservation.
+    pub relayed: Vec<Multiaddr>,
+}
+
+impl Reachability {
+    /// The class to act on: the observed one, [`Reach::Public`] while unknown.
+    pub fn class(&self) -> Reach {
+        self.reach.unwrap_or_default()
+    }
+}
+
+/// The transport of a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// TCP (noise + yamux).
+    Tcp,
+    /// QUIC.
+    Quic,
+    /// Anything else (a relayed connection's inner transport is reported as the relay's).
+    Other,
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Tcp => "tcp",
+            Self::Quic => "quic",
+            Self::Other => "other",
+        })
+    }
+}
+
+/// How one connection to a peer runs ([`P2p::connection_paths`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConnPath {
+    /// Through a relay.
+    pub relayed: bool,
+    /// Made by a hole punch (DCUtR).
+    pub punched: bool,
+    /// Its transport (for a relayed connection: the transport to the relay).
+    pub transport: Transport,
+}
+
+/// Counters of the NAT machinery (for tests, monitoring and benchmarks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NatStats {
+    /// Hole punches that made a direct connection.
+    pub punch_ok: u64,
+    /// Hole punches that failed (all attempts of one relayed connection).
+    pub punch_failed: u64,
+    /// Relay reservations accepted (renewals not counted).
+    pub reservations: u64,
+    /// Relay reservations that failed or were lost.
+    pub reservations_lost: u64,
 }
 
 impl Default for P2pConfig {
@@ -193,6 +376,7 @@ impl Default for P2pConfig {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             bootstrap_timeout: DEFAULT_BOOTSTRAP_TIMEOUT,
             idle_connection_timeout: Duration::from_secs(60),
+            nat: NatConfig::default(),
         }
     }
 }
@@ -215,6 +399,8 @@ pub struct P2p {
     peer_id: PeerId,
     request_timeout: Duration,
     streams: libp2p_stream::Control,
+    reach: watch::Receiver<Reachability>,
+    nat_stats: watch::Receiver<NatStats>,
 }
 
 impl std::fmt::Debug for P2p {
@@ -250,12 +436,15 @@ impl P2p {
         let (tx, rx) = mpsc::channel(COMMAND_BUFFER);
         let event_loop = swarm::EventLoop::new(&config, keypair, policy, rx, &initial)?;
         let streams = event_loop.stream_control();
+        let (reach, nat_stats) = event_loop.nat_watches();
         let task = tokio::spawn(event_loop.run());
         let p2p = Self {
             commands: tx,
             peer_id,
             request_timeout: config.request_timeout,
             streams,
+            reach,
+            nat_stats,
         };
         if !initial.is_empty() {
             let connected = tokio::time::timeout(
@@ -283,6 +472,67 @@ impl P2p {
     /// listener has reported its address).
     pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, P2pError> {
         self.call(|reply| swarm::Command::ListenAddrs { reply })
+            .await
+    }
+
+    /// How this node can be reached, as far as it knows now (module docs).
+    pub fn reachability(&self) -> Reachability {
+        self.reach.borrow().clone()
+    }
+
+    /// The reachability as it changes.
+    pub fn watch_reachability(&self) -> watch::Receiver<Reachability> {
+        self.reach.clone()
+    }
+
+    /// Waits until `ready` holds for the reachability, at most `timeout`; returns the last one.
+    pub async fn wait_reachability(
+        &self,
+        timeout: Duration,
+        ready: impl FnMut(&Reachability) -> bool,
+    ) -> Reachability {
+        let mut rx = self.reach.clone();
+        let _ = tokio::time::timeout(timeout, rx.wait_for(ready)).await;
+        rx.borrow().clone()
+    }
+
+    /// Counters of hole punches and relay reservations.
+    pub fn nat_stats(&self) -> NatStats {
+        *self.nat_stats.borrow()
+    }
+
+    /// How we are connected to `peer` now, one entry per connection (empty: not connected).
+    pub async fn connection_paths(&self, peer: PeerId) -> Result<Vec<ConnPath>, P2pError> {
+        self.call(|reply| swarm::Command::ConnectionPaths { peer, reply })
+            .await
+    }
+
+    /// Makes sure a direct (not relayed) connection to `peer` exists, within `timeout`: dials it
+    /// if needed (through its relay if that is all we know) and waits for the hole punch that a
+    /// relayed connection starts; a relayed connection whose punch failed is closed and dialed
+    /// anew once. Relayed connections to the peer are closed once a direct one exists, so that
+    /// streams opened afterwards run on the direct one. Returns the direct connection's path.
+    pub async fn connect_direct(
+        &self,
+        peer: PeerId,
+        timeout: Duration,
+    ) -> Result<ConnPath, P2pError> {
+        tokio::time::timeout(
+            timeout,
+            self.call_untimed(|reply| swarm::Command::ConnectDirect { peer, reply }),
+        )
+        .await
+        .map_err(|_| P2pError::NoDirectConnection {
+            peer,
+            detail: format!("no direct connection within {timeout:?}"),
+        })??
+    }
+
+    /// Offers relays to reserve slots on (each address ending with `/p2p/<relay id>`), e.g.
+    /// relays announced in the DHT. Used when this node is not public and has fewer
+    /// reservations than it wants.
+    pub async fn add_relay_candidates(&self, addrs: Vec<Multiaddr>) -> Result<(), P2pError> {
+        self.call(|reply| swarm::Command::AddRelayCandidates { addrs, reply })
             .await
     }
 

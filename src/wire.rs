@@ -272,10 +272,12 @@ pub enum RejectReason {
     NotMember,
     /// The peer id in the Hello is not the one the connection authenticated.
     IdentityMismatch,
-    /// Only a lower member index opens a link to a higher one.
+    /// This member does not open links to the acceptor ([`crate::reach::opener`]).
     WrongDirection,
     /// This pair is linked already.
     Duplicate,
+    /// The link runs through a relay, which the two members do not both allow for tensor data.
+    RelayNotAllowed,
 }
 
 impl std::fmt::Display for RejectReason {
@@ -286,6 +288,7 @@ impl std::fmt::Display for RejectReason {
             Self::IdentityMismatch => "identity mismatch",
             Self::WrongDirection => "wrong direction",
             Self::Duplicate => "duplicate link",
+            Self::RelayNotAllowed => "tensor data through a relay is not allowed",
         })
     }
 }
@@ -298,6 +301,7 @@ impl From<RejectReason> for proto::RejectReason {
             RejectReason::IdentityMismatch => Self::RejectIdentityMismatch,
             RejectReason::WrongDirection => Self::RejectWrongDirection,
             RejectReason::Duplicate => Self::RejectDuplicate,
+            RejectReason::RelayNotAllowed => Self::RejectRelayNotAllowed,
         }
     }
 }
@@ -355,6 +359,7 @@ impl TryFrom<proto::LinkFrame> for LinkMessage {
                     }
                     Ok(proto::RejectReason::RejectWrongDirection) => RejectReason::WrongDirection,
                     Ok(proto::RejectReason::RejectDuplicate) => RejectReason::Duplicate,
+                    Ok(proto::RejectReason::RejectRelayNotAllowed) => RejectReason::RelayNotAllowed,
                     Ok(proto::RejectReason::RejectUnspecified) | Err(_) => {
                         return Err(WireError::UnknownEnum {
                             field: "reject reason",

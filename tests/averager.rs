@@ -18,7 +18,7 @@ use rand::{RngExt, SeedableRng};
 
 fn config(prefix: &str, mode: Mode, target: Option<usize>) -> AveragerConfig {
     let mut c = AveragerConfig::new(prefix);
-    c.mode = mode;
+    c.mode = Some(mode);
     c.target_group_size = target;
     c.min_matchmaking_time = Duration::from_secs(2);
     c

@@ -65,10 +65,10 @@ impl Node {
     }
 
     fn peer(&self) -> LinkPeer {
-        LinkPeer {
-            peer_id: self.p2p.peer_id(),
-            data_addr: self.hub.as_ref().and_then(LinkHub::data_addr),
-        }
+        LinkPeer::public(
+            self.p2p.peer_id(),
+            self.hub.as_ref().and_then(LinkHub::data_addr),
+        )
     }
 
     fn identity(&self) -> DataIdentity {
@@ -830,10 +830,7 @@ async fn registrations_are_checked() {
         Err(HubError::ForeignIdentity(_))
     ));
     // A peer that is not reachable at all is reported, within the timeout.
-    let stranger = LinkPeer {
-        peer_id: PeerId::random(),
-        data_addr: None,
-    };
+    let stranger = LinkPeer::public(PeerId::random(), None);
     let links = establish_links(
         hub,
         g(),

@@ -644,7 +644,7 @@ async fn hostile_input_does_not_crash_the_donor() {
 async fn clients_do_not_share() {
     let swarm = Swarm::start(2, |_| true).await;
     let mut c = config("clients", 3.0, true);
-    c.mode = Mode::Client;
+    c.mode = Some(Mode::Client);
     let client = swarm.averager(0, vec![vector(vec![1.0; 4])], c);
     assert!(!client.allow_state_sharing());
     assert_eq!(

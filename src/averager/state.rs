@@ -84,7 +84,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 use rand::RngExt;
 use tokio::sync::{Semaphore, watch};
@@ -162,9 +161,9 @@ pub fn registry_key(prefix: &str) -> String {
 }
 
 /// Most addresses an [`Announcement`] carries.
-pub const MAX_ANNOUNCED_ADDRS: usize = 4;
+pub const MAX_ANNOUNCED_ADDRS: usize = crate::dht::MAX_ADDRS;
 /// Longest announced address, in bytes (binary multiaddr).
-pub const MAX_ANNOUNCED_ADDR_BYTES: usize = 128;
+pub const MAX_ANNOUNCED_ADDR_BYTES: usize = crate::dht::MAX_ADDR_BYTES;
 
 /// A donor's entry in the registry ([`registry_key`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -182,27 +181,15 @@ pub enum Announcement {
 }
 
 impl Announcement {
-    /// The value bytes: `[1]`, the priority as little-endian f64 and each address as one length
-    /// byte and its binary multiaddr (the first [`MAX_ANNOUNCED_ADDRS`] of at most
+    /// The value bytes: `[1]`, the priority as little-endian f64 and the address list
+    /// ([`crate::dht::encode_addrs`]: the first [`MAX_ANNOUNCED_ADDRS`] of at most
     /// [`MAX_ANNOUNCED_ADDR_BYTES`] bytes; a trailing `/p2p/<id>` is dropped); or `[0]`.
     pub fn encode(&self) -> Vec<u8> {
         match self {
             Self::Sharing { priority, addrs } => {
                 let mut v = vec![1];
                 v.extend_from_slice(&priority.to_le_bytes());
-                let addrs = addrs
-                    .iter()
-                    .map(|a| {
-                        a.iter()
-                            .filter(|p| !matches!(p, Protocol::P2p(_)))
-                            .collect::<Multiaddr>()
-                    })
-                    .filter(|a| !a.is_empty() && a.as_ref().len() <= MAX_ANNOUNCED_ADDR_BYTES)
-                    .take(MAX_ANNOUNCED_ADDRS);
-                for a in addrs {
-                    v.push(a.as_ref().len() as u8);
-                    v.extend_from_slice(a.as_ref());
-                }
+                crate::dht::encode_addrs(addrs, &mut v);
                 v
             }
             Self::NotSharing => vec![0],
@@ -215,24 +202,12 @@ impl Announcement {
         match value {
             [0] => Some(Self::NotSharing),
             [1, rest @ ..] => {
-                let (priority, mut rest) = rest.split_first_chunk::<8>()?;
+                let (priority, rest) = rest.split_first_chunk::<8>()?;
                 let priority = f64::from_le_bytes(*priority);
                 if !priority.is_finite() {
                     return None;
                 }
-                let mut addrs = Vec::new();
-                while let Some((&len, tail)) = rest.split_first() {
-                    let len = usize::from(len);
-                    if len == 0
-                        || len > MAX_ANNOUNCED_ADDR_BYTES
-                        || addrs.len() == MAX_ANNOUNCED_ADDRS
-                    {
-                        return None;
-                    }
-                    let (addr, tail) = tail.split_at_checked(len)?;
-                    addrs.push(Multiaddr::try_from(addr.to_vec()).ok()?);
-                    rest = tail;
-                }
+                let addrs = crate::dht::decode_addrs(rest)?;
                 Some(Self::Sharing { priority, addrs })
             }
             _ => None,
@@ -461,15 +436,16 @@ impl StateSharing {
             .p2p()
             .accept_streams(&protocol, 64)
             .map_err(|e| AveragerError::Config(e.to_string()))?;
+        let mode = config.resolved_mode(dht.p2p().reachability().class());
         let inner = Arc::new(Inner {
             dht,
             shared,
             config: config.state.clone(),
-            mode: config.mode,
+            mode,
             key: registry_key(&config.prefix).into_bytes(),
             protocol,
             schema_hash,
-            allow: AtomicBool::new(config.allow_state_sharing && config.mode == Mode::Node),
+            allow: AtomicBool::new(config.allow_state_sharing && mode == Mode::Node),
             priority: AtomicU64::new(config.state_priority.to_bits()),
             metadata: Mutex::new(Bytes::new()),
             announced: Mutex::new(Announced::default()),
@@ -602,7 +578,7 @@ impl Inner {
     /// read together with its expiration, so the latest write always says the latest state.
     async fn announce(&self) -> Result<(), StateError> {
         let addrs = if self.sharing() {
-            self.dht.p2p().listen_addrs().await.unwrap_or_default()
+            super::contact_addrs(self.dht.p2p()).await
         } else {
             Vec::new()
         };
@@ -1317,6 +1293,7 @@ fn copy_into(tensor: &mut Tensor, bytes: &[u8]) {
 mod tests {
     use super::*;
     use crate::tensor::DType;
+    use libp2p::multiaddr::Protocol;
 
     #[test]
     fn announcements_round_trip_and_reject_junk() {

@@ -9,14 +9,18 @@ use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 
 use super::hub::{Expectation, Shared, write_link_frame};
-use super::{Carrier, EstablishedLinks, HubError, LinkHub, LinkPeer, PART_PROTOCOL};
+use super::{
+    Carrier, EstablishedLinks, HubError, LinkHub, LinkKind, LinkPeer, PART_PROTOCOL, Plan,
+};
+use crate::p2p::{P2p, Transport};
+use crate::reach::Path;
 use crate::runner::Link;
 use crate::transport;
 use crate::wire::{self, Hello, LinkMessage, RejectReason};
 
 /// Registers the round with `hub` ([`LinkHub::expect`]) and establishes its links
-/// ([`Expectation::establish`]): opens links to the members after `me`, collects those from
-/// the members before it, all within `timeout`. `members` is the group in member order (the
+/// ([`Expectation::establish`]): opens the links this member opens, collects the others, all
+/// within `timeout` (the plan in the `links` module docs). `members` is the group in member order (the
 /// order [`crate::runner::run_round`] uses); `members[me]` must be this node. Errors only for
 /// invalid arguments; links that could not be made are `None`, with their reason in
 /// [`EstablishedLinks::errors`].
@@ -31,28 +35,41 @@ pub async fn establish_links(
 }
 
 impl Expectation {
-    /// Establishes the round's links within `timeout` and unregisters the round: opens a link
-    /// to every member after ours (TLS if it has a data address, streams otherwise or if TLS
-    /// fails) and waits for the links of the members before ours, over either carrier.
+    /// Establishes the round's links within `timeout` and unregisters the round: opens the
+    /// links we open (TLS if the peer has a data address, streams otherwise or if TLS fails;
+    /// after a hole punch for two NATed members) and waits for the others, over either carrier.
     pub async fn establish(mut self, timeout: Duration) -> EstablishedLinks {
         let deadline = Instant::now() + timeout;
         let n = self.members.len();
         let me = self.me;
+        let relay_data = self.members[me].relay_data;
+        let to_open: Vec<(usize, Path)> = (0..n)
+            .filter_map(|j| match self.plan[j] {
+                Plan::Open(path) => Some((j, path)),
+                _ => None,
+            })
+            .collect();
+        let awaited = self
+            .plan
+            .iter()
+            .filter(|p| matches!(p, Plan::Await(_)))
+            .count();
         let hello = LinkMessage::Hello(Hello {
             group_id: self.group_id.clone(),
             from_index: me as u32,
             from_peer: self.shared.peer_id,
         });
         let shared = &*self.shared;
-        let openers = futures::future::join_all(
-            self.members[me + 1..]
-                .iter()
-                .map(|peer| open_link(shared, &hello, peer, deadline, timeout)),
-        );
+        let members = &self.members;
+        let openers = futures::future::join_all(to_open.iter().map(|&(j, path)| {
+            let peer = &members[j];
+            let relay_ok = relay_data && peer.relay_data;
+            open_link(shared, &hello, peer, path, relay_ok, deadline, timeout)
+        }));
         let arrivals = &mut self.arrivals;
         let collect = async {
-            let mut got = Vec::with_capacity(me);
-            while got.len() < me {
+            let mut got = Vec::with_capacity(awaited);
+            while got.len() < awaited {
                 match tokio::time::timeout_at(deadline, arrivals.recv()).await {
                     Ok(Some(arrival)) => got.push(arrival),
                     Ok(None) | Err(_) => break,
@@ -63,38 +80,50 @@ impl Expectation {
         let (opened, arrived) = tokio::join!(openers, collect);
 
         let mut links: Vec<Option<Box<dyn Link>>> = (0..n).map(|_| None).collect();
-        let mut carriers = vec![None; n];
+        let mut kinds = vec![None; n];
         let mut errors: Vec<Option<HubError>> = vec![None; n];
         let mut reopened = 0;
         for a in arrived {
-            carriers[a.from] = Some(a.carrier);
+            kinds[a.from] = Some(a.kind);
             links[a.from] = Some(a.link);
         }
-        for (j, outcome) in (me + 1..n).zip(opened) {
+        for (&(j, _), outcome) in to_open.iter().zip(opened) {
             reopened += outcome.reopened;
             match outcome.result {
-                Ok((link, carrier)) => {
+                Ok((link, kind)) => {
                     links[j] = Some(link);
-                    carriers[j] = Some(carrier);
+                    kinds[j] = Some(kind);
                 }
                 Err(e) => errors[j] = Some(e),
             }
         }
         for i in 0..n {
-            if i != me && links[i].is_none() && errors[i].is_none() {
-                errors[i] = Some(HubError::NoLink {
-                    peer: self.members[i].peer_id,
-                    timeout,
-                });
+            if links[i].is_some() || errors[i].is_some() {
+                continue;
             }
+            let peer = self.members[i].peer_id;
+            errors[i] = match self.plan[i] {
+                Plan::Idle => None,
+                Plan::Unreachable => Some(HubError::NoPath {
+                    peer,
+                    detail: format!(
+                        "{} and {} members cannot connect, and tensor data may not go through \
+                         a relay",
+                        self.members[me].reach, self.members[i].reach
+                    ),
+                }),
+                Plan::Open(_) | Plan::Await(_) => Some(HubError::NoLink { peer, timeout }),
+            };
         }
+        let carriers = kinds.iter().map(|k| k.map(LinkKind::carrier)).collect();
         for e in errors.iter().flatten() {
             tracing::info!(error = %e, "member not linked");
         }
-        tracing::debug!(?carriers, reopened, "links established");
+        tracing::debug!(?kinds, reopened, "links established");
         EstablishedLinks {
             links,
             carriers,
+            kinds,
             errors,
             reopened,
         }
@@ -103,15 +132,79 @@ impl Expectation {
 
 /// What one opener got.
 struct Opened {
-    result: Result<(Box<dyn Link>, Carrier), HubError>,
+    result: Result<(Box<dyn Link>, LinkKind), HubError>,
     reopened: usize,
+}
+
+/// How a stream link with `peer` is carried: from the connections we have to it. A direct
+/// connection wins over a relayed one (after a hole punch the relayed one is being closed, and
+/// streams are opened only once the direct one exists), a punched one over another.
+pub(super) async fn stream_kind(p2p: &P2p, peer: libp2p::PeerId) -> LinkKind {
+    let paths = p2p.connection_paths(peer).await.unwrap_or_default();
+    paths
+        .iter()
+        .filter(|p| !p.relayed)
+        .max_by_key(|p| p.punched)
+        .or_else(|| paths.first())
+        .map_or(LinkKind::Stream(Transport::Other), |p| {
+            LinkKind::of_stream(*p)
+        })
 }
 
 type Attempt<'a> = BoxFuture<'a, (Carrier, Result<Box<dyn Link>, HubError>)>;
 
-/// Opens the link to `peer`: attempts on the chosen carrier, re-opened on silence or failure,
-/// retried on "not yet"; the first Ack wins. Ends by `deadline`.
+/// Opens the link to `peer` over `path`: for a hole-punch path a direct connection first
+/// (through the relay if the punch fails and `relay_ok`), then attempts on the chosen carrier,
+/// re-opened on silence or failure, retried on "not yet"; the first Ack wins. Ends by
+/// `deadline`.
 async fn open_link(
+    shared: &Shared,
+    hello: &LinkMessage,
+    peer: &LinkPeer,
+    path: Path,
+    relay_ok: bool,
+    deadline: Instant,
+    timeout: Duration,
+) -> Opened {
+    if path == Path::HolePunch {
+        let punch = shared
+            .config
+            .punch_timeout
+            .min(deadline.saturating_duration_since(Instant::now()));
+        match shared.p2p.connect_direct(peer.peer_id, punch).await {
+            Ok(conn) => {
+                tracing::debug!(peer = %peer.peer_id, ?conn, "direct connection for the link");
+            }
+            Err(error) if relay_ok => {
+                tracing::info!(peer = %peer.peer_id, %error, "hole punch failed: relaying the link");
+            }
+            Err(error) => {
+                return Opened {
+                    result: Err(HubError::NoPath {
+                        peer: peer.peer_id,
+                        detail: error.to_string(),
+                    }),
+                    reopened: 0,
+                };
+            }
+        }
+    }
+    let mut opened = open_attempts(shared, hello, peer, deadline, timeout).await;
+    if let Ok((_, LinkKind::Relayed)) = &opened.result
+        && !relay_ok
+    {
+        opened.result = Err(HubError::NoPath {
+            peer: peer.peer_id,
+            detail: "the only connection runs through a relay, which is not allowed for tensor \
+                     data"
+                .into(),
+        });
+    }
+    opened
+}
+
+/// The attempts of [`open_link`].
+async fn open_attempts(
     shared: &Shared,
     hello: &LinkMessage,
     peer: &LinkPeer,
@@ -148,8 +241,12 @@ async fn open_link(
             Some((carrier_used, result)) = attempts.next(), if !attempts.is_empty() => {
                 let error = match result {
                     Ok(link) => {
-                        tracing::debug!(peer = %peer.peer_id, carrier = %carrier_used, "link opened");
-                        return Opened { result: Ok((link, carrier_used)), reopened };
+                        let kind = match carrier_used {
+                            Carrier::Tls => LinkKind::Tls,
+                            Carrier::Stream => stream_kind(&shared.p2p, peer.peer_id).await,
+                        };
+                        tracing::debug!(peer = %peer.peer_id, %kind, "link opened");
+                        return Opened { result: Ok((link, kind)), reopened };
                     }
                     Err(e) => e,
                 };

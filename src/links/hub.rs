@@ -22,7 +22,9 @@ use tokio::io::{AsyncWrite, AsyncWriteExt as _};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
-use super::{Carrier, DataPlane, HubConfig, HubError, HubStats, LinkPeer, PART_PROTOCOL};
+use super::{
+    Carrier, DataPlane, HubConfig, HubError, HubStats, LinkKind, LinkPeer, PART_PROTOCOL, Plan,
+};
 use crate::p2p::{InboundStreams, P2p};
 use crate::runner::Link;
 use crate::transport::{DataIdentity, DataListener, Handshake, PeerMismatch};
@@ -73,16 +75,20 @@ struct Registration {
     token: u64,
     members: Vec<PeerId>,
     me: usize,
-    /// Which lower members have a link already (first Hello wins).
+    /// Which members open their link to us ([`Plan::Await`]).
+    expect_from: Vec<bool>,
+    /// With which members a link through a relay is allowed (both allow relayed data).
+    relay_ok: Vec<bool>,
+    /// Which of them have a link already (first Hello wins).
     linked: Vec<bool>,
-    /// To the round; room for one link per lower member, so `try_send` never finds it full.
+    /// To the round; room for one link per awaited member, so `try_send` never finds it full.
     arrivals: mpsc::Sender<Arrival>,
 }
 
 /// An acked inbound link, on its way to its round.
 pub(super) struct Arrival {
     pub(super) from: usize,
-    pub(super) carrier: Carrier,
+    pub(super) kind: LinkKind,
     pub(super) link: Box<dyn Link>,
 }
 
@@ -101,6 +107,8 @@ pub struct Expectation {
     pub(super) group_id: Bytes,
     pub(super) members: Vec<LinkPeer>,
     pub(super) me: usize,
+    /// What we do about each member's link.
+    pub(super) plan: Vec<Plan>,
     token: u64,
     pub(super) arrivals: mpsc::Receiver<Arrival>,
 }
@@ -195,9 +203,10 @@ impl LinkHub {
         self.shared.stats.subscribe()
     }
 
-    /// Registers a round: from now on Hellos for `group_id` from members below `me` are acked
-    /// and their links queued for the returned [`Expectation`], until it is dropped.
-    /// `members` is the group in member order; `members[me]` must be this node.
+    /// Registers a round: from now on Hellos for `group_id` from the members that open their
+    /// links to us (the plan in the `links` module docs) are acked and their links queued for
+    /// the returned [`Expectation`], until it is dropped. `members` is the group in member
+    /// order; `members[me]` must be this node.
     pub fn expect(
         &self,
         group_id: Bytes,
@@ -233,7 +242,14 @@ impl LinkHub {
             )));
         }
         let token = self.shared.next_token.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(me.max(1));
+        let plan = super::plan(members, me);
+        let expect_from: Vec<bool> = plan.iter().map(|p| matches!(p, Plan::Await(_))).collect();
+        let awaited = expect_from.iter().filter(|&&e| e).count();
+        let relay_ok = members
+            .iter()
+            .map(|m| m.relay_data && members[me].relay_data)
+            .collect();
+        let (tx, rx) = mpsc::channel(awaited.max(1));
         let mut groups = self.shared.groups();
         if groups.contains_key(&group_id) {
             return Err(HubError::AlreadyExpected);
@@ -244,6 +260,8 @@ impl LinkHub {
                 token,
                 members: members.iter().map(|m| m.peer_id).collect(),
                 me,
+                expect_from,
+                relay_ok,
                 linked: vec![false; members.len()],
                 arrivals: tx,
             },
@@ -257,6 +275,7 @@ impl LinkHub {
             group_id,
             members: members.to_vec(),
             me,
+            plan,
             token,
             arrivals: rx,
         })
@@ -282,8 +301,9 @@ impl Shared {
         self.groups.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The acceptor's checks (module doc of `links`); marks the pair linked on success.
-    fn admit(&self, hello: &Hello, peer: PeerId) -> Result<Admitted, Reject> {
+    /// The acceptor's checks (module doc of `links`) for a link from `peer` (through a relay
+    /// if `relayed`); marks the pair linked on success.
+    fn admit(&self, hello: &Hello, peer: PeerId, relayed: bool) -> Result<Admitted, Reject> {
         let reject = |reason, detail: String| Reject { reason, detail };
         let mut groups = self.groups();
         let Some(reg) = groups.get_mut(&hello.group_id) else {
@@ -308,16 +328,22 @@ impl Shared {
                 format!("{peer} is not member {from}"),
             ));
         }
-        if from >= reg.me {
+        if !reg.expect_from[from] {
             return Err(reject(
                 RejectReason::WrongDirection,
-                format!("member {from} does not open links to member {}", reg.me),
+                format!("member {from} does not open a link to member {}", reg.me),
             ));
         }
         if reg.linked[from] {
             return Err(reject(
                 RejectReason::Duplicate,
                 format!("member {from} is linked already"),
+            ));
+        }
+        if relayed && !reg.relay_ok[from] {
+            return Err(reject(
+                RejectReason::RelayNotAllowed,
+                format!("the link from member {from} runs through a relay"),
             ));
         }
         reg.linked[from] = true;
@@ -453,9 +479,10 @@ async fn admit_when_registered(
     shared: &Shared,
     hello: &Hello,
     peer: PeerId,
+    relayed: bool,
     registered: &mut watch::Receiver<u64>,
 ) -> Result<Admitted, Reject> {
-    let first = shared.admit(hello, peer);
+    let first = shared.admit(hello, peer, relayed);
     match &first {
         Err(reject) if reject.reason == RejectReason::UnknownGroup => {}
         _ => return first,
@@ -484,11 +511,11 @@ async fn admit_when_registered(
     loop {
         // Woken by the next registration (any group's), or refused at the deadline.
         match tokio::time::timeout_at(deadline, registered.changed()).await {
-            Ok(Ok(())) => match shared.admit(hello, peer) {
+            Ok(Ok(())) => match shared.admit(hello, peer, relayed) {
                 Err(reject) if reject.reason == RejectReason::UnknownGroup => {}
                 result => return result,
             },
-            Ok(Err(_)) | Err(_) => return shared.admit(hello, peer),
+            Ok(Err(_)) | Err(_) => return shared.admit(hello, peer, relayed),
         }
     }
 }
@@ -532,7 +559,12 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
             return;
         }
     };
-    match admit_when_registered(&shared, &hello, peer, &mut registered).await {
+    let kind = match carrier {
+        Carrier::Tls => LinkKind::Tls,
+        Carrier::Stream => super::establish::stream_kind(&shared.p2p, peer).await,
+    };
+    let relayed = kind == LinkKind::Relayed;
+    match admit_when_registered(&shared, &hello, peer, relayed, &mut registered).await {
         Err(reject) => {
             bump(&shared, |s| &mut s.refused);
             let error = HubError::Refused {
@@ -572,12 +604,12 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
             }
             let arrival = Arrival {
                 from: admitted.from,
-                carrier,
+                kind,
                 link,
             };
             if admitted.arrivals.try_send(arrival).is_ok() {
                 bump(&shared, |s| &mut s.accepted);
-                tracing::debug!(%peer, %carrier, from = admitted.from, "inbound link accepted");
+                tracing::debug!(%peer, %kind, from = admitted.from, "inbound link accepted");
             } else {
                 // The round stopped waiting between the check and now.
                 tracing::debug!(%peer, %carrier, "inbound link acked after its round stopped waiting");

@@ -6,8 +6,11 @@ use bytes::Bytes;
 use super::PeerId;
 use crate::dht::{DhtTime, DhtValue, OWNER_SUBKEY_PREFIX};
 
-/// Value of a declaration: looking for a group (hivemind's `True`).
+/// Value of a declaration: looking for a group (hivemind's `True`). A declaration may carry
+/// the declaring peer's contact bytes after it ([`declaration_value`]).
 pub const DECLARED_VALUE: &[u8] = &[1];
+/// Most contact bytes a declaration carries ([`crate::matchmaking::Step::contact`]).
+pub const MAX_CONTACT_BYTES: usize = 1024;
 /// Value of a leave record (hivemind's `False`); written with the declaration's expiration
 /// nudged up, so it supersedes the declaration in every merge.
 pub const LEFT_VALUE: &[u8] = &[0];
@@ -29,9 +32,34 @@ pub fn subkey_owner(subkey: &[u8]) -> Option<PeerId> {
     PeerId::from_bytes(Bytes::copy_from_slice(id))
 }
 
+/// The value of a declaration: [`DECLARED_VALUE`] followed by the peer's contact bytes
+/// (opaque here; the averager puts the addresses where followers can reach it, which matters
+/// for peers behind NATs that no routing table lists).
+pub fn declaration_value(contact: &[u8]) -> Bytes {
+    let mut v = Vec::with_capacity(1 + contact.len());
+    v.extend_from_slice(DECLARED_VALUE);
+    v.extend_from_slice(contact);
+    Bytes::from(v)
+}
+
+/// Whether `value` is a declaration ([`declaration_value`]), as opposed to a leave record or
+/// anything else.
+pub fn is_declared(value: &[u8]) -> bool {
+    value.len() <= 1 + MAX_CONTACT_BYTES && value.starts_with(DECLARED_VALUE)
+}
+
+/// The contact bytes of a declaration, or `None` if `value` is not one.
+pub fn declaration_contact(value: &[u8]) -> Option<&[u8]> {
+    if is_declared(value) {
+        Some(&value[DECLARED_VALUE.len()..])
+    } else {
+        None
+    }
+}
+
 /// The peers actively declared in `value` at `now`, with their expirations: subkeys that name
-/// a peer, hold [`DECLARED_VALUE`] and have not expired. Anything else (leave records, foreign
-/// values, malformed subkeys) is skipped.
+/// a peer, hold a declaration ([`is_declared`]) and have not expired. Anything else (leave
+/// records, foreign values, malformed subkeys) is skipped.
 ///
 /// Reads every subkey the value holds, hidden or not: a plain value written over the key by
 /// someone else must not hide the declarations.
@@ -39,7 +67,7 @@ pub fn active_declarations(value: &DhtValue, now: DhtTime) -> Vec<(PeerId, DhtTi
     value
         .subkeys()
         .iter()
-        .filter(|(_, e)| !e.is_expired(now) && e.value.as_ref() == DECLARED_VALUE)
+        .filter(|(_, e)| !e.is_expired(now) && is_declared(&e.value))
         .filter_map(|(k, e)| subkey_owner(k).map(|p| (p, e.expiration)))
         .collect()
 }
@@ -66,6 +94,29 @@ mod tests {
         assert_eq!(crate::dht::subkey_owner(&subkey), Ok(Some(libp2p_id)));
         assert_eq!(subkey_owner(&subkey), Some(peer));
         assert_eq!(subkey_owner(libp2p_id.to_bytes().as_slice()), None);
+    }
+
+    #[test]
+    fn declarations_carry_contact_bytes() {
+        let v = declaration_value(b"addrs");
+        assert!(is_declared(&v));
+        assert_eq!(declaration_contact(&v), Some(&b"addrs"[..]));
+        assert_eq!(declaration_contact(DECLARED_VALUE), Some(&[][..]));
+        assert_eq!(declaration_contact(LEFT_VALUE), None);
+        assert_eq!(declaration_contact(b""), None);
+        // Oversized contact bytes are not a declaration.
+        let big = declaration_value(&[7; MAX_CONTACT_BYTES + 1]);
+        assert!(!is_declared(&big));
+        let alice = PeerId::from_bytes(&b"alice"[..]).unwrap();
+        let now = DhtTime::from_secs(1000.0).unwrap();
+        let later = DhtTime::from_secs(1060.0).unwrap();
+        let value = DhtValue::subkey(declaration_subkey(&alice), v, later);
+        assert_eq!(
+            active_declarations(&value, now),
+            vec![(alice.clone(), later)]
+        );
+        let value = DhtValue::subkey(declaration_subkey(&alice), big, later);
+        assert!(active_declarations(&value, now).is_empty());
     }
 
     /// hivemind's `test_key_manager`: declare, re-declare, leave, unknown key.

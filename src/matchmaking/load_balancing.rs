@@ -27,7 +27,9 @@
 //! element at a time to the largest `w_i / (count_i + 1)`, first index on ties). Bandwidth
 //! `None` counts as the mean of the specified positive bandwidths; if none is specified
 //! (every peer `None` or `0`), the `None` peers share equally; all zero is an error. Clients
-//! reduce nothing: [`group_fractions`] gives them zero whatever they advertise.
+//! reduce nothing: [`group_fractions`] gives them zero whatever they advertise, and so does it
+//! to members that some sender of the group cannot connect to ([`crate::reach::reducers`]:
+//! e.g. a member behind a NAT that another member's NAT keeps it from hole punching to).
 
 use super::{Group, Mode};
 use crate::allreduce::Member;
@@ -45,6 +47,14 @@ pub enum LoadBalanceError {
     /// Every peer has bandwidth zero (or is a client): nobody can reduce.
     #[error("every peer has zero bandwidth")]
     AllZero,
+    /// Some member could reduce, but none of those can be reached by every member that sends
+    /// data (they are behind NATs that keep each other out, and relaying tensor data is not
+    /// allowed): the group cannot average.
+    #[error(
+        "no member that may reduce can be reached by every other member (NATs keep them apart; \
+         a public peer in the group, or allowing tensor data over relays, would help)"
+    )]
+    Unreachable,
 }
 
 /// The optimal continuous shares `w` (non-negative, summing to 1) for `bandwidths` (see the
@@ -199,14 +209,30 @@ pub fn group_fractions(
     vector_size: u64,
     min_vector_size: u64,
 ) -> Result<Vec<f64>, LoadBalanceError> {
+    let peers: Vec<crate::reach::Peer> = group.members.iter().map(|m| m.info.plan_peer()).collect();
+    let may_reduce: Vec<bool> = group
+        .members
+        .iter()
+        .map(|m| m.info.mode != Mode::Client)
+        .collect();
+    let sends: Vec<bool> = group
+        .members
+        .iter()
+        .map(|m| m.info.mode.is_sender())
+        .collect();
+    let reachable = crate::reach::reducers(&peers, &may_reduce, &sends);
+    if may_reduce.iter().any(|&m| m) && !reachable.iter().any(|&r| r) {
+        return Err(LoadBalanceError::Unreachable);
+    }
     let bandwidths: Vec<Option<f64>> = group
         .members
         .iter()
-        .map(|m| {
-            if m.info.mode == Mode::Client {
-                Some(0.0)
-            } else {
+        .zip(&reachable)
+        .map(|(m, &reachable)| {
+            if reachable {
                 m.info.bandwidth
+            } else {
+                Some(0.0)
             }
         })
         .collect();

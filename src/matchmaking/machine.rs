@@ -15,10 +15,10 @@ use rand::seq::SliceRandom;
 use rand::{Rng, RngExt, SeedableRng};
 
 use super::{
-    Begin, Config, ConfigError, DECLARED_VALUE, DhtRequest, Event, GROUP_ID_BYTES, Group, GroupKey,
-    GroupMember, JoinRequest, LEFT_VALUE, MAX_GROUP_SIZE, MatchmakingError, MemberInfo, Message,
-    Mode, PeerId, RejectReason, Reply, ReplyBody, Step, Transmit, active_declarations,
-    declaration_subkey,
+    Begin, Config, ConfigError, DhtRequest, Event, GROUP_ID_BYTES, Group, GroupKey, GroupMember,
+    JoinRequest, LEFT_VALUE, MAX_GROUP_SIZE, MatchmakingError, MemberInfo, Message, Mode, PeerId,
+    RejectReason, Reply, ReplyBody, Step, Transmit, active_declarations, declaration_subkey,
+    declaration_value,
 };
 use crate::dht::{DhtTime, DhtValue};
 
@@ -64,6 +64,8 @@ pub struct Matchmaker {
     config: Config,
     key: GroupKey,
     info: MemberInfo,
+    /// Published with every declaration.
+    contact: Bytes,
     scheduled_time: DhtTime,
     deadline: Option<DhtTime>,
     rng: StdRng,
@@ -102,6 +104,9 @@ impl Matchmaker {
     ) -> Result<Self, ConfigError> {
         config.validate()?;
         step.info.validate()?;
+        if step.contact.len() > super::MAX_CONTACT_BYTES {
+            return Err(ConfigError::Contact(step.contact.len()));
+        }
         let scheduled_time = step
             .scheduled_time
             .unwrap_or_else(|| now.saturating_add(config.min_matchmaking_time));
@@ -109,6 +114,7 @@ impl Matchmaker {
             me,
             key: step.key,
             info: step.info,
+            contact: step.contact,
             scheduled_time,
             deadline: step.deadline,
             rng: StdRng::from_rng(rng),
@@ -399,7 +405,7 @@ impl Matchmaker {
         self.dht.push_back(DhtRequest::Store {
             key: self.key.clone(),
             subkey: declaration_subkey(&self.me),
-            value: Bytes::from_static(DECLARED_VALUE),
+            value: declaration_value(&self.contact),
             expiration,
         });
     }

@@ -22,8 +22,8 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use super::{
-    Config, ConfigError, DECLARED_VALUE, DhtRequest, Event, Group, GroupKey, Matchmaker,
-    MatchmakingError, MemberInfo, Message, Mode, PeerId, RejectReason, ReplyBody, Step,
+    Config, ConfigError, DhtRequest, Event, Group, GroupKey, Matchmaker, MatchmakingError,
+    MemberInfo, Message, Mode, PeerId, RejectReason, ReplyBody, Step,
 };
 use crate::dht::{DhtTime, DhtValue, merge};
 
@@ -454,6 +454,7 @@ impl Sim {
                     info: p.info.clone(),
                     scheduled_time: p.scheduled.map(sim_time),
                     deadline: p.timeout.map(|t| now.saturating_add(t)),
+                    contact: Bytes::new(),
                 };
                 let mut rng = StdRng::seed_from_u64(self.cfg.seed.wrapping_add(i as u64 + 1));
                 if !self.nodes[i].alive {
@@ -630,7 +631,7 @@ impl Sim {
                     value,
                     expiration,
                 } => {
-                    if value.as_ref() == DECLARED_VALUE {
+                    if super::is_declared(&value) {
                         self.nodes[i].report.declarations += 1;
                     }
                     let value = DhtValue::subkey(subkey, value, expiration);

@@ -15,6 +15,7 @@ use super::{
     MAX_GATHERED_BYTES, MAX_GROUP_SIZE, MAX_SCHEMA_HASH_BYTES, MemberInfo, Message, Mode, PeerId,
     RejectReason, Reply, ReplyBody,
 };
+use crate::reach::Reach;
 use crate::wire::MAX_GROUP_ID_BYTES;
 
 /// Generated prost types (do not use outside this boundary).
@@ -78,6 +79,12 @@ fn member_data(info: &MemberInfo) -> proto::MemberData {
         bandwidth: info.bandwidth,
         addrs: info.addrs.clone(),
         gathered: info.gathered.clone(),
+        reach: match info.reach {
+            Reach::Public => proto::Reach::Public,
+            Reach::Punchable => proto::Reach::Punchable,
+            Reach::Private => proto::Reach::Private,
+        } as i32,
+        relay_data: info.relay_data,
     }
 }
 
@@ -99,6 +106,17 @@ fn parse_member_data(d: Option<proto::MemberData>) -> Result<MemberInfo, WireErr
     {
         return Err(invalid("bandwidth", format!("{b}")));
     }
+    let reach = match proto::Reach::try_from(d.reach) {
+        Ok(proto::Reach::Public) => Reach::Public,
+        Ok(proto::Reach::Punchable) => Reach::Punchable,
+        Ok(proto::Reach::Private) => Reach::Private,
+        Err(_) => {
+            return Err(WireError::UnknownEnum {
+                field: "reach",
+                value: d.reach,
+            });
+        }
+    };
     if d.addrs.len() > MAX_ADDRS {
         return Err(invalid("addrs", format!("{} addresses", d.addrs.len())));
     }
@@ -113,6 +131,8 @@ fn parse_member_data(d: Option<proto::MemberData>) -> Result<MemberInfo, WireErr
         bandwidth: d.bandwidth,
         addrs: d.addrs,
         gathered: d.gathered,
+        reach,
+        relay_data: d.relay_data,
     })
 }
 
@@ -327,6 +347,8 @@ mod tests {
             bandwidth: Some(12.5),
             addrs: vec!["/ip4/127.0.0.1/tcp/4001".into()],
             gathered: Bytes::from_static(b"user bytes"),
+            reach: crate::reach::Reach::Punchable,
+            relay_data: true,
         }
     }
 

@@ -18,20 +18,30 @@ use std::time::{Duration, Instant, SystemTime};
 use futures::StreamExt;
 use libp2p::kad::{self, store::MemoryStore, store::RecordStore};
 use libp2p::multiaddr::Protocol;
+use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, identify, identity::Keypair, noise, ping};
-use libp2p::{tcp, yamux};
-use tokio::sync::{mpsc, oneshot};
+use libp2p::{autonat, dcutr, relay, tcp, yamux};
+use tokio::sync::{mpsc, oneshot, watch};
 
-use super::{IDENTIFY_PROTOCOL, KAD_PROTOCOL, P2pConfig, P2pError, RecordPolicy};
+use super::nat::Nat;
+use super::{
+    ConnPath, IDENTIFY_PROTOCOL, KAD_PROTOCOL, NatStats, P2pConfig, P2pError, Reachability,
+    RecordPolicy,
+};
 
 #[derive(NetworkBehaviour)]
 pub(super) struct Behaviour {
-    kad: kad::Behaviour<MemoryStore>,
-    identify: identify::Behaviour,
+    pub(super) kad: kad::Behaviour<MemoryStore>,
+    pub(super) identify: identify::Behaviour,
     ping: ping::Behaviour,
-    stream: libp2p_stream::Behaviour,
+    pub(super) stream: libp2p_stream::Behaviour,
+    relay_client: relay::client::Behaviour,
+    relay_server: Toggle<relay::Behaviour>,
+    dcutr: Toggle<dcutr::Behaviour>,
+    autonat_client: Toggle<autonat::v2::client::Behaviour>,
+    autonat_server: Toggle<autonat::v2::server::Behaviour>,
 }
 
 /// Requests from handles to the event loop.
@@ -67,6 +77,18 @@ pub(super) enum Command {
         peer: PeerId,
         reply: oneshot::Sender<Result<(), P2pError>>,
     },
+    ConnectionPaths {
+        peer: PeerId,
+        reply: oneshot::Sender<Vec<ConnPath>>,
+    },
+    ConnectDirect {
+        peer: PeerId,
+        reply: oneshot::Sender<Result<ConnPath, P2pError>>,
+    },
+    AddRelayCandidates {
+        addrs: Vec<Multiaddr>,
+        reply: oneshot::Sender<()>,
+    },
     Shutdown {
         reply: oneshot::Sender<()>,
     },
@@ -83,7 +105,7 @@ enum Pending {
 }
 
 pub(super) struct EventLoop {
-    swarm: Swarm<Behaviour>,
+    pub(super) swarm: Swarm<Behaviour>,
     commands: mpsc::Receiver<Command>,
     policy: Box<dyn RecordPolicy>,
     pending: HashMap<kad::QueryId, Pending>,
@@ -94,6 +116,10 @@ pub(super) struct EventLoop {
     connect_waiters: Vec<oneshot::Sender<Result<(), P2pError>>>,
     /// Handles waiting for a connection to one peer ([`Command::Connect`]).
     peer_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), P2pError>>>>,
+    /// Reachability, relays, hole punching (`nat.rs`).
+    pub(super) nat: Nat,
+    /// Kademlia's mode is forced to client ([`P2pConfig::client_mode`]).
+    forced_client: bool,
 }
 
 fn kad_protocol() -> StreamProtocol {
@@ -112,6 +138,7 @@ impl EventLoop {
         let max_record = config.max_record_bytes;
         let request_timeout = config.request_timeout;
         let client_mode = config.client_mode;
+        let nat = config.nat.clone();
         let mut swarm = libp2p::SwarmBuilder::with_existing_identity(keypair)
             .with_tokio()
             .with_tcp(
@@ -123,7 +150,9 @@ impl EventLoop {
             .with_quic()
             .with_dns()
             .map_err(|e| build(&e))?
-            .with_behaviour(|key| {
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(|e| build(&e))?
+            .with_behaviour(|key, relay_client| {
                 let peer_id = key.public().to_peer_id();
                 let mut kcfg = kad::Config::new(kad_protocol());
                 kcfg.set_record_filtering(kad::StoreInserts::FilterBoth)
@@ -146,6 +175,17 @@ impl EventLoop {
                 } else {
                     kad::Mode::Server
                 }));
+                let relay_server = nat
+                    .relay_server
+                    .as_ref()
+                    .map(|limits| relay::Behaviour::new(peer_id, super::nat::relay_config(limits)));
+                let autonat_client = nat.autonat.then(|| {
+                    autonat::v2::client::Behaviour::new(
+                        rand::make_rng(),
+                        autonat::v2::client::Config::default()
+                            .with_probe_interval(nat.autonat_interval),
+                    )
+                });
                 Behaviour {
                     kad,
                     identify: identify::Behaviour::new(identify::Config::new(
@@ -154,6 +194,17 @@ impl EventLoop {
                     )),
                     ping: ping::Behaviour::default(),
                     stream: libp2p_stream::Behaviour::new(),
+                    relay_client,
+                    relay_server: relay_server.into(),
+                    dcutr: nat
+                        .hole_punching
+                        .then(|| dcutr::Behaviour::new(peer_id))
+                        .into(),
+                    autonat_client: autonat_client.into(),
+                    autonat_server: nat
+                        .autonat_server
+                        .then(autonat::v2::server::Behaviour::default)
+                        .into(),
                 }
             })
             .map_err(|e| build(&e))?
@@ -187,7 +238,19 @@ impl EventLoop {
             initial_peers: initial_peers.iter().map(|(p, _)| *p).collect(),
             connect_waiters: Vec::new(),
             peer_waiters: HashMap::new(),
+            nat: Nat::new(&config.nat),
+            forced_client: client_mode,
         })
+    }
+
+    /// The watches behind [`super::P2p::reachability`] and [`super::P2p::nat_stats`].
+    pub(super) fn nat_watches(&self) -> (watch::Receiver<Reachability>, watch::Receiver<NatStats>) {
+        self.nat.watches()
+    }
+
+    /// Whether Kademlia's mode may follow the reachability.
+    pub(super) fn kad_mode_follows_reach(&self) -> bool {
+        !self.forced_client
     }
 
     /// A control for opening and accepting streams (used by handles, outside the loop).
@@ -196,8 +259,11 @@ impl EventLoop {
     }
 
     pub(super) async fn run(mut self) {
+        let mut tick = tokio::time::interval(super::nat::TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                _ = tick.tick() => self.nat_tick(),
                 command = self.commands.recv() => match command {
                     Some(Command::Shutdown { reply }) => {
                         let _ = reply.send(());
@@ -222,6 +288,7 @@ impl EventLoop {
                 let _ = w.send(Err(P2pError::Shutdown));
             }
         }
+        self.nat.shutdown();
         tracing::debug!(peer = %self.swarm.local_peer_id(), "p2p event loop stopped");
     }
 
@@ -231,6 +298,11 @@ impl EventLoop {
             .iter()
             .map(|a| a.clone().with(Protocol::P2p(me)))
             .collect()
+    }
+
+    /// Our listen addresses (without `/p2p/<id>`).
+    pub(super) fn listen_addrs(&self) -> &[Multiaddr] {
+        &self.listen_addrs
     }
 
     fn on_command(&mut self, command: Command) {
@@ -292,13 +364,21 @@ impl EventLoop {
                 let _ = reply.send(());
             }
             Command::Connect { peer, reply } => self.connect(peer, reply),
+            Command::ConnectionPaths { peer, reply } => {
+                let _ = reply.send(self.nat.paths(&peer));
+            }
+            Command::ConnectDirect { peer, reply } => self.connect_direct(peer, reply),
+            Command::AddRelayCandidates { addrs, reply } => {
+                self.nat.add_relay_candidates(addrs);
+                let _ = reply.send(());
+            }
             Command::Shutdown { .. } => unreachable!("handled in run()"),
         }
     }
 
     /// Answers `reply` once `peer` is connected, dialing it (by peer id, addresses from the
     /// behaviours) unless a connection or a dial exists already.
-    fn connect(&mut self, peer: PeerId, reply: oneshot::Sender<Result<(), P2pError>>) {
+    pub(super) fn connect(&mut self, peer: PeerId, reply: oneshot::Sender<Result<(), P2pError>>) {
         if self.swarm.is_connected(&peer) {
             let _ = reply.send(Ok(()));
             return;
@@ -439,8 +519,15 @@ impl EventLoop {
             SwarmEvent::NewListenAddr {
                 listener_id,
                 address,
+            } if self.nat.is_relay_listener(listener_id) => {
+                self.on_relay_address(listener_id, address);
+            }
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
             } => {
                 tracing::debug!(%address, "listening");
+                self.nat.on_listen_addr(&address);
                 if !self.listen_addrs.contains(&address) {
                     self.listen_addrs.push(address);
                 }
@@ -454,8 +541,20 @@ impl EventLoop {
             }
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 self.listen_addrs.retain(|a| a != &address);
+                self.nat.on_expired_addr(&address);
             }
-            SwarmEvent::ConnectionEstablished { peer_id, .. } => {
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                ..
+            } => self.on_listener_closed(listener_id, reason),
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                endpoint,
+                ..
+            } => {
+                self.on_connection(peer_id, connection_id, &endpoint);
                 if self.initial_peers.contains(&peer_id) {
                     for w in self.connect_waiters.drain(..) {
                         let _ = w.send(Ok(()));
@@ -465,8 +564,18 @@ impl EventLoop {
                     let _ = w.send(Ok(()));
                 }
             }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                connection_id,
+                ..
+            } => self.on_connection_closed(peer_id, connection_id),
+            SwarmEvent::ExternalAddrConfirmed { address } => self.on_external_confirmed(address),
+            SwarmEvent::ExternalAddrExpired { address } => self.on_external_expired(&address),
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
+                if let Some(peer) = peer_id {
+                    self.on_dial_failed(peer, &error.to_string());
+                }
                 if let Some(peer) = peer_id
                     && !self.swarm.is_connected(&peer)
                 {
@@ -480,14 +589,28 @@ impl EventLoop {
             }
             SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
                 peer_id,
+                connection_id,
                 info,
-                ..
-            })) if info.protocols.contains(&kad_protocol()) => {
-                for addr in info.listen_addrs {
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+            })) => {
+                self.on_identify(peer_id, connection_id, &info);
+                if info.protocols.contains(&kad_protocol()) {
+                    for addr in info.listen_addrs {
+                        // Circuit addresses do not belong in the routing table.
+                        if !super::nat::is_relayed(&addr) {
+                            self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                        }
+                    }
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(event)) => self.on_kad(event),
+            SwarmEvent::Behaviour(BehaviourEvent::RelayClient(event)) => {
+                self.on_relay_client(event)
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::RelayServer(event)) => {
+                tracing::debug!(?event, "relay server");
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(event)) => self.on_dcutr(event),
+            SwarmEvent::Behaviour(BehaviourEvent::AutonatClient(event)) => self.on_autonat(event),
             _ => {}
         }
     }

@@ -366,10 +366,7 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
     }
     let link_peers: Vec<LinkPeer> = roster
         .iter()
-        .map(|(peer_id, _, data_addr)| LinkPeer {
-            peer_id: *peer_id,
-            data_addr: *data_addr,
-        })
+        .map(|(peer_id, _, data_addr)| LinkPeer::public(*peer_id, *data_addr))
         .collect();
 
     let descriptors = bench.descriptors();

@@ -1,0 +1,638 @@
+//! The NAT side of the event loop: reachability from observed addresses and dial-backs, relay
+//! reservations, hole punching, and how each connection runs (see the `p2p` module docs).
+//!
+//! State lives in [`Nat`], owned by the event loop; the handlers below are `impl EventLoop`
+//! blocks called from its event dispatch. Everything is bounded: observations
+//! ([`crate::reach::MAX_OBSERVATIONS`]), observed and confirmed addresses, relay candidates
+//! ([`MAX_RELAY_CANDIDATES`]); connections are tracked only while they are open.
+
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::num::NonZeroU32;
+use std::time::{Duration, Instant};
+
+use libp2p::core::ConnectedPoint;
+use libp2p::core::transport::{ListenerId, PortUse};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::ConnectionId;
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
+use libp2p::{Multiaddr, PeerId, StreamProtocol, autonat, dcutr, identify, kad, relay};
+use tokio::sync::{oneshot, watch};
+
+use super::swarm::EventLoop;
+use super::{ConnPath, NatConfig, NatStats, P2pError, Reachability, RelayLimits, Transport};
+use crate::reach::{self, Observations, Reach, Seen};
+
+/// How often the event loop looks after its relay reservations.
+pub(super) const TICK: Duration = Duration::from_secs(1);
+/// The circuit relay v2 protocol a relay serves.
+const HOP_PROTOCOL: &str = "/libp2p/circuit/relay/0.2.0/hop";
+/// Relays remembered as candidates for reservations.
+pub(super) const MAX_RELAY_CANDIDATES: usize = 64;
+/// Observed and confirmed addresses kept for [`Reachability`].
+const MAX_ADDRS: usize = 16;
+/// Pause before a relay that failed us is tried again; doubles per failure up to 32×.
+const RELAY_BACKOFF: Duration = Duration::from_secs(5);
+
+/// libp2p's relay server configuration for our limits (see [`RelayLimits`]).
+pub(super) fn relay_config(limits: &RelayLimits) -> relay::Config {
+    let per_minute =
+        NonZeroU32::new(limits.circuits_per_peer_per_minute.max(1)).unwrap_or(NonZeroU32::MIN);
+    let per_ip = per_minute.saturating_mul(NonZeroU32::new(2).unwrap_or(NonZeroU32::MIN));
+    let mut config = relay::Config {
+        max_reservations: limits.max_reservations,
+        max_reservations_per_peer: limits.max_reservations_per_peer,
+        reservation_duration: limits.reservation_duration,
+        max_circuits: limits.max_circuits,
+        max_circuits_per_peer: limits.max_circuits_per_peer,
+        max_circuit_duration: limits.max_circuit_duration,
+        max_circuit_bytes: limits.max_circuit_bytes,
+        ..relay::Config::default()
+    };
+    config.circuit_src_rate_limiters = Vec::new();
+    config
+        .circuit_src_per_peer(per_minute, Duration::from_secs(60))
+        .circuit_src_per_ip(per_ip, Duration::from_secs(60))
+}
+
+/// Whether `addr` goes through a relay.
+pub(super) fn is_relayed(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| p == Protocol::P2pCircuit)
+}
+
+fn transport_of(addr: &Multiaddr) -> Transport {
+    let mut transport = Transport::Other;
+    for p in addr.iter() {
+        match p {
+            Protocol::Tcp(_) => transport = Transport::Tcp,
+            Protocol::QuicV1 => transport = Transport::Quic,
+            Protocol::P2pCircuit => break,
+            _ => {}
+        }
+    }
+    transport
+}
+
+fn ip_of(addr: &Multiaddr) -> Option<IpAddr> {
+    addr.iter().find_map(|p| match p {
+        Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
+        Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+        _ => None,
+    })
+}
+
+/// The port of `addr` for its transport (TCP port, or UDP port of QUIC).
+fn port_of(addr: &Multiaddr) -> Option<u16> {
+    addr.iter().find_map(|p| match p {
+        Protocol::Tcp(port) | Protocol::Udp(port) => Some(port),
+        _ => None,
+    })
+}
+
+fn without_peer_id(addr: &Multiaddr) -> Multiaddr {
+    addr.iter()
+        .filter(|p| !matches!(p, Protocol::P2p(_)))
+        .collect()
+}
+
+fn push_bounded(list: &mut Vec<Multiaddr>, addr: Multiaddr) {
+    list.retain(|a| a != &addr);
+    if list.len() == MAX_ADDRS {
+        list.remove(0);
+    }
+    list.push(addr);
+}
+
+/// One open connection.
+struct Conn {
+    peer: PeerId,
+    path: ConnPath,
+    /// We dialed it from our listening port (port reuse), so what the peer observes is how our
+    /// NAT maps that port.
+    reused_port: bool,
+    /// The remote address (for an outbound connection: what we dialed).
+    remote: Multiaddr,
+    /// We dialed it.
+    outbound: bool,
+}
+
+/// A relay we may reserve a slot on.
+struct Candidate {
+    peer: PeerId,
+    /// Ends with `/p2p/<relay>`.
+    addr: Multiaddr,
+    next_try: Instant,
+    failures: u32,
+}
+
+/// A reservation (pending or accepted) on one relay.
+struct Reservation {
+    relay: PeerId,
+    /// Our circuit address there, once the relay accepted.
+    addr: Option<Multiaddr>,
+}
+
+/// NAT state of the event loop.
+pub(super) struct Nat {
+    assume: Option<Reach>,
+    want_reservations: usize,
+    obs: Observations,
+    class: Option<Reach>,
+    confirmed: Vec<Multiaddr>,
+    observed: Vec<Multiaddr>,
+    conns: HashMap<ConnectionId, Conn>,
+    /// Connections DCUtR reported before the swarm announced them.
+    punched_early: HashSet<ConnectionId>,
+    candidates: Vec<Candidate>,
+    reservations: HashMap<ListenerId, Reservation>,
+    direct_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<ConnPath, P2pError>>>>,
+    reach_tx: watch::Sender<Reachability>,
+    stats_tx: watch::Sender<NatStats>,
+}
+
+impl Nat {
+    pub(super) fn new(config: &NatConfig) -> Self {
+        let reach = Reachability {
+            reach: config.assume,
+            ..Reachability::default()
+        };
+        Self {
+            assume: config.assume,
+            want_reservations: config.relay_reservations,
+            obs: Observations::default(),
+            class: config.assume,
+            confirmed: Vec::new(),
+            observed: Vec::new(),
+            conns: HashMap::new(),
+            punched_early: HashSet::new(),
+            candidates: Vec::new(),
+            reservations: HashMap::new(),
+            direct_waiters: HashMap::new(),
+            reach_tx: watch::Sender::new(reach),
+            stats_tx: watch::Sender::new(NatStats::default()),
+        }
+    }
+
+    pub(super) fn watches(&self) -> (watch::Receiver<Reachability>, watch::Receiver<NatStats>) {
+        (self.reach_tx.subscribe(), self.stats_tx.subscribe())
+    }
+
+    pub(super) fn is_relay_listener(&self, id: ListenerId) -> bool {
+        self.reservations.contains_key(&id)
+    }
+
+    pub(super) fn paths(&self, peer: &PeerId) -> Vec<ConnPath> {
+        self.conns
+            .values()
+            .filter(|c| &c.peer == peer)
+            .map(|c| c.path)
+            .collect()
+    }
+
+    fn direct_path(&self, peer: &PeerId) -> Option<ConnPath> {
+        self.conns
+            .values()
+            .filter(|c| &c.peer == peer && !c.path.relayed)
+            // A punched connection says more than one that happens to exist.
+            .max_by_key(|c| c.path.punched)
+            .map(|c| c.path)
+    }
+
+    pub(super) fn add_relay_candidates(&mut self, addrs: Vec<Multiaddr>) {
+        for addr in addrs {
+            if let Some(Protocol::P2p(peer)) = addr.iter().last()
+                && !is_relayed(&addr)
+            {
+                self.add_candidate(peer, addr);
+            }
+        }
+    }
+
+    fn add_candidate(&mut self, peer: PeerId, addr: Multiaddr) {
+        if let Some(c) = self.candidates.iter_mut().find(|c| c.peer == peer) {
+            c.addr = addr;
+            return;
+        }
+        if self.candidates.len() == MAX_RELAY_CANDIDATES {
+            // Forget the one that failed most.
+            if let Some(worst) =
+                (0..self.candidates.len()).max_by_key(|&i| self.candidates[i].failures)
+            {
+                self.candidates.swap_remove(worst);
+            }
+        }
+        self.candidates.push(Candidate {
+            peer,
+            addr,
+            next_try: Instant::now(),
+            failures: 0,
+        });
+    }
+
+    pub(super) fn on_listen_addr(&mut self, addr: &Multiaddr) {
+        if let Some(ip) = ip_of(addr)
+            && !self.obs.own_ips.contains(&ip)
+        {
+            self.obs.own_ips.push(ip);
+        }
+    }
+
+    pub(super) fn on_expired_addr(&mut self, addr: &Multiaddr) {
+        if let Some(ip) = ip_of(addr) {
+            self.obs.own_ips.retain(|i| *i != ip);
+        }
+    }
+
+    fn bump(&self, count: impl FnOnce(&mut NatStats) -> &mut u64) {
+        self.stats_tx.send_modify(|s| *count(s) += 1);
+    }
+
+    fn publish(&self) {
+        let relayed: Vec<Multiaddr> = self
+            .reservations
+            .values()
+            .filter_map(|r| r.addr.clone())
+            .collect();
+        let reach = Reachability {
+            reach: self.class,
+            confirmed: self.confirmed.clone(),
+            observed: self.observed.clone(),
+            relayed,
+        };
+        self.reach_tx.send_if_modified(|r| {
+            let changed = *r != reach;
+            *r = reach;
+            changed
+        });
+    }
+
+    /// Answers and clears the waiters for a direct connection to `peer`.
+    fn answer_direct(&mut self, peer: &PeerId, result: Result<ConnPath, P2pError>) {
+        for w in self.direct_waiters.remove(peer).unwrap_or_default() {
+            let _ = w.send(result.clone());
+        }
+    }
+
+    pub(super) fn shutdown(&mut self) {
+        for (_, waiters) in self.direct_waiters.drain() {
+            for w in waiters {
+                let _ = w.send(Err(P2pError::Shutdown));
+            }
+        }
+    }
+}
+
+impl EventLoop {
+    /// Re-derives the class; on a change, switches Kademlia's mode and tells the watchers.
+    fn reclassify(&mut self) {
+        let class = self.nat.assume.or_else(|| reach::classify(&self.nat.obs));
+        if class != self.nat.class {
+            tracing::info!(
+                reach = class.map_or("unknown", Reach::name),
+                observed = ?self.nat.observed,
+                "reachability changed"
+            );
+            self.nat.class = class;
+            if self.kad_mode_follows_reach() {
+                let mode = match class.unwrap_or_default() {
+                    Reach::Public => kad::Mode::Server,
+                    Reach::Punchable | Reach::Private => kad::Mode::Client,
+                };
+                self.swarm.behaviour_mut().kad.set_mode(Some(mode));
+            }
+        }
+        self.nat.publish();
+    }
+
+    /// Once a second: keep the wanted number of relay reservations while not public, drop them
+    /// once public.
+    pub(super) fn nat_tick(&mut self) {
+        let class = self.nat.class.unwrap_or_default();
+        if class == Reach::Public {
+            let ids: Vec<ListenerId> = self.nat.reservations.keys().copied().collect();
+            for id in ids {
+                self.swarm.remove_listener(id);
+            }
+            return;
+        }
+        let now = Instant::now();
+        while self.nat.reservations.len() < self.nat.want_reservations {
+            let taken: HashSet<PeerId> = self.nat.reservations.values().map(|r| r.relay).collect();
+            let me = *self.swarm.local_peer_id();
+            let Some(c) = self
+                .nat
+                .candidates
+                .iter_mut()
+                .filter(|c| c.peer != me && !taken.contains(&c.peer) && c.next_try <= now)
+                .min_by_key(|c| (c.failures, c.next_try))
+            else {
+                return;
+            };
+            // Tried again only after a backoff, whatever happens to this attempt.
+            c.next_try = now + RELAY_BACKOFF * 2u32.pow(c.failures.min(5));
+            let addr = c.addr.clone().with(Protocol::P2pCircuit);
+            let relay = c.peer;
+            match self.swarm.listen_on(addr.clone()) {
+                Ok(id) => {
+                    tracing::debug!(%relay, "asking for a relay reservation");
+                    self.nat
+                        .reservations
+                        .insert(id, Reservation { relay, addr: None });
+                }
+                Err(error) => {
+                    tracing::debug!(%addr, %error, "cannot listen through the relay");
+                    c.failures += 1;
+                }
+            }
+        }
+    }
+
+    /// The relay accepted: `addr` is our circuit address there.
+    pub(super) fn on_relay_address(&mut self, id: ListenerId, addr: Multiaddr) {
+        let me = *self.swarm.local_peer_id();
+        let addr = if matches!(addr.iter().last(), Some(Protocol::P2p(_))) {
+            addr
+        } else {
+            addr.with(Protocol::P2p(me))
+        };
+        if let Some(r) = self.nat.reservations.get_mut(&id) {
+            tracing::info!(relay = %r.relay, %addr, "reachable through a relay");
+            r.addr = Some(addr);
+            if let Some(c) = self.nat.candidates.iter_mut().find(|c| c.peer == r.relay) {
+                c.failures = 0;
+            }
+        }
+        self.nat.publish();
+    }
+
+    pub(super) fn on_listener_closed(
+        &mut self,
+        id: ListenerId,
+        reason: Result<(), impl std::fmt::Display>,
+    ) {
+        let Some(r) = self.nat.reservations.remove(&id) else {
+            return;
+        };
+        self.nat.bump(|s| &mut s.reservations_lost);
+        match reason {
+            Ok(()) => tracing::info!(relay = %r.relay, "relay reservation closed"),
+            Err(error) => tracing::info!(relay = %r.relay, %error, "relay reservation lost"),
+        }
+        if let Some(c) = self.nat.candidates.iter_mut().find(|c| c.peer == r.relay) {
+            c.failures += 1;
+        }
+        self.nat.publish();
+        // Look for another relay at once rather than at the next tick.
+        self.nat_tick();
+    }
+
+    pub(super) fn on_connection(
+        &mut self,
+        peer: PeerId,
+        id: ConnectionId,
+        endpoint: &ConnectedPoint,
+    ) {
+        let remote = endpoint.get_remote_address().clone();
+        let relayed = endpoint.is_relayed();
+        let reused_port = matches!(
+            endpoint,
+            ConnectedPoint::Dialer {
+                port_use: PortUse::Reuse,
+                ..
+            }
+        ) && !relayed;
+        let path = ConnPath {
+            relayed,
+            punched: self.nat.punched_early.remove(&id),
+            transport: transport_of(&remote),
+        };
+        self.nat.conns.insert(
+            id,
+            Conn {
+                peer,
+                path,
+                reused_port,
+                remote,
+                outbound: endpoint.is_dialer(),
+            },
+        );
+        if !relayed && self.nat.direct_waiters.contains_key(&peer) {
+            self.close_relayed(&peer);
+            self.nat.answer_direct(&peer, Ok(path));
+        }
+    }
+
+    pub(super) fn on_connection_closed(&mut self, _peer: PeerId, id: ConnectionId) {
+        self.nat.conns.remove(&id);
+        self.nat.punched_early.remove(&id);
+    }
+
+    /// Closes every relayed connection to `peer`.
+    fn close_relayed(&mut self, peer: &PeerId) {
+        let relayed: Vec<ConnectionId> = self
+            .nat
+            .conns
+            .iter()
+            .filter(|(_, c)| &c.peer == peer && c.path.relayed)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in relayed {
+            tracing::debug!(%peer, "closing a relayed connection: a direct one exists");
+            self.swarm.close_connection(id);
+        }
+    }
+
+    pub(super) fn connect_direct(
+        &mut self,
+        peer: PeerId,
+        reply: oneshot::Sender<Result<ConnPath, P2pError>>,
+    ) {
+        if let Some(path) = self.nat.direct_path(&peer) {
+            self.close_relayed(&peer);
+            let _ = reply.send(Ok(path));
+            return;
+        }
+        let waiters = self.nat.direct_waiters.entry(peer).or_default();
+        waiters.retain(|w| !w.is_closed());
+        let first = waiters.is_empty();
+        waiters.push(reply);
+        if !first {
+            return; // a dial for this peer is under way
+        }
+        let relayed = self.nat.conns.values().any(|c| c.peer == peer);
+        if relayed {
+            // Its punch is over (or never started): a new relayed connection punches anew.
+            self.close_relayed(&peer);
+            let opts = DialOpts::peer_id(peer)
+                .condition(PeerCondition::Always)
+                .build();
+            if let Err(error) = self.swarm.dial(opts) {
+                self.nat.answer_direct(
+                    &peer,
+                    Err(P2pError::NoDirectConnection {
+                        peer,
+                        detail: error.to_string(),
+                    }),
+                );
+            }
+        } else {
+            // Not connected: the usual dial (routing table, DHT lookup); a dial failure for
+            // this peer fails the waiters (`on_dial_failed`).
+            let (tx, _rx) = oneshot::channel();
+            self.connect(peer, tx);
+        }
+    }
+
+    /// A dial to `peer` failed: fail its direct waiters unless some connection exists.
+    pub(super) fn on_dial_failed(&mut self, peer: PeerId, error: &str) {
+        if self.nat.direct_waiters.contains_key(&peer)
+            && !self.nat.conns.values().any(|c| c.peer == peer)
+        {
+            self.nat.answer_direct(
+                &peer,
+                Err(P2pError::NoDirectConnection {
+                    peer,
+                    detail: error.to_owned(),
+                }),
+            );
+        }
+    }
+
+    pub(super) fn on_identify(&mut self, peer: PeerId, id: ConnectionId, info: &identify::Info) {
+        let Some(conn) = self.nat.conns.get(&id) else {
+            return;
+        };
+        let (relayed, outbound, reused_port, remote) = (
+            conn.path.relayed,
+            conn.outbound,
+            conn.reused_port,
+            conn.remote.clone(),
+        );
+        // A relay we could reserve a slot on: where we reached it, or where it listens.
+        if info.protocols.contains(&StreamProtocol::new(HOP_PROTOCOL)) && !relayed {
+            let addr = if outbound {
+                Some(without_peer_id(&remote))
+            } else {
+                let remote_ip = ip_of(&remote);
+                let direct = || info.listen_addrs.iter().filter(|a| !is_relayed(a));
+                direct()
+                    .find(|a| ip_of(a) == remote_ip)
+                    .or_else(|| direct().next())
+                    .map(without_peer_id)
+            };
+            if let Some(addr) = addr {
+                self.nat.add_candidate(peer, addr.with(Protocol::P2p(peer)));
+            }
+        }
+        // How the peer sees our connection, if we dialed it from our listening port.
+        let observed = &info.observed_addr;
+        if !reused_port || is_relayed(observed) {
+            return;
+        }
+        let (Some(remote), Some(ip), Some(port)) =
+            (ip_of(&remote), ip_of(observed), port_of(observed))
+        else {
+            return;
+        };
+        let transport = transport_of(observed);
+        let Some(local_port) = self
+            .listen_addrs()
+            .iter()
+            .filter(|a| transport_of(a) == transport && !is_relayed(a))
+            .find_map(port_of)
+        else {
+            return;
+        };
+        self.nat.obs.add(Seen {
+            remote,
+            local_port,
+            ip,
+            port,
+        });
+        push_bounded(&mut self.nat.observed, without_peer_id(observed));
+        self.reclassify();
+    }
+
+    pub(super) fn on_external_confirmed(&mut self, addr: Multiaddr) {
+        // The relay client confirms our circuit addresses; those say nothing about us.
+        if is_relayed(&addr) {
+            return;
+        }
+        tracing::info!(%addr, "external address confirmed by a dial-back");
+        push_bounded(&mut self.nat.confirmed, addr);
+        self.nat.obs.confirmed = true;
+        self.reclassify();
+    }
+
+    pub(super) fn on_external_expired(&mut self, addr: &Multiaddr) {
+        self.nat.confirmed.retain(|a| a != addr);
+        self.nat.obs.confirmed = !self.nat.confirmed.is_empty();
+        self.reclassify();
+    }
+
+    pub(super) fn on_autonat(&mut self, event: autonat::v2::client::Event) {
+        match &event.result {
+            Ok(()) => {
+                tracing::debug!(addr = %event.tested_addr, server = %event.server, "dial-back worked")
+            }
+            Err(error) => {
+                tracing::debug!(addr = %event.tested_addr, server = %event.server, %error, "dial-back failed");
+                if !is_relayed(&event.tested_addr) {
+                    self.nat.obs.dial_back_failed = true;
+                    self.reclassify();
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_relay_client(&mut self, event: relay::client::Event) {
+        match event {
+            relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal,
+                ..
+            } => {
+                if !renewal {
+                    self.nat.bump(|s| &mut s.reservations);
+                }
+                tracing::debug!(relay = %relay_peer_id, renewal, "relay reservation accepted");
+            }
+            other => tracing::debug!(event = ?other, "relay client"),
+        }
+    }
+
+    pub(super) fn on_dcutr(&mut self, event: dcutr::Event) {
+        let peer = event.remote_peer_id;
+        match event.result {
+            Ok(id) => {
+                self.nat.bump(|s| &mut s.punch_ok);
+                match self.nat.conns.get_mut(&id) {
+                    Some(c) => c.path.punched = true,
+                    None => {
+                        self.nat.punched_early.insert(id);
+                    }
+                }
+                tracing::info!(%peer, "hole punch made a direct connection");
+                if let Some(path) = self.nat.direct_path(&peer)
+                    && self.nat.direct_waiters.contains_key(&peer)
+                {
+                    self.close_relayed(&peer);
+                    self.nat.answer_direct(&peer, Ok(path));
+                }
+            }
+            Err(error) => {
+                self.nat.bump(|s| &mut s.punch_failed);
+                tracing::info!(%peer, %error, "hole punch failed");
+                if self.nat.direct_path(&peer).is_none() {
+                    self.nat.answer_direct(
+                        &peer,
+                        Err(P2pError::NoDirectConnection {
+                            peer,
+                            detail: format!("hole punch failed: {error}"),
+                        }),
+                    );
+                }
+            }
+        }
+    }
+}

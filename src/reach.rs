@@ -1,0 +1,394 @@
+//! Who can reach whom: a peer's reachability class, how a node finds its own from what other
+//! peers observe, and (for a group) the path of each link, which side opens it and which
+//! members may reduce. Pure logic, no I/O: the p2p layer feeds [`Observations`], matchmaking
+//! carries every member's [`Reach`] in its `MemberInfo`, and load balancing and the link layer
+//! call [`path`], [`opener`] and [`reducers`], so every member of a group derives the same plan.
+//!
+//! # Classes
+//!
+//! * [`Reach::Public`]: others can dial it (a public address, a LAN, loopback). Also what a
+//!   peer says while it knows nothing better, so swarms on one machine or one LAN behave as
+//!   they always did.
+//! * [`Reach::Punchable`]: behind a NAT whose mapping of a local port does not depend on the
+//!   destination (the same external address for every peer, "endpoint-independent", as
+//!   port-preserving home routers do). It dials public peers itself; two such peers connect
+//!   directly by hole punching (DCUtR: both dial at once, each NAT sees an outgoing packet first).
+//! * [`Reach::Private`]: behind a NAT that maps every connection anew (symmetric: a hole punch
+//!   cannot predict the port), or behind a NAT not classified yet. It dials public peers; anyone
+//!   else reaches it only through a relay.
+//!
+//! # Finding one's class ([`classify`])
+//!
+//! Every peer tells us, in identify, the address it sees our connection coming from. For the
+//! connections we dial from our listening port (libp2p dials with port reuse):
+//!
+//! * an observed IP that is one of our own: no NAT in between. Public, unless a dial-back test
+//!   (AutoNAT) failed: then a firewall drops unsolicited connections, which a hole punch passes
+//!   (Punchable);
+//! * another IP: a NAT. If every peer sees the same external port, the mapping is endpoint
+//!   independent: Punchable once two peers at different IPs agree, or at once when the port is
+//!   our own (the NAT kept it: port-preserving routers map endpoint-independently). Different
+//!   ports for different peers: symmetric, Private. One observation of a changed port is not
+//!   enough to tell: Private until a second one comes.
+//! * a confirmed dial-back (AutoNAT) makes any peer Public: e.g. a port forwarded by hand.
+//!
+//! # A group's plan
+//!
+//! [`path`] says how two members connect: directly when one of them is public (the other one
+//! dials), by hole punching when both are punchable, through a relay when both allow tensor data
+//! over relays, else not at all. A member may reduce only if every member that sends data can
+//! connect to it ([`reducers`]); load balancing gives the others nothing to reduce, and a group in
+//! which nobody may reduce fails at once with a clear error instead of running into timeouts.
+
+use std::net::IpAddr;
+
+/// How other peers can open connections to a peer (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Reach {
+    /// Others can dial it directly. The default while nothing else is known.
+    #[default]
+    Public,
+    /// Behind an endpoint-independent NAT: reachable by hole punching.
+    Punchable,
+    /// Behind a NAT nobody can dial through: reachable only through a relay.
+    Private,
+}
+
+impl Reach {
+    /// A short lowercase name (`public`, `punchable`, `private`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Public => "public",
+            Self::Punchable => "punchable",
+            Self::Private => "private",
+        }
+    }
+}
+
+impl std::fmt::Display for Reach {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a link between two peers is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// One side dials the other's address.
+    Direct,
+    /// Both are behind NATs: a direct connection made by hole punching.
+    HolePunch,
+    /// Through a relay (both allow tensor data over relays).
+    Relay,
+}
+
+impl std::fmt::Display for Path {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Direct => "direct",
+            Self::HolePunch => "hole-punch",
+            Self::Relay => "relay",
+        })
+    }
+}
+
+/// A member as the planner sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Peer {
+    /// How others reach it.
+    pub reach: Reach,
+    /// It allows tensor data through relays.
+    pub relay_data: bool,
+}
+
+/// How `a` and `b` connect, or `None` if they cannot.
+pub fn path(a: Peer, b: Peer) -> Option<Path> {
+    match (a.reach, b.reach) {
+        (Reach::Public, _) | (_, Reach::Public) => Some(Path::Direct),
+        (Reach::Punchable, Reach::Punchable) => Some(Path::HolePunch),
+        _ if a.relay_data && b.relay_data => Some(Path::Relay),
+        _ => None,
+    }
+}
+
+/// Which of members `a` and `b` (indices into `members`, `a != b`) opens their link: the one
+/// that can dial when only the other is public, else the lower index.
+pub fn opener(members: &[Peer], a: usize, b: usize) -> usize {
+    let (lo, hi) = (a.min(b), a.max(b));
+    match (members[lo].reach, members[hi].reach) {
+        (Reach::Public, Reach::Public) => lo,
+        (Reach::Public, _) => hi,
+        (_, Reach::Public) => lo,
+        _ => lo,
+    }
+}
+
+/// Which members may reduce: `may_reduce[i]` (its mode reduces at all) and every other member
+/// `j` with `sends[j]` can connect to it ([`path`]).
+pub fn reducers(members: &[Peer], may_reduce: &[bool], sends: &[bool]) -> Vec<bool> {
+    (0..members.len())
+        .map(|i| {
+            may_reduce[i]
+                && (0..members.len())
+                    .all(|j| j == i || !sends[j] || path(members[i], members[j]).is_some())
+        })
+        .collect()
+}
+
+/// What peers observed of our outbound connections (identify's observed addresses), and
+/// what dial-back tests (AutoNAT) said; input of [`classify`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observations {
+    /// Our own addresses (the IPs we listen on).
+    pub own_ips: Vec<IpAddr>,
+    /// For each connection we dialed from our listening port: the remote peer's IP, the local
+    /// port we dialed from, and the address the remote peer saw us at.
+    pub seen: Vec<Seen>,
+    /// A dial-back test reached us at some address.
+    pub confirmed: bool,
+    /// A dial-back test failed at an address the peers observed.
+    pub dial_back_failed: bool,
+}
+
+/// One observation of our address by a remote peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seen {
+    /// The observing peer's IP.
+    pub remote: IpAddr,
+    /// The local port our connection to it came from.
+    pub local_port: u16,
+    /// The IP it saw.
+    pub ip: IpAddr,
+    /// The port it saw.
+    pub port: u16,
+}
+
+/// Most observations [`Observations::add`] keeps (the newest ones).
+pub const MAX_OBSERVATIONS: usize = 32;
+
+impl Observations {
+    /// Records an observation, keeping at most [`MAX_OBSERVATIONS`] (one per remote IP and
+    /// local port: a newer one replaces the older).
+    pub fn add(&mut self, seen: Seen) {
+        self.seen
+            .retain(|s| !(s.remote == seen.remote && s.local_port == seen.local_port));
+        if self.seen.len() == MAX_OBSERVATIONS {
+            self.seen.remove(0);
+        }
+        self.seen.push(seen);
+    }
+}
+
+/// This node's class from what peers observed (module docs), or `None` while nothing was
+/// observed and nothing confirmed.
+pub fn classify(obs: &Observations) -> Option<Reach> {
+    if obs.confirmed {
+        return Some(Reach::Public);
+    }
+    if obs.seen.is_empty() {
+        return None;
+    }
+    if obs.seen.iter().any(|s| obs.own_ips.contains(&s.ip)) {
+        return Some(if obs.dial_back_failed {
+            Reach::Punchable
+        } else {
+            Reach::Public
+        });
+    }
+    // Behind a NAT. Does its mapping depend on the destination?
+    let mut consistent = true;
+    let mut remotes: Vec<IpAddr> = Vec::new();
+    let mut preserved = false;
+    for s in &obs.seen {
+        for t in &obs.seen {
+            if s.local_port == t.local_port && (s.ip, s.port) != (t.ip, t.port) {
+                consistent = false;
+            }
+        }
+        if !remotes.contains(&s.remote) {
+            remotes.push(s.remote);
+        }
+        preserved |= s.port == s.local_port;
+    }
+    Some(if consistent && (preserved || remotes.len() >= 2) {
+        Reach::Punchable
+    } else {
+        Reach::Private
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn seen(remote: &str, local_port: u16, at: &str, port: u16) -> Seen {
+        Seen {
+            remote: ip(remote),
+            local_port,
+            ip: ip(at),
+            port,
+        }
+    }
+
+    fn peer(reach: Reach) -> Peer {
+        Peer {
+            reach,
+            relay_data: false,
+        }
+    }
+
+    #[test]
+    fn classes_from_observations() {
+        let mut obs = Observations {
+            own_ips: vec![ip("192.168.1.2")],
+            ..Observations::default()
+        };
+        assert_eq!(classify(&obs), None);
+        // A port-preserving NAT: our port, another IP.
+        obs.add(seen("10.0.0.1", 4001, "10.0.0.9", 4001));
+        assert_eq!(classify(&obs), Some(Reach::Punchable));
+        // A second peer sees the same: still punchable.
+        obs.add(seen("10.0.0.2", 4001, "10.0.0.9", 4001));
+        assert_eq!(classify(&obs), Some(Reach::Punchable));
+        // A third sees another port for the same local port: symmetric.
+        obs.add(seen("10.0.0.3", 4001, "10.0.0.9", 5555));
+        assert_eq!(classify(&obs), Some(Reach::Private));
+        // A dial-back that worked overrides everything.
+        obs.confirmed = true;
+        assert_eq!(classify(&obs), Some(Reach::Public));
+    }
+
+    #[test]
+    fn a_changed_port_needs_a_second_opinion() {
+        let mut obs = Observations::default();
+        obs.add(seen("10.0.0.1", 4001, "10.0.0.9", 31000));
+        assert_eq!(classify(&obs), Some(Reach::Private));
+        // The same mapping seen from another IP: endpoint independent after all.
+        obs.add(seen("10.0.0.2", 4001, "10.0.0.9", 31000));
+        assert_eq!(classify(&obs), Some(Reach::Punchable));
+        // A second peer at the same IP is no second opinion.
+        let mut obs = Observations::default();
+        obs.add(seen("10.0.0.1", 4001, "10.0.0.9", 31000));
+        obs.add(seen("10.0.0.1", 4002, "10.0.0.9", 31001));
+        assert_eq!(classify(&obs), Some(Reach::Private));
+    }
+
+    #[test]
+    fn own_address_is_public_unless_dial_back_failed() {
+        let mut obs = Observations {
+            own_ips: vec![ip("127.0.0.1")],
+            ..Observations::default()
+        };
+        obs.add(seen("127.0.0.1", 4001, "127.0.0.1", 4001));
+        assert_eq!(classify(&obs), Some(Reach::Public));
+        obs.dial_back_failed = true;
+        assert_eq!(classify(&obs), Some(Reach::Punchable));
+    }
+
+    #[test]
+    fn observations_are_bounded_and_replaced() {
+        let mut obs = Observations::default();
+        for i in 0..100u16 {
+            obs.add(seen("10.0.0.1", 1000 + i, "10.0.0.9", 1000 + i));
+        }
+        assert_eq!(obs.seen.len(), MAX_OBSERVATIONS);
+        obs.add(seen("10.0.0.1", 1099, "10.0.0.9", 7));
+        assert_eq!(obs.seen.len(), MAX_OBSERVATIONS);
+        assert_eq!(obs.seen.last().unwrap().port, 7);
+    }
+
+    #[test]
+    fn paths_and_openers() {
+        use Reach::*;
+        let m = [peer(Public), peer(Punchable), peer(Private), peer(Public)];
+        assert_eq!(path(m[0], m[2]), Some(Path::Direct));
+        assert_eq!(path(m[1], m[1]), Some(Path::HolePunch));
+        assert_eq!(path(m[1], m[2]), None);
+        assert_eq!(path(m[2], m[2]), None);
+        let relay = Peer {
+            reach: Private,
+            relay_data: true,
+        };
+        assert_eq!(path(relay, relay), Some(Path::Relay));
+        assert_eq!(path(relay, m[2]), None);
+        // Two public members: the lower index opens.
+        assert_eq!(opener(&m, 3, 0), 0);
+        // A public and a NATed one: the NATed one dials.
+        assert_eq!(opener(&m, 0, 2), 2);
+        assert_eq!(opener(&m, 1, 3), 1);
+        // Two NATed ones: the lower index.
+        assert_eq!(opener(&m, 2, 1), 1);
+    }
+
+    #[test]
+    fn who_may_reduce() {
+        use Reach::*;
+        // Two public, two punchable: everyone.
+        let m = [peer(Public), peer(Public), peer(Punchable), peer(Punchable)];
+        assert_eq!(reducers(&m, &[true; 4], &[true; 4]), vec![true; 4]);
+        // A symmetric NAT among them: only the public ones can be reached by everyone.
+        let m = [peer(Public), peer(Punchable), peer(Private), peer(Public)];
+        assert_eq!(
+            reducers(&m, &[true; 4], &[true; 4]),
+            vec![true, false, false, true]
+        );
+        // Unless the punchable one need not hear from the private one (an aux peer sends nothing).
+        assert_eq!(
+            reducers(&m, &[true; 4], &[true, true, false, true]),
+            vec![true, true, false, true]
+        );
+        // Nobody public and one private: nobody.
+        let m = [peer(Punchable), peer(Private)];
+        assert_eq!(reducers(&m, &[true; 2], &[true; 2]), vec![false, false]);
+    }
+
+    fn any_reach() -> impl Strategy<Value = Reach> {
+        prop_oneof![
+            Just(Reach::Public),
+            Just(Reach::Punchable),
+            Just(Reach::Private)
+        ]
+    }
+
+    proptest! {
+        /// Paths are symmetric, openers agree from both ends, and a reducer can be reached by
+        /// every sender.
+        #[test]
+        fn plans_are_consistent(
+            reach in prop::collection::vec((any_reach(), any::<bool>(), any::<bool>()), 1..8)
+        ) {
+            let m: Vec<Peer> = reach.iter().map(|&(reach, relay_data, _)| Peer { reach, relay_data }).collect();
+            let sends: Vec<bool> = reach.iter().map(|r| r.2).collect();
+            let red = reducers(&m, &vec![true; m.len()], &sends);
+            for a in 0..m.len() {
+                for b in 0..m.len() {
+                    prop_assert_eq!(path(m[a], m[b]), path(m[b], m[a]));
+                    if a != b {
+                        let o = opener(&m, a, b);
+                        prop_assert!(o == a || o == b);
+                        prop_assert_eq!(o, opener(&m, b, a));
+                        // A public member opens only to another public one (a NATed peer
+                        // cannot be dialed; it dials).
+                        if m[o].reach == Reach::Public {
+                            prop_assert_eq!(m[a.max(b) + a.min(b) - o].reach, Reach::Public);
+                        }
+                        if red[a] && sends[b] {
+                            prop_assert!(path(m[a], m[b]).is_some());
+                        }
+                    }
+                }
+            }
+            // A public member that may reduce always can.
+            for i in 0..m.len() {
+                if m[i].reach == Reach::Public {
+                    prop_assert!(red[i]);
+                }
+            }
+        }
+    }
+}
