@@ -19,6 +19,16 @@
 //!
 //! `--host` is the address to listen on (default 127.0.0.1); to average across machines pass
 //! this machine's address, and start the DHT node with `--listen /ip4/0.0.0.0/tcp/4001`.
+//! Behind a home router nothing changes: the peer finds out that it is behind a NAT, reserves a
+//! slot on a relay (a `hivemesh dht` node relays by default), and takes part as a node whose
+//! links to other NATed peers are hole-punched, or as a client when its NAT cannot be punched
+//! through. `--allow-relayed-data` lets its tensor data go through the relay when no direct
+//! connection can be made.
+//!
+//! After every round a second line goes to stderr, for tests and the curious:
+//! `round R: mode=M reach=C links=L contributors=MIN..MAX local_parts=N` (L: how the link to
+//! each member was carried, in member order; MIN..MAX: fewest and most members averaged into
+//! any part we hold; N: parts that kept local values).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -65,9 +75,16 @@ struct Args {
     /// Averaging prefix: only peers with the same prefix (and --size) average together.
     #[arg(long, default_value = "join-example")]
     prefix: String,
-    /// IP address to listen on (libp2p TCP and the TLS data plane).
+    /// IP address to listen on (libp2p TCP and QUIC, and the TLS data plane).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
+    /// Let tensor data go through a relay when no direct connection can be made.
+    #[arg(long)]
+    allow_relayed_data: bool,
+    /// Seconds between the starts of two rounds (a training loop's compute between averaging
+    /// steps); 0: back to back.
+    #[arg(long, default_value_t = 0.0)]
+    interval: f64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -92,6 +109,10 @@ fn main() -> anyhow::Result<()> {
         args.matchmaking_time > 0.0 && args.timeout > 0.0,
         "--matchmaking-time and --timeout must be positive"
     );
+    ensure!(
+        args.interval.is_finite() && args.interval >= 0.0,
+        "--interval must be a non-negative number of seconds"
+    );
     for addr in &args.initial_peers {
         ensure!(
             matches!(addr.iter().last(), Some(Protocol::P2p(_))),
@@ -109,7 +130,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let node = Node::start(
         NodeConfig {
             p2p: P2pConfig {
-                listen: vec![Multiaddr::from(args.host).with(Protocol::Tcp(0))],
+                listen: vec![
+                    Multiaddr::from(args.host).with(Protocol::Tcp(0)),
+                    Multiaddr::from(args.host)
+                        .with(Protocol::Udp(0))
+                        .with(Protocol::QuicV1),
+                ],
                 initial_peers: args.initial_peers.clone(),
                 ..P2pConfig::loopback()
             },
@@ -134,7 +160,30 @@ async fn run(args: Args) -> anyhow::Result<()> {
         mean(&values)
     );
 
+    // One stderr line per change of how others reach us (a relay going away, say).
+    let mut reach = node.dht().p2p().watch_reachability();
+    let watcher = tokio::spawn(async move {
+        let mut last = String::new();
+        loop {
+            let r = reach.borrow_and_update().clone();
+            let mut line = format!(
+                "reachability: {}",
+                r.reach.map_or("unknown", hivemesh::reach::Reach::name)
+            );
+            for a in &r.relayed {
+                line += &format!(" relayed={a}");
+            }
+            if line != last {
+                eprintln!("{line}");
+                last = line;
+            }
+            if reach.changed().await.is_err() {
+                break;
+            }
+        }
+    });
     let mut config = AveragerConfig::new(args.prefix.clone());
+    config.allow_relayed_data = args.allow_relayed_data;
     config.target_group_size = Some(args.group_size);
     config.min_group_size = args.min_group_size;
     config.min_matchmaking_time = Duration::from_secs_f64(args.matchmaking_time);
@@ -146,7 +195,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     )?;
 
     let mut failed = 0;
+    let mut next_start = Instant::now();
     for round in 1..=args.rounds {
+        tokio::time::sleep_until(next_start.into()).await;
+        next_start += Duration::from_secs_f64(args.interval);
         let started = Instant::now();
         let result = averager
             .step(StepOptions {
@@ -162,6 +214,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     "round {round}: group={} mean={m:.4} ({secs:.2} s)",
                     outcome.members.len()
                 );
+                eprintln!("round {round}: {}", detail(&outcome));
             }
             Err(e) => {
                 failed += 1;
@@ -170,6 +223,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     averager.shutdown().await;
+    watcher.abort();
     node.shutdown().await;
     ensure!(
         failed == 0,
@@ -177,6 +231,37 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.rounds
     );
     Ok(())
+}
+
+/// The stderr line about a round: mode, reachability, how each link was carried, and how many
+/// members the parts we hold average.
+fn detail(outcome: &hivemesh::averager::StepOutcome) -> String {
+    let links: Vec<String> = outcome
+        .links
+        .iter()
+        .enumerate()
+        .map(|(i, l)| match l {
+            _ if i == outcome.me => "self".to_owned(),
+            Some(kind) => kind.to_string(),
+            None => "-".to_owned(),
+        })
+        .collect();
+    let counts: Vec<usize> = outcome
+        .report
+        .spans
+        .iter()
+        .flat_map(|s| &s.segments)
+        .map(|seg| seg.contributors.as_ref().map_or(0, |c| c.len()))
+        .collect();
+    format!(
+        "mode={} reach={} links={} contributors={}..{} local_parts={}",
+        outcome.mode,
+        outcome.reach,
+        links.join(","),
+        counts.iter().min().copied().unwrap_or(0),
+        counts.iter().max().copied().unwrap_or(0),
+        outcome.report.local_parts().count()
+    )
 }
 
 fn mean(values: &[f32]) -> f64 {

@@ -874,6 +874,16 @@ impl Actor {
                 relay_data: m.info.relay_data,
                 sends: r.mode.is_sender(),
                 reduces: r.fraction > 0.0 && r.mode != Mode::Client,
+                relay_addrs: m
+                    .info
+                    .addrs
+                    .iter()
+                    .filter_map(|a| a.parse::<libp2p::Multiaddr>().ok())
+                    .filter(|a| {
+                        a.iter()
+                            .any(|p| p == libp2p::multiaddr::Protocol::P2pCircuit)
+                    })
+                    .collect(),
             })
             .collect();
         let expectation = self

@@ -177,7 +177,7 @@ impl std::fmt::Display for LinkKind {
 }
 
 /// A group member as the link layer needs it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LinkPeer {
     /// Its libp2p identity (the swarm must be able to reach it: connected, or its addresses
     /// known to Kademlia or given with [`crate::p2p::P2p::add_peer_addresses`]).
@@ -192,6 +192,9 @@ pub struct LinkPeer {
     pub sends: bool,
     /// It reduces a part of the round (a positive fraction).
     pub reduces: bool,
+    /// Its relay circuit addresses (`.../p2p-circuit/p2p/<id>`), through which a hole punch to
+    /// it starts.
+    pub relay_addrs: Vec<libp2p::Multiaddr>,
 }
 
 impl LinkPeer {
@@ -204,6 +207,7 @@ impl LinkPeer {
             relay_data: false,
             sends: true,
             reduces: true,
+            relay_addrs: Vec::new(),
         }
     }
 

@@ -508,18 +508,20 @@ impl P2p {
     }
 
     /// Makes sure a direct (not relayed) connection to `peer` exists, within `timeout`: dials it
-    /// if needed (through its relay if that is all we know) and waits for the hole punch that a
-    /// relayed connection starts; a relayed connection whose punch failed is closed and dialed
-    /// anew once. Relayed connections to the peer are closed once a direct one exists, so that
-    /// streams opened afterwards run on the direct one. Returns the direct connection's path.
+    /// if needed, through `via` (its relay circuit addresses) when given, else by peer id, and
+    /// waits for the hole punch that a relayed connection starts; a relayed connection whose
+    /// punch failed is closed and dialed anew once. Relayed connections to the peer are closed
+    /// once a direct one exists, so that streams opened afterwards run on the direct one.
+    /// Returns the direct connection's path.
     pub async fn connect_direct(
         &self,
         peer: PeerId,
+        via: Vec<Multiaddr>,
         timeout: Duration,
     ) -> Result<ConnPath, P2pError> {
         tokio::time::timeout(
             timeout,
-            self.call_untimed(|reply| swarm::Command::ConnectDirect { peer, reply }),
+            self.call_untimed(|reply| swarm::Command::ConnectDirect { peer, via, reply }),
         )
         .await
         .map_err(|_| P2pError::NoDirectConnection {

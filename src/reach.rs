@@ -22,9 +22,11 @@
 //! Every peer tells us, in identify, the address it sees our connection coming from. For the
 //! connections we dial from our listening port (libp2p dials with port reuse):
 //!
-//! * an observed IP that is one of our own: no NAT in between. Public, unless a dial-back test
-//!   (AutoNAT) failed: then a firewall drops unsolicited connections, which a hole punch passes
-//!   (Punchable);
+//! * an observed IP that is one of our own: no NAT in between. Public, unless dial-back tests
+//!   (AutoNAT) of our own addresses failed at least [`FIREWALL_FAILURES`] times and none
+//!   worked: then a firewall drops unsolicited connections, which a hole punch passes
+//!   (Punchable). One failure could be a server's glitch, and AutoNAT never tests an address
+//!   twice;
 //! * another IP: a NAT. If every peer sees the same external port, the mapping is endpoint
 //!   independent: Punchable once two peers at different IPs agree, or at once when the port is
 //!   our own (the NAT kept it: port-preserving routers map endpoint-independently). Different
@@ -146,9 +148,13 @@ pub struct Observations {
     pub seen: Vec<Seen>,
     /// A dial-back test reached us at some address.
     pub confirmed: bool,
-    /// A dial-back test failed at an address the peers observed.
-    pub dial_back_failed: bool,
+    /// Dial-back tests that failed at one of our own addresses.
+    pub dial_back_failures: u32,
 }
+
+/// Failed dial-backs of our own addresses (and none that worked) that make a node without a
+/// NAT count as firewalled ([`Reach::Punchable`]).
+pub const FIREWALL_FAILURES: u32 = 2;
 
 /// One observation of our address by a remote peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,7 +195,7 @@ pub fn classify(obs: &Observations) -> Option<Reach> {
         return None;
     }
     if obs.seen.iter().any(|s| obs.own_ips.contains(&s.ip)) {
-        return Some(if obs.dial_back_failed {
+        return Some(if obs.dial_back_failures >= FIREWALL_FAILURES {
             Reach::Punchable
         } else {
             Reach::Public
@@ -286,8 +292,16 @@ mod tests {
         };
         obs.add(seen("127.0.0.1", 4001, "127.0.0.1", 4001));
         assert_eq!(classify(&obs), Some(Reach::Public));
-        obs.dial_back_failed = true;
+        obs.dial_back_failures = 1;
+        assert_eq!(
+            classify(&obs),
+            Some(Reach::Public),
+            "one failure may be a glitch"
+        );
+        obs.dial_back_failures = FIREWALL_FAILURES;
         assert_eq!(classify(&obs), Some(Reach::Punchable));
+        obs.confirmed = true;
+        assert_eq!(classify(&obs), Some(Reach::Public));
     }
 
     #[test]

@@ -620,7 +620,10 @@ async fn outsider_garbage(outsider: &Node, members: &[LinkPeer], group: &[u8], r
     let o = &outsider.p2p;
     let h = &members[1..];
     // Streams: random bytes, a 4 GiB length prefix: dropped.
-    for (to, bytes) in [(h[0], random_bytes()), (h[1], huge_prefix())] {
+    for (to, bytes) in [
+        (h[0].clone(), random_bytes()),
+        (h[1].clone(), huge_prefix()),
+    ] {
         let mut s = o
             .open_stream(to.peer_id, PART_PROTOCOL, T)
             .await
@@ -800,7 +803,11 @@ async fn registrations_are_checked() {
         Err(HubError::BadMembers(_))
     ));
     assert!(matches!(
-        hub.expect(g(), &[members[0], members[1], members[0]], 0),
+        hub.expect(
+            g(),
+            &[members[0].clone(), members[1].clone(), members[0].clone()],
+            0
+        ),
         Err(HubError::BadMembers(_))
     ));
     let first = hub.expect(g(), &members, 0).expect("register");
@@ -834,7 +841,7 @@ async fn registrations_are_checked() {
     let links = establish_links(
         hub,
         g(),
-        &[members[0], stranger],
+        &[members[0].clone(), stranger],
         0,
         Duration::from_millis(1500),
     )

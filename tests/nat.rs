@@ -375,3 +375,327 @@ fn a_dropped_bed_leaves_no_namespace_or_process() {
         );
     }
 }
+
+/// One `join` process of a NAT scenario, once it exited.
+struct PeerRun {
+    name: String,
+    nated: bool,
+    stdout: Vec<String>,
+    stderr: Vec<String>,
+    transcript: String,
+}
+
+impl PeerRun {
+    /// The stderr detail lines of the rounds (`round R: mode=... links=...`), in order.
+    fn details(&self) -> Vec<&str> {
+        self.stderr
+            .iter()
+            .filter(|l| l.starts_with("round ") && l.contains(" mode="))
+            .map(String::as_str)
+            .collect()
+    }
+
+    /// `key=value` from a detail line.
+    fn field<'a>(line: &'a str, key: &str) -> &'a str {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("no {key}= in {line}"))
+    }
+}
+
+/// Starts `hivemesh dht` on `host` (port 4001, extra flags `extra`) and returns it with the
+/// address it printed.
+fn start_dht(bed: &Testbed, host: &Host, extra: &[&str]) -> (netns::Proc, String) {
+    let listen = format!("/ip4/{}/tcp/4001", host.ip());
+    let mut args = vec!["dht", "--listen", &listen];
+    args.extend_from_slice(extra);
+    let mut dht = bed.spawn(host, &hivemesh(), args);
+    let addr = dht
+        .wait_line(|l| l.contains("/p2p/"), Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("the DHT node prints its address: {e}"));
+    (dht, addr)
+}
+
+/// A peer of a scenario: where it runs, whether it is behind a NAT, whom it joins through.
+struct PeerSpec {
+    host: Host,
+    nated: bool,
+    initial_peer: String,
+}
+
+/// Starts the `join` example for every peer: groups of exactly 4, `rounds` rounds, 10 000
+/// values, 60 s per round, extra flags `extra`.
+fn spawn_joins(
+    bed: &Testbed,
+    join: &std::path::Path,
+    peers: &[PeerSpec],
+    rounds: usize,
+    extra: &[&str],
+) -> Vec<netns::Proc> {
+    let rounds = rounds.to_string();
+    peers
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let ip = p.host.ip().to_string();
+            let seed = (i + 1).to_string();
+            let mut args = vec![
+                "--initial-peer",
+                &p.initial_peer,
+                "--host",
+                &ip,
+                "--group-size",
+                "4",
+                "--min-group-size",
+                "4",
+                "--rounds",
+                &rounds,
+                "--size",
+                "10000",
+                "--timeout",
+                "60",
+                "--seed",
+                &seed,
+            ];
+            args.extend_from_slice(extra);
+            bed.spawn(&p.host, join, args)
+        })
+        .collect()
+}
+
+/// Waits for every peer to exit (bounded by the rounds' timeouts), then fails with every
+/// transcript unless all exited successfully.
+fn collect_runs(procs: &mut [netns::Proc], peers: &[PeerSpec], rounds: usize) -> Vec<PeerRun> {
+    let mut runs = Vec::new();
+    let mut failed = Vec::new();
+    for (p, spec) in procs.iter_mut().zip(peers) {
+        let status = p.wait_with_timeout(Duration::from_secs(60 * rounds as u64 + 60));
+        let name = spec.host.name().to_owned();
+        match status {
+            Ok(s) if s.success() => {}
+            Ok(s) => failed.push(format!("{name}: {s}")),
+            Err(e) => failed.push(format!("{name}: {e}")),
+        }
+        runs.push(PeerRun {
+            name,
+            nated: spec.nated,
+            stdout: p.stdout().to_vec(),
+            stderr: p.stderr().to_vec(),
+            transcript: p.transcript(),
+        });
+    }
+    let all: Vec<&str> = runs.iter().map(|r| r.transcript.as_str()).collect();
+    assert!(failed.is_empty(), "{failed:?}\n{}", all.join("\n"));
+    runs
+}
+
+/// A public bootstrap node (a relay), two public peers and two peers each behind its own home
+/// router with `nat`, all running the two-terminal example in groups of 4 for `rounds` rounds
+/// (extra `join` flags in `extra`). Returns every peer's output once all exited successfully.
+fn four_peers_two_behind_nats(
+    bed: &mut Testbed,
+    join: &std::path::Path,
+    nat: Nat,
+    rounds: usize,
+    extra: &[&str],
+) -> Vec<PeerRun> {
+    let boot = bed.public_host("boot");
+    let (mut dht, addr) = start_dht(bed, &boot, &[]);
+    let peers = [
+        (bed.public_host("pub0"), false),
+        (bed.public_host("pub1"), false),
+        (bed.home("nat0", nat), true),
+        (bed.home("nat1", nat), true),
+    ]
+    .map(|(host, nated)| PeerSpec {
+        host,
+        nated,
+        initial_peer: addr.clone(),
+    });
+    let mut procs = spawn_joins(bed, join, &peers, rounds, extra);
+    let runs = collect_runs(&mut procs, &peers, rounds);
+    dht.interrupt().unwrap();
+    let status = dht.wait_with_timeout(Duration::from_secs(15)).unwrap();
+    assert!(status.success(), "{status}\n{}", dht.transcript());
+    runs
+}
+
+/// Every peer printed `rounds` rounds in a group of 4, every round's parts average all four
+/// members and none kept local values, and all four end on the same mean: the mean of their
+/// starting means.
+fn assert_all_four_averaged(runs: &[PeerRun], rounds: usize) {
+    let mut initial = Vec::new();
+    let mut finals = Vec::new();
+    for run in runs {
+        let t = &run.transcript;
+        assert_eq!(run.stdout.len(), rounds + 1, "{}:\n{t}", run.name);
+        initial.push(mean_of(&run.stdout[0]));
+        for (r, line) in run.stdout[1..].iter().enumerate() {
+            assert!(
+                line.starts_with(&format!("round {}: group=4 mean=", r + 1)),
+                "{}:\n{t}",
+                run.name
+            );
+        }
+        finals.push(mean_of(&run.stdout[rounds]));
+        let details = run.details();
+        assert_eq!(details.len(), rounds, "{}:\n{t}", run.name);
+        assert!(
+            !run.stderr.iter().any(|l| l.contains("panicked")),
+            "{}:\n{t}",
+            run.name
+        );
+        for d in details {
+            assert_eq!(
+                PeerRun::field(d, "contributors"),
+                "4..4",
+                "{}: {d}",
+                run.name
+            );
+            assert_eq!(PeerRun::field(d, "local_parts"), "0", "{}: {d}", run.name);
+        }
+    }
+    let global = initial.iter().sum::<f64>() / initial.len() as f64;
+    for m in &finals {
+        assert!(
+            (m - global).abs() < 2e-4,
+            "final means {finals:?}, mean of all {global}"
+        );
+    }
+}
+
+/// Two peers behind port-preserving NATs that drop unsolicited inbound connections: they find
+/// out they are punchable, reserve a slot on the bootstrap relay, and reduce like anyone; their
+/// link to each other is hole-punched, not relayed; their links to the public peers are direct
+/// TLS, opened by them.
+#[test]
+fn peers_behind_port_preserving_nats_reduce_over_hole_punched_links() {
+    let Some(join) = example("join") else {
+        return;
+    };
+    let Some(mut bed) = Testbed::new("nat-cone") else {
+        return;
+    };
+    let runs = four_peers_two_behind_nats(&mut bed, &join, Nat::PortPreserving, 3, &[]);
+    for run in &runs {
+        eprintln!("--- {}\n{}", run.name, run.transcript);
+    }
+    assert_all_four_averaged(&runs, 3);
+    for run in &runs {
+        for d in run.details() {
+            assert_eq!(PeerRun::field(d, "mode"), "node", "{}: {d}", run.name);
+            let reach = if run.nated { "punchable" } else { "public" };
+            assert_eq!(PeerRun::field(d, "reach"), reach, "{}: {d}", run.name);
+            let links = PeerRun::field(d, "links");
+            assert!(
+                !links.contains("relayed") && !links.contains('-'),
+                "{}: {d}",
+                run.name
+            );
+            if run.nated {
+                assert!(links.contains("punched/"), "{}: {d}", run.name);
+            }
+        }
+    }
+}
+
+/// Two peers behind symmetric NATs (a new public port per connection: hole punching cannot
+/// work): they find out that nobody can dial them and take part as clients, without being
+/// told; the public peers reduce everything, every round averages all four.
+#[test]
+fn peers_behind_symmetric_nats_average_as_clients() {
+    let Some(join) = example("join") else {
+        return;
+    };
+    let Some(mut bed) = Testbed::new("nat-sym") else {
+        return;
+    };
+    let runs = four_peers_two_behind_nats(&mut bed, &join, Nat::Symmetric, 3, &[]);
+    for run in &runs {
+        eprintln!("--- {}\n{}", run.name, run.transcript);
+    }
+    assert_all_four_averaged(&runs, 3);
+    for run in &runs {
+        for d in run.details() {
+            let (mode, reach) = if run.nated {
+                ("client", "private")
+            } else {
+                ("node", "public")
+            };
+            assert_eq!(PeerRun::field(d, "mode"), mode, "{}: {d}", run.name);
+            assert_eq!(PeerRun::field(d, "reach"), reach, "{}: {d}", run.name);
+            let links: Vec<&str> = PeerRun::field(d, "links").split(',').collect();
+            assert!(!links.contains(&"relayed"), "{}: {d}", run.name);
+            // Clients link to the two public reducers only; public peers to everyone.
+            let linked = links.iter().filter(|l| **l == "tls").count();
+            assert_eq!(linked, if run.nated { 2 } else { 3 }, "{}: {d}", run.name);
+        }
+    }
+}
+
+/// The relay a NATed peer reserved a slot on goes away mid-run: the peer reserves a slot on
+/// another relay it meets (a second `hivemesh dht` node), and the rounds go on with everyone.
+#[test]
+fn a_nated_peer_whose_relay_goes_away_reserves_another_and_rounds_go_on() {
+    let Some(join) = example("join") else {
+        return;
+    };
+    let Some(mut bed) = Testbed::new("nat-relay") else {
+        return;
+    };
+    const ROUNDS: usize = 6;
+    let boot_host = bed.public_host("boot");
+    let r1_host = bed.public_host("relay1");
+    let r2_host = bed.public_host("relay2");
+    // The bootstrap relays nothing: the NATed peers join through relay 1 and reserve there.
+    let (mut boot, boot_addr) = start_dht(&bed, &boot_host, &["--no-relay"]);
+    let (mut r1, r1_addr) = start_dht(&bed, &r1_host, &["--initial-peer", &boot_addr]);
+    let (mut r2, r2_addr) = start_dht(&bed, &r2_host, &["--initial-peer", &boot_addr]);
+    let relay_id = |addr: &str| addr.rsplit('/').next().unwrap().to_owned();
+    let (r1_id, r2_id) = (relay_id(&r1_addr), relay_id(&r2_addr));
+    let peers = [
+        (bed.public_host("pub0"), false, &boot_addr),
+        (bed.public_host("pub1"), false, &boot_addr),
+        (bed.home("nat0", Nat::PortPreserving), true, &r1_addr),
+        (bed.home("nat1", Nat::PortPreserving), true, &r1_addr),
+    ]
+    .map(|(host, nated, initial)| PeerSpec {
+        host,
+        nated,
+        initial_peer: initial.clone(),
+    });
+    // Two seconds between rounds, so that relay 1 goes away between rounds 2 and 3.
+    let mut procs = spawn_joins(&bed, &join, &peers, ROUNDS, &["--interval", "2"]);
+    // Both NATed peers have averaged twice (through relay 1, checked below): take it away.
+    for p in &mut procs[2..] {
+        p.wait_line(|l| l.starts_with("round 2: "), Duration::from_secs(150))
+            .unwrap_or_else(|e| panic!("two rounds: {e}\n{}", p.transcript()));
+    }
+    r1.kill().unwrap();
+    let runs = collect_runs(&mut procs, &peers, ROUNDS);
+    assert_all_four_averaged(&runs, ROUNDS);
+    for run in runs.iter().filter(|r| r.nated) {
+        // Reachable through relay 1 first, through relay 2 after it went away.
+        let relayed: Vec<&String> = run
+            .stderr
+            .iter()
+            .filter(|l| l.starts_with("reachability: punchable relayed="))
+            .collect();
+        let t = &run.transcript;
+        assert!(
+            relayed.first().is_some_and(|l| l.contains(&r1_id)),
+            "{}:\n{t}",
+            run.name
+        );
+        assert!(
+            relayed.last().is_some_and(|l| l.contains(&r2_id)),
+            "{}:\n{t}",
+            run.name
+        );
+    }
+    for dht in [&mut boot, &mut r2] {
+        dht.interrupt().unwrap();
+        let status = dht.wait_with_timeout(Duration::from_secs(15)).unwrap();
+        assert!(status.success(), "{status}\n{}", dht.transcript());
+    }
+}

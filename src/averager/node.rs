@@ -1,16 +1,24 @@
 //! A hivemesh node: the libp2p swarm with its DHT, plus the link hub that accepts round links
-//! (TLS data plane and `/hivemesh/part/1` streams). Averagers run on a node.
+//! (TLS data plane and `/hivemesh/part/1` streams), and its part in the relay directory
+//! ([`crate::dht::RelayDirectory`]). Averagers run on a node.
+//!
+//! [`Node::start`] returns once the node knows how others reach it (bounded by
+//! [`NodeConfig::reachability_wait`]): with initial peers, the first peer's identify answer says
+//! where our connection came from ([`crate::reach`]); a node behind a NAT then also waits for
+//! a relay reservation, so that its first step can already be joined through the relay.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use libp2p::Multiaddr;
 use libp2p::identity::Keypair;
 use tokio::task::JoinHandle;
 
-use crate::dht::Dht;
+use crate::dht::{Dht, RelayDirectory};
 use crate::links::{DataPlane, HubConfig, LinkHub};
-use crate::p2p::P2pConfig;
+use crate::p2p::{P2pConfig, Reachability};
+use crate::reach::Reach;
 use crate::transport::DataIdentity;
 
 /// What a node runs.
@@ -23,6 +31,9 @@ pub struct NodeConfig {
     pub data_listen: Option<SocketAddr>,
     /// The link hub.
     pub hub: HubConfig,
+    /// How long [`Node::start`] waits to learn the node's reachability (and, behind a NAT,
+    /// for a relay reservation).
+    pub reachability_wait: Duration,
 }
 
 impl NodeConfig {
@@ -32,6 +43,7 @@ impl NodeConfig {
             p2p: P2pConfig::loopback(),
             data_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             hub: HubConfig::default(),
+            reachability_wait: Duration::from_secs(5),
         }
     }
 
@@ -71,6 +83,7 @@ pub enum NodeError {
 pub struct Node {
     dht: Dht,
     hub: Arc<LinkHub>,
+    relays: RelayDirectory,
     swarm: JoinHandle<()>,
 }
 
@@ -84,13 +97,36 @@ impl Node {
             }),
             None => None,
         };
+        let bootstrapped = !config.p2p.initial_peers.is_empty();
+        let nat = config.p2p.nat.clone();
         let (dht, swarm) = Dht::start(config.p2p, keypair).await?;
         let hub = LinkHub::start(dht.p2p().clone(), data_plane, config.hub).await?;
+        let relays = RelayDirectory::start(dht.clone(), nat.relay_server.is_some());
+        let p2p = dht.p2p();
+        if bootstrapped && nat.assume.is_none() {
+            let wait = config.reachability_wait;
+            let r = p2p.wait_reachability(wait, |r| r.reach.is_some()).await;
+            if r.class() != Reach::Public && nat.relay_reservations > 0 {
+                p2p.wait_reachability(wait, |r| !r.relayed.is_empty()).await;
+            }
+        }
+        let r = p2p.reachability();
+        tracing::info!(
+            reach = r.reach.map_or("unknown", Reach::name),
+            relayed = ?r.relayed,
+            "node started"
+        );
         Ok(Self {
             dht,
             hub: Arc::new(hub),
+            relays,
             swarm,
         })
+    }
+
+    /// How others can reach this node, as far as it knows now.
+    pub fn reachability(&self) -> Reachability {
+        self.dht.p2p().reachability()
     }
 
     /// The node's DHT (and, through it, its p2p handle).
@@ -118,7 +154,13 @@ impl Node {
     /// Stops the hub and the swarm, in that order, and waits for the swarm task. Averagers
     /// on this node must be shut down first.
     pub async fn shutdown(self) {
-        let Self { dht, hub, swarm } = self;
+        let Self {
+            dht,
+            hub,
+            relays,
+            swarm,
+        } = self;
+        relays.shutdown().await;
         if let Ok(hub) = Arc::try_unwrap(hub) {
             hub.shutdown().await;
         }

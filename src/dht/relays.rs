@@ -3,8 +3,10 @@
 //! directly: every peer speaking the relay protocol is a candidate, see `crate::p2p`).
 //!
 //! Key [`RELAYS_KEY`], subkey = the relay's own owner subkey (signed: nobody announces a relay
-//! for someone else), value = its address list ([`super::encode_addrs`]), expiration
-//! [`ANNOUNCE_TTL`] ahead, re-written every [`ANNOUNCE_EVERY`] while the relay is public. A
+//! for someone else), value = its address list ([`super::encode_addrs`]: the addresses that
+//! dial-backs confirmed), expiration [`ANNOUNCE_TTL`] ahead, re-written every
+//! [`ANNOUNCE_EVERY`] once a dial-back confirmed an address (libp2p's relay server refuses
+//! reservations until it knows an external address of its own). A
 //! reader takes every live entry, skips malformed ones and its own, and hands the addresses
 //! (with `/p2p/<relay>`) to the p2p layer as relay candidates.
 
@@ -82,14 +84,11 @@ async fn run(dht: Dht, serves_relay: bool) {
     loop {
         let now = tokio::time::Instant::now();
         let r = reach.borrow_and_update().clone();
-        if serves_relay && r.class() == Reach::Public && now >= next_announce {
-            let addrs = if r.confirmed.is_empty() {
-                p2p.listen_addrs().await.unwrap_or_default()
-            } else {
-                r.confirmed.clone()
-            };
+        // Announced once a dial-back confirmed an address: a relay refuses reservations until
+        // it knows an external address of its own.
+        if serves_relay && !r.confirmed.is_empty() && now >= next_announce {
             let mut value = Vec::new();
-            encode_addrs(&addrs, &mut value);
+            encode_addrs(&r.confirmed, &mut value);
             let expiration = DhtTime::now().saturating_add(ANNOUNCE_TTL);
             if let Err(error) = dht
                 .store(RELAYS_KEY, Some(&dht.own_subkey()), &value, expiration)

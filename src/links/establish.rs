@@ -171,7 +171,11 @@ async fn open_link(
             .config
             .punch_timeout
             .min(deadline.saturating_duration_since(Instant::now()));
-        match shared.p2p.connect_direct(peer.peer_id, punch).await {
+        match shared
+            .p2p
+            .connect_direct(peer.peer_id, peer.relay_addrs.clone(), punch)
+            .await
+        {
             Ok(conn) => {
                 tracing::debug!(peer = %peer.peer_id, ?conn, "direct connection for the link");
             }

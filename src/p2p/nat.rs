@@ -31,8 +31,8 @@ const HOP_PROTOCOL: &str = "/libp2p/circuit/relay/0.2.0/hop";
 pub(super) const MAX_RELAY_CANDIDATES: usize = 64;
 /// Observed and confirmed addresses kept for [`Reachability`].
 const MAX_ADDRS: usize = 16;
-/// Pause before a relay that failed us is tried again; doubles per failure up to 32×.
-const RELAY_BACKOFF: Duration = Duration::from_secs(5);
+/// Pause before a relay that failed us is tried again; doubles per failure up to 64×.
+const RELAY_BACKOFF: Duration = Duration::from_secs(1);
 
 /// libp2p's relay server configuration for our limits (see [`RelayLimits`]).
 pub(super) fn relay_config(limits: &RelayLimits) -> relay::Config {
@@ -125,6 +125,22 @@ struct Candidate {
     failures: u32,
 }
 
+/// Handles waiting for a direct connection to one peer ([`EventLoop::connect_direct`]).
+struct DirectWait {
+    waiters: Vec<oneshot::Sender<Result<ConnPath, P2pError>>>,
+    /// Where to dial the peer through its relay (empty: by peer id).
+    via: Vec<Multiaddr>,
+    /// Fresh relayed connections (fresh punches) left to try after a failed punch.
+    retries: u8,
+}
+
+/// How long a relayed connection's hole punch may still be under way: a new one is not dialed
+/// while an earlier one may succeed (two punches at once between the same ports collide, and
+/// each side's dial then waits for the transport's timeout).
+const PUNCH_WINDOW: Duration = Duration::from_secs(8);
+/// Fresh punches [`EventLoop::connect_direct`] tries after a failed one.
+const PUNCH_RETRIES: u8 = 1;
+
 /// A reservation (pending or accepted) on one relay.
 struct Reservation {
     relay: PeerId,
@@ -145,7 +161,9 @@ pub(super) struct Nat {
     punched_early: HashSet<ConnectionId>,
     candidates: Vec<Candidate>,
     reservations: HashMap<ListenerId, Reservation>,
-    direct_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<ConnPath, P2pError>>>>,
+    direct_waiters: HashMap<PeerId, DirectWait>,
+    /// Peers with a relayed connection whose hole punch has not reported yet, and since when.
+    punching: HashMap<PeerId, Instant>,
     reach_tx: watch::Sender<Reachability>,
     stats_tx: watch::Sender<NatStats>,
 }
@@ -168,6 +186,7 @@ impl Nat {
             candidates: Vec::new(),
             reservations: HashMap::new(),
             direct_waiters: HashMap::new(),
+            punching: HashMap::new(),
             reach_tx: watch::Sender::new(reach),
             stats_tx: watch::Sender::new(NatStats::default()),
         }
@@ -268,14 +287,23 @@ impl Nat {
 
     /// Answers and clears the waiters for a direct connection to `peer`.
     fn answer_direct(&mut self, peer: &PeerId, result: Result<ConnPath, P2pError>) {
-        for w in self.direct_waiters.remove(peer).unwrap_or_default() {
-            let _ = w.send(result.clone());
+        if let Some(wait) = self.direct_waiters.remove(peer) {
+            for w in wait.waiters {
+                let _ = w.send(result.clone());
+            }
         }
     }
 
+    /// Whether a hole punch with `peer` may still be under way.
+    fn punch_under_way(&self, peer: &PeerId) -> bool {
+        self.punching
+            .get(peer)
+            .is_some_and(|since| since.elapsed() < PUNCH_WINDOW)
+    }
+
     pub(super) fn shutdown(&mut self) {
-        for (_, waiters) in self.direct_waiters.drain() {
-            for w in waiters {
+        for (_, wait) in self.direct_waiters.drain() {
+            for w in wait.waiters {
                 let _ = w.send(Err(P2pError::Shutdown));
             }
         }
@@ -329,7 +357,7 @@ impl EventLoop {
                 return;
             };
             // Tried again only after a backoff, whatever happens to this attempt.
-            c.next_try = now + RELAY_BACKOFF * 2u32.pow(c.failures.min(5));
+            c.next_try = now + RELAY_BACKOFF * 2u32.pow(c.failures.min(6));
             let addr = c.addr.clone().with(Protocol::P2pCircuit);
             let relay = c.peer;
             match self.swarm.listen_on(addr.clone()) {
@@ -416,15 +444,63 @@ impl EventLoop {
                 outbound: endpoint.is_dialer(),
             },
         );
-        if !relayed && self.nat.direct_waiters.contains_key(&peer) {
+        if relayed {
+            self.one_relayed_connection(peer);
+            // DCUtR starts on every relayed connection (the side it reaches begins).
+            self.nat.punching.entry(peer).or_insert_with(Instant::now);
+        } else if self.nat.direct_waiters.contains_key(&peer) {
             self.close_relayed(&peer);
             self.nat.answer_direct(&peer, Ok(path));
         }
     }
 
-    pub(super) fn on_connection_closed(&mut self, _peer: PeerId, id: ConnectionId) {
+    pub(super) fn on_connection_closed(&mut self, peer: PeerId, id: ConnectionId) {
         self.nat.conns.remove(&id);
         self.nat.punched_early.remove(&id);
+        if !self
+            .nat
+            .conns
+            .values()
+            .any(|c| c.peer == peer && c.path.relayed)
+        {
+            self.nat.punching.remove(&peer);
+        }
+    }
+
+    /// Keeps at most one relayed connection to `peer`. DCUtR starts a hole punch on every
+    /// relayed connection, and two punches between the same pair at once collide (both use
+    /// the same ports, and the connection that forms pairs two sessions whose roles disagree:
+    /// its handshake stalls until the transport's timeout). Two relayed connections appear
+    /// when both peers dial each other at once; both sides then keep the one the smaller peer
+    /// id dialed (the older one if that dialed both), so they agree without talking, and close
+    /// the others at once, before their punches begin (DCUtR first measures a round trip
+    /// through the relay).
+    fn one_relayed_connection(&mut self, peer: PeerId) {
+        let me = *self.swarm.local_peer_id();
+        let smaller_dials_out = me < peer;
+        let relayed: Vec<(ConnectionId, bool)> = self
+            .nat
+            .conns
+            .iter()
+            .filter(|(_, c)| c.peer == peer && c.path.relayed)
+            .map(|(id, c)| (*id, c.outbound))
+            .collect();
+        if relayed.len() < 2 {
+            return;
+        }
+        // Connection ids grow with time: the smallest is the oldest.
+        let keep = relayed
+            .iter()
+            .filter(|(_, outbound)| *outbound == smaller_dials_out)
+            .map(|(id, _)| *id)
+            .min()
+            .or_else(|| relayed.iter().map(|(id, _)| *id).min());
+        for (id, _) in relayed {
+            if Some(id) != keep {
+                tracing::debug!(%peer, "closing a second relayed connection");
+                self.swarm.close_connection(id);
+            }
+        }
     }
 
     /// Closes every relayed connection to `peer`.
@@ -445,6 +521,7 @@ impl EventLoop {
     pub(super) fn connect_direct(
         &mut self,
         peer: PeerId,
+        via: Vec<Multiaddr>,
         reply: oneshot::Sender<Result<ConnPath, P2pError>>,
     ) {
         if let Some(path) = self.nat.direct_path(&peer) {
@@ -452,34 +529,63 @@ impl EventLoop {
             let _ = reply.send(Ok(path));
             return;
         }
-        let waiters = self.nat.direct_waiters.entry(peer).or_default();
-        waiters.retain(|w| !w.is_closed());
-        let first = waiters.is_empty();
-        waiters.push(reply);
-        if !first {
-            return; // a dial for this peer is under way
+        let wait = self
+            .nat
+            .direct_waiters
+            .entry(peer)
+            .or_insert_with(|| DirectWait {
+                waiters: Vec::new(),
+                via: Vec::new(),
+                retries: PUNCH_RETRIES,
+            });
+        wait.waiters.retain(|w| !w.is_closed());
+        let first = wait.waiters.is_empty();
+        wait.waiters.push(reply);
+        if !via.is_empty() {
+            wait.via = via;
         }
-        let relayed = self.nat.conns.values().any(|c| c.peer == peer);
-        if relayed {
-            // Its punch is over (or never started): a new relayed connection punches anew.
-            self.close_relayed(&peer);
-            let opts = DialOpts::peer_id(peer)
-                .condition(PeerCondition::Always)
-                .build();
-            if let Err(error) = self.swarm.dial(opts) {
-                self.nat.answer_direct(
-                    &peer,
-                    Err(P2pError::NoDirectConnection {
-                        peer,
-                        detail: error.to_string(),
-                    }),
-                );
-            }
-        } else {
-            // Not connected: the usual dial (routing table, DHT lookup); a dial failure for
-            // this peer fails the waiters (`on_dial_failed`).
+        if !first || self.nat.punch_under_way(&peer) {
+            // A dial or a punch for this peer is under way: its outcome answers us.
+            return;
+        }
+        self.punch_anew(peer);
+    }
+
+    /// Starts a fresh hole punch with `peer`: closes relayed connections whose punch is over,
+    /// and dials the peer through its relay (the addresses its waiters gave), or by peer id.
+    /// Only through the relay addresses: dialing the peer's other addresses (private ones, or
+    /// its NAT's, which drops the dial) only waits.
+    fn punch_anew(&mut self, peer: PeerId) {
+        let via = self
+            .nat
+            .direct_waiters
+            .get(&peer)
+            .map(|w| w.via.clone())
+            .unwrap_or_default();
+        let connected = self.nat.conns.values().any(|c| c.peer == peer);
+        if !connected && via.is_empty() {
+            // Not connected and no relay known: the usual dial (routing table, DHT lookup); a
+            // dial failure for this peer fails the waiters (`on_dial_failed`).
             let (tx, _rx) = oneshot::channel();
             self.connect(peer, tx);
+            return;
+        }
+        self.close_relayed(&peer);
+        self.nat.punching.remove(&peer);
+        let opts = DialOpts::peer_id(peer).condition(PeerCondition::Always);
+        let opts = if via.is_empty() {
+            opts.build()
+        } else {
+            opts.addresses(via).build()
+        };
+        if let Err(error) = self.swarm.dial(opts) {
+            self.nat.answer_direct(
+                &peer,
+                Err(P2pError::NoDirectConnection {
+                    peer,
+                    detail: error.to_string(),
+                }),
+            );
         }
     }
 
@@ -577,8 +683,12 @@ impl EventLoop {
             }
             Err(error) => {
                 tracing::debug!(addr = %event.tested_addr, server = %event.server, %error, "dial-back failed");
-                if !is_relayed(&event.tested_addr) {
-                    self.nat.obs.dial_back_failed = true;
+                // Only a failure at one of our own addresses says something (a firewall);
+                // candidates at other addresses are what a NAT mapped, or junk.
+                if ip_of(&event.tested_addr).is_some_and(|ip| self.nat.obs.own_ips.contains(&ip))
+                    && !is_relayed(&event.tested_addr)
+                {
+                    self.nat.obs.dial_back_failures += 1;
                     self.reclassify();
                 }
             }
@@ -606,6 +716,7 @@ impl EventLoop {
         match event.result {
             Ok(id) => {
                 self.nat.bump(|s| &mut s.punch_ok);
+                self.nat.punching.remove(&peer);
                 match self.nat.conns.get_mut(&id) {
                     Some(c) => c.path.punched = true,
                     None => {
@@ -622,8 +733,22 @@ impl EventLoop {
             }
             Err(error) => {
                 self.nat.bump(|s| &mut s.punch_failed);
+                self.nat.punching.remove(&peer);
                 tracing::info!(%peer, %error, "hole punch failed");
-                if self.nat.direct_path(&peer).is_none() {
+                if self.nat.direct_path(&peer).is_some() {
+                    return;
+                }
+                let retry = match self.nat.direct_waiters.get_mut(&peer) {
+                    Some(wait) if wait.retries > 0 => {
+                        wait.retries -= 1;
+                        true
+                    }
+                    _ => false,
+                };
+                if retry {
+                    tracing::debug!(%peer, "punching again through a fresh relayed connection");
+                    self.punch_anew(peer);
+                } else {
                     self.nat.answer_direct(
                         &peer,
                         Err(P2pError::NoDirectConnection {

@@ -83,6 +83,7 @@ pub(super) enum Command {
     },
     ConnectDirect {
         peer: PeerId,
+        via: Vec<Multiaddr>,
         reply: oneshot::Sender<Result<ConnPath, P2pError>>,
     },
     AddRelayCandidates {
@@ -139,6 +140,7 @@ impl EventLoop {
         let request_timeout = config.request_timeout;
         let client_mode = config.client_mode;
         let nat = config.nat.clone();
+        let bootstrapping = !initial_peers.is_empty();
         let mut swarm = libp2p::SwarmBuilder::with_existing_identity(keypair)
             .with_tokio()
             .with_tcp(
@@ -170,10 +172,20 @@ impl EventLoop {
                     },
                 );
                 let mut kad = kad::Behaviour::with_config(peer_id, store, kcfg);
-                kad.set_mode(Some(if client_mode {
-                    kad::Mode::Client
-                } else {
+                // Server only where others can dial us. A node joining through initial peers
+                // starts as a client and becomes a server once it knows it is public (its first
+                // identify answer): a NATed node must never land in routing tables with its
+                // private addresses, where every lookup would stall on dialing them. A lone
+                // node (the first bootstrap) can only assume it is public.
+                let server = !client_mode
+                    && match nat.assume {
+                        Some(reach) => reach == crate::reach::Reach::Public,
+                        None => !bootstrapping,
+                    };
+                kad.set_mode(Some(if server {
                     kad::Mode::Server
+                } else {
+                    kad::Mode::Client
                 }));
                 let relay_server = nat
                     .relay_server
@@ -367,7 +379,7 @@ impl EventLoop {
             Command::ConnectionPaths { peer, reply } => {
                 let _ = reply.send(self.nat.paths(&peer));
             }
-            Command::ConnectDirect { peer, reply } => self.connect_direct(peer, reply),
+            Command::ConnectDirect { peer, via, reply } => self.connect_direct(peer, via, reply),
             Command::AddRelayCandidates { addrs, reply } => {
                 self.nat.add_relay_candidates(addrs);
                 let _ = reply.send(());

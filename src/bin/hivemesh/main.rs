@@ -73,6 +73,10 @@ struct DhtArgs {
     /// Run the DHT in client mode (for peers that cannot accept connections).
     #[arg(long)]
     client: bool,
+    /// Do not serve as a relay for peers behind NATs (by default a DHT node relays, with limits
+    /// of 1 GiB and 30 minutes per circuit).
+    #[arg(long)]
+    no_relay: bool,
 }
 
 /// A fault injected into one peer: `KIND@PEER`.
@@ -199,8 +203,8 @@ impl StopSignal {
 }
 
 fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
-    use hivemesh::dht::Dht;
-    use hivemesh::p2p::{P2pConfig, load_or_create_identity};
+    use hivemesh::dht::{Dht, RelayDirectory};
+    use hivemesh::p2p::{P2pConfig, RelayLimits, load_or_create_identity};
 
     let keypair = match &args.identity {
         Some(path) => load_or_create_identity(path)?,
@@ -211,6 +215,8 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
         client_mode: args.client,
         ..P2pConfig::default()
     };
+    let relay = !args.no_relay;
+    config.nat.relay_server = relay.then(RelayLimits::default);
     if !args.listen.is_empty() {
         config.listen = args.listen;
     }
@@ -226,9 +232,29 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
         for addr in dht.p2p().listen_addrs().await? {
             println!("{addr}");
         }
-        eprintln!("dht peer {} running; Ctrl-C to stop", dht.p2p().peer_id());
-        stop.wait().await;
+        eprintln!(
+            "dht peer {} running{}; Ctrl-C to stop",
+            dht.p2p().peer_id(),
+            if relay { " as a relay" } else { "" }
+        );
+        let directory = RelayDirectory::start(dht.clone(), relay);
+        let mut reach = dht.p2p().watch_reachability();
+        let report = async {
+            // One line per change of how others reach us.
+            loop {
+                let r = reach.borrow_and_update().clone();
+                eprintln!("{}", describe_reachability(&r));
+                if reach.changed().await.is_err() {
+                    break;
+                }
+            }
+        };
+        tokio::select! {
+            () = stop.wait() => {}
+            () = report => {}
+        }
         eprintln!("shutting down");
+        directory.shutdown().await;
         dht.p2p().clone().shutdown().await?;
         drop(dht);
         tokio::time::timeout(Duration::from_secs(10), task)
@@ -237,6 +263,24 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
             .context("the p2p task failed")?;
         Ok(())
     })
+}
+
+/// `reachability: public (confirmed /ip4/...)`, `reachability: punchable (relayed /ip4/...)`.
+fn describe_reachability(r: &hivemesh::p2p::Reachability) -> String {
+    let mut line = format!(
+        "reachability: {}",
+        r.reach.map_or("unknown", hivemesh::reach::Reach::name)
+    );
+    let mut list = |label: &str, addrs: &[libp2p::Multiaddr]| {
+        if !addrs.is_empty() {
+            let addrs: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+            line += &format!(" {label} {}", addrs.join(" "));
+        }
+    };
+    list("confirmed", &r.confirmed);
+    list("observed", &r.observed);
+    list("relayed", &r.relayed);
+    line
 }
 
 fn run_sim(args: SimArgs) -> anyhow::Result<()> {
