@@ -28,7 +28,8 @@
 //! After every round a second line goes to stderr, for tests and the curious:
 //! `round R: mode=M reach=C links=L contributors=MIN..MAX local_parts=N` (L: how the link to
 //! each member was carried, in member order; MIN..MAX: fewest and most members averaged into
-//! any part we hold; N: parts that kept local values).
+//! any part we hold; N: parts that kept local values). At exit it prints its hole punches and
+//! relay reservations: `nat: punches_ok=.. punches_failed=.. reservations=.. reservations_lost=..`.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
@@ -222,6 +223,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    let nat = node.dht().p2p().nat_stats();
+    eprintln!(
+        "nat: punches_ok={} punches_failed={} reservations={} reservations_lost={}",
+        nat.punch_ok, nat.punch_failed, nat.reservations, nat.reservations_lost
+    );
     averager.shutdown().await;
     watcher.abort();
     node.shutdown().await;
