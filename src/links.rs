@@ -136,6 +136,9 @@ impl std::fmt::Display for Carrier {
 pub enum LinkKind {
     /// A direct TLS connection to the peer's data address.
     Tls,
+    /// TLS over a TCP connection made by a simultaneous open through both NATs
+    /// ([`crate::transport::PunchSocket`], [`HubConfig::punched_tls`]).
+    PunchedTls,
     /// A libp2p stream on a direct connection over this transport.
     Stream(Transport),
     /// A libp2p stream on a connection made by hole punching, over this transport.
@@ -159,7 +162,7 @@ impl LinkKind {
     /// The carrier underneath.
     pub fn carrier(self) -> Carrier {
         match self {
-            Self::Tls => Carrier::Tls,
+            Self::Tls | Self::PunchedTls => Carrier::Tls,
             _ => Carrier::Stream,
         }
     }
@@ -169,6 +172,7 @@ impl std::fmt::Display for LinkKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Tls => f.write_str("tls"),
+            Self::PunchedTls => f.write_str("tls/punched"),
             Self::Stream(t) => write!(f, "stream/{t}"),
             Self::Punched(t) => write!(f, "punched/{t}"),
             Self::Relayed => f.write_str("relayed"),
@@ -293,6 +297,13 @@ pub struct HubConfig {
     pub stream_queue: usize,
     /// Bound on making a direct connection by hole punching, per attempt.
     pub punch_timeout: Duration,
+    /// Between two members behind NATs, carry the round over TLS on a TCP connection made by
+    /// a simultaneous open (coordinated over the hole-punched libp2p connection) rather than
+    /// over a libp2p stream on that connection; if the simultaneous open fails, the stream is
+    /// used. See docs/architecture.md for the measurements behind the default.
+    pub punched_tls: bool,
+    /// Bound on the simultaneous open of a punched TLS link.
+    pub punch_connect_timeout: Duration,
 }
 
 impl Default for HubConfig {
@@ -308,6 +319,8 @@ impl Default for HubConfig {
             max_tls_handshakes: 16,
             stream_queue: 32,
             punch_timeout: Duration::from_secs(10),
+            punched_tls: false,
+            punch_connect_timeout: Duration::from_secs(3),
         }
     }
 }

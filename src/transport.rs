@@ -62,10 +62,12 @@
 //! once). Memory per stream: the receive buffer, the send buffer and one record of
 //! staging (about 2 MiB; a connection still in its handshake holds 33 KiB).
 
+mod punch;
 mod record;
 mod tls;
 
+pub use punch::PunchSocket;
 pub use tls::{
     ALPN, DataIdentity, DataListener, DataStream, Handshake, PeerMismatch, READ_BUFFER, TlsError,
-    connect,
+    connect, connect_over,
 };

@@ -74,6 +74,9 @@ pub enum WireError {
     /// A peer id field does not hold a valid peer id.
     #[error("invalid peer id: {0}")]
     PeerId(String),
+    /// An endpoint is not `ip:port` with a specified IP and a port other than 0.
+    #[error("invalid endpoint {0:?}")]
+    Endpoint(String),
 }
 
 /// A validated frame: which round, and what.
@@ -241,6 +244,16 @@ pub enum LinkMessage {
     Ack,
     /// Acceptor → opener: refused; the acceptor closes the link.
     Reject(Reject),
+    /// Opener → acceptor, instead of a Hello: open a direct TCP connection by a simultaneous
+    /// open, from `endpoint` (the opener's, as its NAT maps it), for a TLS link.
+    Punch {
+        /// The Hello the TLS link will carry.
+        hello: Hello,
+        /// The opener's endpoint.
+        endpoint: std::net::SocketAddr,
+    },
+    /// Acceptor → opener: the acceptor's endpoint for the simultaneous open.
+    PunchAnswer(std::net::SocketAddr),
 }
 
 /// The first frame on a new link.
@@ -309,11 +322,19 @@ impl From<RejectReason> for proto::RejectReason {
 impl From<&LinkMessage> for proto::LinkFrame {
     fn from(m: &LinkMessage) -> Self {
         use proto::link_frame::Body;
+        let hello = |h: &Hello| proto::Hello {
+            group_id: h.group_id.clone(),
+            from_index: h.from_index,
+            from_peer: Bytes::from(h.from_peer.to_bytes()),
+        };
         let body = match m {
-            LinkMessage::Hello(h) => Body::Hello(proto::Hello {
-                group_id: h.group_id.clone(),
-                from_index: h.from_index,
-                from_peer: Bytes::from(h.from_peer.to_bytes()),
+            LinkMessage::Hello(h) => Body::Hello(hello(h)),
+            LinkMessage::Punch { hello: h, endpoint } => Body::Punch(proto::Punch {
+                hello: Some(hello(h)),
+                endpoint: endpoint.to_string(),
+            }),
+            LinkMessage::PunchAnswer(endpoint) => Body::PunchAnswer(proto::PunchAnswer {
+                endpoint: endpoint.to_string(),
             }),
             LinkMessage::Ack => Body::Ack(proto::Ack {}),
             LinkMessage::Reject(r) => {
@@ -336,19 +357,31 @@ impl TryFrom<proto::LinkFrame> for LinkMessage {
 
     fn try_from(f: proto::LinkFrame) -> Result<Self, Self::Error> {
         use proto::link_frame::Body;
-        Ok(match f.body.ok_or(WireError::Missing("body"))? {
-            Body::Hello(h) => {
-                if h.group_id.is_empty() || h.group_id.len() > MAX_GROUP_ID_BYTES {
-                    return Err(WireError::GroupId(h.group_id.len()));
-                }
-                let from_peer = PeerId::from_bytes(&h.from_peer)
-                    .map_err(|e| WireError::PeerId(e.to_string()))?;
-                LinkMessage::Hello(Hello {
-                    group_id: h.group_id,
-                    from_index: h.from_index,
-                    from_peer,
-                })
+        let hello = |h: proto::Hello| -> Result<Hello, WireError> {
+            if h.group_id.is_empty() || h.group_id.len() > MAX_GROUP_ID_BYTES {
+                return Err(WireError::GroupId(h.group_id.len()));
             }
+            let from_peer =
+                PeerId::from_bytes(&h.from_peer).map_err(|e| WireError::PeerId(e.to_string()))?;
+            Ok(Hello {
+                group_id: h.group_id,
+                from_index: h.from_index,
+                from_peer,
+            })
+        };
+        let endpoint = |e: &str| -> Result<std::net::SocketAddr, WireError> {
+            match e.parse::<std::net::SocketAddr>() {
+                Ok(a) if a.port() != 0 && !a.ip().is_unspecified() => Ok(a),
+                _ => Err(WireError::Endpoint(e.chars().take(64).collect())),
+            }
+        };
+        Ok(match f.body.ok_or(WireError::Missing("body"))? {
+            Body::Hello(h) => LinkMessage::Hello(hello(h)?),
+            Body::Punch(p) => LinkMessage::Punch {
+                hello: hello(p.hello.ok_or(WireError::Missing("hello"))?)?,
+                endpoint: endpoint(&p.endpoint)?,
+            },
+            Body::PunchAnswer(a) => LinkMessage::PunchAnswer(endpoint(&a.endpoint)?),
             Body::Ack(proto::Ack {}) => LinkMessage::Ack,
             Body::Reject(r) => {
                 let reason = match proto::RejectReason::try_from(r.reason) {

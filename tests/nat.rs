@@ -699,3 +699,33 @@ fn a_nated_peer_whose_relay_goes_away_reserves_another_and_rounds_go_on() {
         assert!(status.success(), "{status}\n{}", dht.transcript());
     }
 }
+
+/// The same with `--punched-tls`: the NATed pair's link is TLS over a TCP connection that a
+/// simultaneous open made through both NATs, not a stream on the punched libp2p connection.
+#[test]
+fn peers_behind_port_preserving_nats_link_over_punched_tls() {
+    let Some(join) = example("join") else {
+        return;
+    };
+    let Some(mut bed) = Testbed::new("nat-ptls") else {
+        return;
+    };
+    let runs =
+        four_peers_two_behind_nats(&mut bed, &join, Nat::PortPreserving, 3, &["--punched-tls"]);
+    for run in &runs {
+        eprintln!("--- {}\n{}", run.name, run.transcript);
+    }
+    assert_all_four_averaged(&runs, 3);
+    for run in runs.iter().filter(|r| r.nated) {
+        for d in run.details() {
+            let links: Vec<&str> = PeerRun::field(d, "links").split(',').collect();
+            assert!(links.contains(&"tls/punched"), "{}: {d}", run.name);
+            assert_eq!(
+                links.iter().filter(|l| **l == "tls").count(),
+                2,
+                "{}: {d}",
+                run.name
+            );
+        }
+    }
+}

@@ -193,6 +193,20 @@ async fn open_link(
             }
         }
     }
+    if path == Path::HolePunch && shared.config.punched_tls && shared.identity.is_some() {
+        match punched_tls(shared, hello, peer).await {
+            Ok(link) => {
+                tracing::debug!(peer = %peer.peer_id, "punched TLS link opened");
+                return Opened {
+                    result: Ok((link, LinkKind::PunchedTls)),
+                    reopened: 0,
+                };
+            }
+            Err(error) => {
+                tracing::info!(peer = %peer.peer_id, %error, "no punched TLS link: a stream instead");
+            }
+        }
+    }
     let mut opened = open_attempts(shared, hello, peer, deadline, timeout).await;
     if let Ok((_, LinkKind::Relayed)) = &opened.result
         && !relay_ok
@@ -205,6 +219,126 @@ async fn open_link(
         });
     }
     opened
+}
+
+/// Our endpoint for a simultaneous open from local `port`, as our NAT maps it: the IP peers
+/// observe our connections from (IPv4), the port kept (a punchable NAT preserves ports).
+pub(super) fn mapped_endpoint(p2p: &P2p, port: u16) -> Option<std::net::SocketAddr> {
+    let r = p2p.reachability();
+    r.observed.iter().rev().find_map(|a| {
+        a.iter().find_map(|p| match p {
+            libp2p::multiaddr::Protocol::Ip4(ip) => Some(std::net::SocketAddr::from((ip, port))),
+            _ => None,
+        })
+    })
+}
+
+/// The opener's side of a punched TLS link: over a stream on the (hole-punched) connection,
+/// a [`LinkMessage::Punch`] with our endpoint, the acceptor's endpoint back, the simultaneous
+/// open, the TLS client handshake (the server must be the member), then the Hello over TLS.
+/// Everything under `punch_connect_timeout` plus the usual connect and Hello bounds.
+async fn punched_tls(
+    shared: &Shared,
+    hello: &LinkMessage,
+    peer: &LinkPeer,
+) -> Result<Box<dyn Link>, HubError> {
+    let config = &shared.config;
+    let peer_id = peer.peer_id;
+    let failed = |detail: String| HubError::NoPath {
+        peer: peer_id,
+        detail,
+    };
+    let (Some(identity), LinkMessage::Hello(h)) = (&shared.identity, hello) else {
+        return Err(failed("no TLS identity".into()));
+    };
+    let socket = transport::PunchSocket::bind().map_err(|e| failed(e.to_string()))?;
+    let ours = mapped_endpoint(&shared.p2p, socket.port())
+        .ok_or_else(|| failed("no observed address to punch from".into()))?;
+    // The stream may land on a relayed connection that is being closed (the punch just made
+    // the direct one): such an open fails at once, and the next one finds the direct one.
+    let mut opened = Err(HubError::NoPath {
+        peer: peer_id,
+        detail: "no stream".into(),
+    });
+    for _ in 0..3 {
+        opened = shared
+            .p2p
+            .open_stream(peer_id, PART_PROTOCOL, config.connect_timeout)
+            .await
+            .map_err(HubError::from);
+        if opened.is_ok() {
+            break;
+        }
+        tokio::time::sleep(config.retry_delay).await;
+    }
+    let mut stream = opened?;
+    let exchange = async {
+        write_link_frame(
+            &mut stream,
+            &LinkMessage::Punch {
+                hello: h.clone(),
+                endpoint: ours,
+            },
+        )
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+        match wire::read_link_frame(&mut stream).await {
+            Ok(LinkMessage::PunchAnswer(theirs)) => Ok(theirs),
+            Ok(LinkMessage::Reject(r)) => Err(HubError::Rejected {
+                peer: peer_id,
+                carrier: Carrier::Stream,
+                reason: r.reason,
+                detail: r.detail,
+            }),
+            Ok(_) => Err(HubError::Unexpected {
+                peer: peer_id,
+                carrier: Carrier::Stream,
+            }),
+            Err(error) => Err(HubError::Frame {
+                peer: peer_id,
+                carrier: Carrier::Stream,
+                error,
+            }),
+        }
+    };
+    let theirs = tokio::time::timeout(config.hello_timeout, exchange)
+        .await
+        .map_err(|_| failed("no answer to the punch request".into()))??;
+    let deadline = Instant::now() + config.punch_connect_timeout;
+    let tcp = socket
+        .connect(theirs, deadline)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    drop(stream);
+    let mut link: Box<dyn Link> =
+        Box::new(transport::connect_over(identity, tcp, peer_id, config.connect_timeout).await?);
+    let answer = tokio::time::timeout(config.hello_timeout, async {
+        write_link_frame(&mut link, hello)
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        wire::read_link_frame(&mut link)
+            .await
+            .map_err(|error| HubError::Frame {
+                peer: peer_id,
+                carrier: Carrier::Tls,
+                error,
+            })
+    })
+    .await
+    .map_err(|_| failed("no answer to the Hello".into()))??;
+    match answer {
+        LinkMessage::Ack => Ok(link),
+        LinkMessage::Reject(r) => Err(HubError::Rejected {
+            peer: peer_id,
+            carrier: Carrier::Tls,
+            reason: r.reason,
+            detail: r.detail,
+        }),
+        _ => Err(HubError::Unexpected {
+            peer: peer_id,
+            carrier: Carrier::Tls,
+        }),
+    }
 }
 
 /// The attempts of [`open_link`].
@@ -361,10 +495,12 @@ async fn attempt(
             reason: r.reason,
             detail: r.detail,
         }),
-        Ok(LinkMessage::Hello(_)) => Err(HubError::Unexpected {
-            peer: peer_id,
-            carrier,
-        }),
+        Ok(LinkMessage::Hello(_) | LinkMessage::Punch { .. } | LinkMessage::PunchAnswer(_)) => {
+            Err(HubError::Unexpected {
+                peer: peer_id,
+                carrier,
+            })
+        }
         Err(error) => Err(HubError::Frame {
             peer: peer_id,
             carrier,

@@ -27,7 +27,7 @@ use super::{
 };
 use crate::p2p::{InboundStreams, P2p};
 use crate::runner::Link;
-use crate::transport::{DataIdentity, DataListener, Handshake, PeerMismatch};
+use crate::transport::{DataIdentity, DataListener, Handshake, PeerMismatch, PunchSocket};
 use crate::wire::{self, Hello, LinkMessage, Reject, RejectReason};
 
 /// A node's link hub: accepts links over both carriers and dispatches them to the rounds that
@@ -97,6 +97,8 @@ struct Inbound {
     peer: PeerId,
     carrier: Carrier,
     link: Box<dyn Link>,
+    /// A TLS link over a TCP connection made by a simultaneous open.
+    punched: bool,
 }
 
 /// A round registered with the hub ([`LinkHub::expect`]): Hellos for its group id are checked
@@ -304,8 +306,30 @@ impl Shared {
     /// The acceptor's checks (module doc of `links`) for a link from `peer` (through a relay
     /// if `relayed`); marks the pair linked on success.
     fn admit(&self, hello: &Hello, peer: PeerId, relayed: bool) -> Result<Admitted, Reject> {
-        let reject = |reason, detail: String| Reject { reason, detail };
         let mut groups = self.groups();
+        let (reg, from) = Self::checked(&mut groups, hello, peer, relayed)?;
+        reg.linked[from] = true;
+        Ok(Admitted {
+            from,
+            token: reg.token,
+            arrivals: reg.arrivals.clone(),
+        })
+    }
+
+    /// The checks of [`Shared::admit`] for a punch request (the TLS link it makes is admitted
+    /// later, with its own Hello); links nothing.
+    fn check(&self, hello: &Hello, peer: PeerId) -> Result<(), Reject> {
+        Self::checked(&mut self.groups(), hello, peer, false).map(|_| ())
+    }
+
+    /// The checks themselves: the registration and the opener's index.
+    fn checked<'a>(
+        groups: &'a mut HashMap<Bytes, Registration>,
+        hello: &Hello,
+        peer: PeerId,
+        relayed: bool,
+    ) -> Result<(&'a mut Registration, usize), Reject> {
+        let reject = |reason, detail: String| Reject { reason, detail };
         let Some(reg) = groups.get_mut(&hello.group_id) else {
             return Err(reject(
                 RejectReason::UnknownGroup,
@@ -346,12 +370,7 @@ impl Shared {
                 format!("the link from member {from} runs through a relay"),
             ));
         }
-        reg.linked[from] = true;
-        Ok(Admitted {
-            from,
-            token: reg.token,
-            arrivals: reg.arrivals.clone(),
-        })
+        Ok((reg, from))
     }
 
     /// Undoes [`Shared::admit`] when the Ack could not be written.
@@ -419,6 +438,7 @@ async fn handshake_and_forward(
                 peer,
                 carrier: Carrier::Tls,
                 link: Box::new(stream),
+                punched: false,
             };
             // Fails only when the hub is shutting down.
             let _ = tx.send(inbound).await;
@@ -436,6 +456,7 @@ async fn accept_streams(mut streams: InboundStreams, tx: mpsc::Sender<Inbound>) 
             peer,
             carrier: Carrier::Stream,
             link: Box::new(stream),
+            punched: false,
         };
         if tx.send(inbound).await.is_err() {
             return;
@@ -468,21 +489,20 @@ async fn supervise(shared: Arc<Shared>, mut rx: mpsc::Receiver<Inbound>) {
     }
 }
 
-/// The checks of [`Shared::admit`]; a Hello for a group not registered (yet) waits up to
+/// `checks` (those of [`Shared::admit`], or of a punch request) until they do not say
+/// "unknown group": a Hello for a group not registered (yet) waits up to
 /// [`HubConfig::early_hello_wait`] for a registration and is checked again after each one.
 /// At most half of [`HubConfig::max_pending_links`] Hellos wait at once (each holds a pending
 /// slot meanwhile); the others are refused at once.
 ///
 /// [`HubConfig::early_hello_wait`]: super::HubConfig::early_hello_wait
 /// [`HubConfig::max_pending_links`]: super::HubConfig::max_pending_links
-async fn admit_when_registered(
+async fn when_registered<T>(
     shared: &Shared,
-    hello: &Hello,
-    peer: PeerId,
-    relayed: bool,
     registered: &mut watch::Receiver<u64>,
-) -> Result<Admitted, Reject> {
-    let first = shared.admit(hello, peer, relayed);
+    checks: impl Fn() -> Result<T, Reject>,
+) -> Result<T, Reject> {
+    let first = checks();
     match &first {
         Err(reject) if reject.reason == RejectReason::UnknownGroup => {}
         _ => return first,
@@ -511,11 +531,11 @@ async fn admit_when_registered(
     loop {
         // Woken by the next registration (any group's), or refused at the deadline.
         match tokio::time::timeout_at(deadline, registered.changed()).await {
-            Ok(Ok(())) => match shared.admit(hello, peer, relayed) {
+            Ok(Ok(())) => match checks() {
                 Err(reject) if reject.reason == RejectReason::UnknownGroup => {}
                 result => return result,
             },
-            Ok(Err(_)) | Err(_) => return shared.admit(hello, peer, relayed),
+            Ok(Err(_)) | Err(_) => return checks(),
         }
     }
 }
@@ -526,12 +546,20 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
         peer,
         carrier,
         mut link,
+        punched,
     } = inbound;
     let timeout = shared.config.hello_timeout;
     // Subscribed before the first check, so a registration right after it is not missed.
     let mut registered = shared.registered.subscribe();
     let hello = match tokio::time::timeout(timeout, wire::read_link_frame(&mut link)).await {
         Ok(Ok(LinkMessage::Hello(hello))) => hello,
+        Ok(Ok(LinkMessage::Punch { hello, endpoint })) if carrier == Carrier::Stream => {
+            if let Err(error) = punch(&shared, peer, link, &hello, endpoint, registered).await {
+                bump(&shared, |s| &mut s.failed);
+                tracing::info!(%error, "no punched TLS link");
+            }
+            return;
+        }
         Ok(Ok(_)) => {
             bump(&shared, |s| &mut s.failed);
             let error = HubError::Unexpected { peer, carrier };
@@ -560,11 +588,16 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
         }
     };
     let kind = match carrier {
+        Carrier::Tls if punched => LinkKind::PunchedTls,
         Carrier::Tls => LinkKind::Tls,
         Carrier::Stream => super::establish::stream_kind(&shared.p2p, peer).await,
     };
     let relayed = kind == LinkKind::Relayed;
-    match admit_when_registered(&shared, &hello, peer, relayed, &mut registered).await {
+    match when_registered(&shared, &mut registered, || {
+        shared.admit(&hello, peer, relayed)
+    })
+    .await
+    {
         Err(reject) => {
             bump(&shared, |s| &mut s.refused);
             let error = HubError::Refused {
@@ -616,4 +649,70 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
             }
         }
     }
+}
+
+/// The acceptor's side of a punched TLS link (a [`LinkMessage::Punch`] on a stream from `peer`):
+/// the Hello's checks (without linking the pair: the Hello on the TLS link does that), a fresh
+/// port, our endpoint as our NAT maps it (the IP peers observe, the port kept: punchable NATs
+/// preserve it), the simultaneous open, the TLS server handshake (the client must be `peer`),
+/// then the TLS link is served like any inbound one.
+async fn punch(
+    shared: &Arc<Shared>,
+    peer: PeerId,
+    mut stream: Box<dyn Link>,
+    hello: &Hello,
+    endpoint: SocketAddr,
+    mut registered: watch::Receiver<u64>,
+) -> Result<(), HubError> {
+    let config = &shared.config;
+    let failed = |detail: String| HubError::NoPath { peer, detail };
+    let identity = shared
+        .identity
+        .clone()
+        .ok_or_else(|| failed("no TLS identity here".into()))?;
+    if let Err(reject) =
+        when_registered(shared, &mut registered, || shared.check(hello, peer)).await
+    {
+        let _ = tokio::time::timeout(config.hello_timeout, async {
+            write_link_frame(&mut stream, &LinkMessage::Reject(reject)).await?;
+            stream.shutdown().await
+        })
+        .await;
+        return Err(failed("the punch request failed the Hello's checks".into()));
+    }
+    let socket = PunchSocket::bind().map_err(|e| failed(e.to_string()))?;
+    let ours = super::establish::mapped_endpoint(&shared.p2p, socket.port())
+        .ok_or_else(|| failed("no observed address to punch from".into()))?;
+    tokio::time::timeout(
+        config.hello_timeout,
+        write_link_frame(&mut stream, &LinkMessage::PunchAnswer(ours)),
+    )
+    .await
+    .map_err(|_| failed("timed out answering the punch".into()))?
+    .map_err(|e| failed(e.to_string()))?;
+    let deadline = tokio::time::Instant::now() + config.punch_connect_timeout;
+    let tcp = socket
+        .connect(endpoint, deadline)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let (client, tls) = Handshake::over(&identity, tcp)?
+        .run(config.hello_timeout)
+        .await?;
+    if client != peer {
+        return Err(failed(format!(
+            "the punched TLS client is {client}, the punch came from {peer}"
+        )));
+    }
+    drop(stream);
+    Box::pin(serve(
+        Arc::clone(shared),
+        Inbound {
+            peer,
+            carrier: Carrier::Tls,
+            link: Box::new(tls),
+            punched: true,
+        },
+    ))
+    .await;
+    Ok(())
 }

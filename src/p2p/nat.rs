@@ -429,9 +429,14 @@ impl EventLoop {
                 ..
             }
         ) && !relayed;
+        // Nobody can dial a node behind a NAT: a direct connection it did not dial (QUIC's
+        // punch makes one on the side whose dial lost) was made by a hole punch too.
+        let nated = matches!(self.nat.class, Some(Reach::Punchable | Reach::Private));
+        let punched =
+            self.nat.punched_early.remove(&id) || (nated && !relayed && !endpoint.is_dialer());
         let path = ConnPath {
             relayed,
-            punched: self.nat.punched_early.remove(&id),
+            punched,
             transport: transport_of(&remote),
         };
         self.nat.conns.insert(
@@ -455,15 +460,24 @@ impl EventLoop {
     }
 
     pub(super) fn on_connection_closed(&mut self, peer: PeerId, id: ConnectionId) {
-        self.nat.conns.remove(&id);
+        let closed = self.nat.conns.remove(&id);
         self.nat.punched_early.remove(&id);
-        if !self
+        let relayed_left = self
             .nat
             .conns
             .values()
-            .any(|c| c.peer == peer && c.path.relayed)
+            .any(|c| c.peer == peer && c.path.relayed);
+        if relayed_left {
+            return;
+        }
+        self.nat.punching.remove(&peer);
+        // The relayed connection whose punch someone waited for is gone (closed as a second
+        // one, or its relay went away): punch anew rather than wait for a punch that died.
+        if closed.is_some_and(|c| c.path.relayed)
+            && self.nat.direct_waiters.contains_key(&peer)
+            && self.nat.direct_path(&peer).is_none()
         {
-            self.nat.punching.remove(&peer);
+            self.punch_anew(peer);
         }
     }
 

@@ -229,6 +229,47 @@ pub async fn connect(
     connect_with(config, addr, expected, timeout).await
 }
 
+/// Runs the client side of the TLS handshake, under `timeout`, on a TCP connection that is
+/// already up (one made by a simultaneous open, [`super::PunchSocket`]). Fails with
+/// [`TlsError::UnexpectedPeer`] unless the server proves the identity `expected`.
+pub async fn connect_over(
+    identity: &DataIdentity,
+    tcp: TcpStream,
+    expected: PeerId,
+    timeout: Duration,
+) -> Result<DataStream, TlsError> {
+    let config = identity.client_config(expected)?;
+    let addr = tcp.peer_addr().map_err(|e| TlsError::Connect {
+        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+        detail: e.to_string(),
+    })?;
+    let stream = tokio::time::timeout(timeout, async {
+        tcp.set_nodelay(true).map_err(|e| TlsError::Connect {
+            addr,
+            detail: format!("cannot set TCP_NODELAY: {e}"),
+        })?;
+        let server_name = ServerName::IpAddress(addr.ip().into());
+        DataStream::establish(
+            tcp,
+            rustls::ClientConnection::new(config, server_name),
+            addr,
+        )
+        .await
+    })
+    .await
+    .map_err(|_| TlsError::HandshakeTimeout { addr, timeout })??;
+    if stream.peer_id != expected {
+        return Err(TlsError::UnexpectedPeer {
+            addr,
+            mismatch: Box::new(PeerMismatch {
+                expected,
+                actual: stream.peer_id,
+            }),
+        });
+    }
+    Ok(stream)
+}
+
 /// [`connect`] with a given client configuration (tests use it to misbehave).
 async fn connect_with(
     config: Arc<ClientConfig>,
@@ -353,6 +394,19 @@ pub struct Handshake {
 }
 
 impl Handshake {
+    /// The server side of a handshake on a TCP connection that no listener accepted (one made
+    /// by a simultaneous open, [`super::PunchSocket`]).
+    pub fn over(identity: &DataIdentity, tcp: TcpStream) -> Result<Self, TlsError> {
+        let addr = tcp
+            .peer_addr()
+            .map_err(|e| TlsError::Accept(e.to_string()))?;
+        Ok(Self {
+            tcp,
+            addr,
+            config: identity.server_config(),
+        })
+    }
+
     /// The client's address.
     pub fn peer_addr(&self) -> SocketAddr {
         self.addr
