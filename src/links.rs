@@ -480,3 +480,210 @@ impl EstablishedLinks {
         self.links.iter().filter(|l| l.is_some()).count()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reach::Path;
+    use proptest::prelude::*;
+
+    /// What a member does in the round: node (sends and reduces), client (sends) or aux
+    /// (reduces).
+    #[derive(Clone, Copy, Debug)]
+    enum Role {
+        Node,
+        Client,
+        Aux,
+    }
+
+    fn member(role: Role, reach: Reach, relay_data: bool) -> LinkPeer {
+        LinkPeer {
+            reach,
+            relay_data,
+            sends: !matches!(role, Role::Aux),
+            reduces: !matches!(role, Role::Client),
+            ..LinkPeer::public(PeerId::random(), None)
+        }
+    }
+
+    #[test]
+    fn clients_and_aux_peers_do_not_link_among_themselves() {
+        use Role::*;
+        let m = [
+            member(Node, Reach::Public, false),
+            member(Client, Reach::Public, false),
+            member(Client, Reach::Public, false),
+            member(Aux, Reach::Public, false),
+            member(Aux, Reach::Public, false),
+        ];
+        let plans: Vec<Vec<Plan>> = (0..m.len()).map(|me| plan(&m, me)).collect();
+        for (me, p) in plans.iter().enumerate() {
+            assert_eq!(p[me], Plan::Idle, "member {me} with itself");
+        }
+        // Two clients: neither reduces. Two aux peers: neither sends.
+        assert_eq!(plans[1][2], Plan::Idle);
+        assert_eq!(plans[2][1], Plan::Idle);
+        assert_eq!(plans[3][4], Plan::Idle);
+        assert_eq!(plans[4][3], Plan::Idle);
+        // Every other pair has traffic: the node with everyone, a client with an aux peer (the
+        // client sends, the aux peer reduces). All public: the lower index opens.
+        for (a, b) in [
+            (0, 1),
+            (0, 2),
+            (0, 3),
+            (0, 4),
+            (1, 3),
+            (1, 4),
+            (2, 3),
+            (2, 4),
+        ] {
+            assert_eq!(plans[a][b], Plan::Open(Path::Direct), "{a} -> {b}");
+            assert_eq!(plans[b][a], Plan::Await(Path::Direct), "{b} <- {a}");
+        }
+        // A member that reduces nothing after load balancing (a node with a zero fraction) is
+        // like a client: no link with a client.
+        let mut zero = m.clone();
+        zero[0].reduces = false;
+        assert_eq!(plan(&zero, 0)[1], Plan::Idle);
+        assert_eq!(plan(&zero, 1)[0], Plan::Idle);
+        assert_eq!(plan(&zero, 0)[3], Plan::Open(Path::Direct));
+    }
+
+    #[test]
+    fn the_member_that_can_dial_opens() {
+        use Reach::*;
+        use Role::Node;
+        // Indices chosen so that reachability, not the index, decides: the NATed members sit
+        // above the public one they dial.
+        let m = [
+            member(Node, Public, false),
+            member(Node, Punchable, false),
+            member(Node, Private, false),
+            member(Node, Public, false),
+            member(Node, Punchable, false),
+        ];
+        let p: Vec<Vec<Plan>> = (0..m.len()).map(|me| plan(&m, me)).collect();
+        // Public with public: the lower index.
+        assert_eq!(p[0][3], Plan::Open(Path::Direct));
+        assert_eq!(p[3][0], Plan::Await(Path::Direct));
+        // A punchable or private member dials a public one, whichever index is lower.
+        for nated in [1, 2, 4] {
+            for public in [0, 3] {
+                assert_eq!(
+                    p[nated][public],
+                    Plan::Open(Path::Direct),
+                    "{nated} -> {public}"
+                );
+                assert_eq!(
+                    p[public][nated],
+                    Plan::Await(Path::Direct),
+                    "{public} <- {nated}"
+                );
+            }
+        }
+        // Two punchable members: a hole punch, opened by the lower index.
+        assert_eq!(p[1][4], Plan::Open(Path::HolePunch));
+        assert_eq!(p[4][1], Plan::Await(Path::HolePunch));
+        // Punchable with private, no relayed data: no path at all.
+        for (a, b) in [(1, 2), (2, 1), (2, 4), (4, 2)] {
+            assert_eq!(p[a][b], Plan::Unreachable, "{a} - {b}");
+        }
+    }
+
+    #[test]
+    fn relayed_data_needs_both_members_consent() {
+        use Reach::*;
+        use Role::Node;
+        let pair = |relay_a: bool, relay_b: bool| {
+            let m = [
+                member(Node, Punchable, relay_a),
+                member(Node, Private, relay_b),
+            ];
+            (plan(&m, 0)[1], plan(&m, 1)[0])
+        };
+        assert_eq!(pair(false, false), (Plan::Unreachable, Plan::Unreachable));
+        assert_eq!(pair(true, false), (Plan::Unreachable, Plan::Unreachable));
+        assert_eq!(pair(false, true), (Plan::Unreachable, Plan::Unreachable));
+        assert_eq!(
+            pair(true, true),
+            (Plan::Open(Path::Relay), Plan::Await(Path::Relay))
+        );
+        // Two private members that both allow it: relayed, lower index opens.
+        let m = [member(Node, Private, true), member(Node, Private, true)];
+        assert_eq!(plan(&m, 0)[1], Plan::Open(Path::Relay));
+        assert_eq!(plan(&m, 1)[0], Plan::Await(Path::Relay));
+        // Relay consent does not replace a better path: two punchable members still punch, a
+        // public member is still dialled directly.
+        let m = [
+            member(Node, Punchable, true),
+            member(Node, Punchable, true),
+            member(Node, Public, true),
+        ];
+        assert_eq!(plan(&m, 0)[1], Plan::Open(Path::HolePunch));
+        assert_eq!(plan(&m, 1)[2], Plan::Open(Path::Direct));
+    }
+
+    fn any_member() -> impl Strategy<Value = LinkPeer> {
+        (
+            prop_oneof![
+                Just(Reach::Public),
+                Just(Reach::Punchable),
+                Just(Reach::Private)
+            ],
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(|(reach, relay_data, sends, reduces)| LinkPeer {
+                reach,
+                relay_data,
+                sends,
+                reduces,
+                ..LinkPeer::public(PeerId::random(), None)
+            })
+    }
+
+    proptest! {
+        /// Both ends of every pair derive matching plans (one opens, the other awaits, over the
+        /// same path; or both idle; or both unreachable), pairs link exactly when one reduces
+        /// and the other sends, the path is the planner's, and a public member opens only to
+        /// another public member.
+        #[test]
+        fn both_ends_of_every_pair_agree(
+            members in prop::collection::vec(any_member(), 1..9)
+        ) {
+            let n = members.len();
+            let plans: Vec<Vec<Plan>> = (0..n).map(|me| plan(&members, me)).collect();
+            for a in 0..n {
+                prop_assert_eq!(plans[a].len(), n);
+                prop_assert_eq!(plans[a][a], Plan::Idle);
+                for b in (0..n).filter(|&b| b != a) {
+                    let (x, y) = (&members[a], &members[b]);
+                    let traffic = (x.reduces && y.sends) || (y.reduces && x.sends);
+                    let path = crate::reach::path(x.plan(), y.plan());
+                    match (plans[a][b], plans[b][a]) {
+                        (Plan::Idle, Plan::Idle) => prop_assert!(!traffic),
+                        (Plan::Unreachable, Plan::Unreachable) => {
+                            prop_assert!(traffic);
+                            prop_assert_eq!(path, None);
+                        }
+                        (Plan::Open(p), Plan::Await(q)) => {
+                            prop_assert!(traffic);
+                            prop_assert_eq!(p, q);
+                            prop_assert_eq!(Some(p), path);
+                            if x.reach == Reach::Public {
+                                prop_assert_eq!(y.reach, Reach::Public);
+                                prop_assert!(a < b);
+                            }
+                            if x.reach != Reach::Public && y.reach != Reach::Public {
+                                prop_assert!(a < b);
+                            }
+                        }
+                        (Plan::Await(_), Plan::Open(_)) => {} // checked from the other end
+                        other => prop_assert!(false, "{a} and {b} disagree: {other:?}"),
+                    }
+                }
+            }
+        }
+    }
+}

@@ -11,7 +11,10 @@ use hivemesh::allreduce::Mode;
 use hivemesh::averager::{
     Averager, AveragerConfig, AveragerError, KeySchedule, Stage, StepOptions, StepOutcome,
 };
+use hivemesh::links::LinkKind;
 use hivemesh::matchmaking::Grid;
+use hivemesh::p2p::Transport;
+use hivemesh::reach::Reach;
 use hivemesh::tensor::Tensor;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -586,5 +589,188 @@ async fn blocking_wrapper_steps_from_a_plain_thread() {
     assert_eq!(members.unwrap(), 2);
     assert_eq!(other.unwrap().members.len(), 2);
     assert_eq!(values, vec![0.5; 10]);
+    swarm.shutdown(averagers).await;
+}
+
+/// Nodes on loopback that assume reachabilities: `assume[i]` for node `i` (`None`: find out,
+/// which on loopback is public). Every node is told the others' addresses, so that NATed
+/// nodes, which are Kademlia clients without relay addresses here, can be dialled.
+async fn nat_swarm(assume: &[Option<Reach>]) -> Swarm {
+    let assume = assume.to_vec();
+    let swarm = Swarm::start_with(assume.len(), |i, c| c.p2p.nat.assume = assume[i]).await;
+    swarm.introduce().await;
+    for (i, a) in assume.iter().enumerate() {
+        let r = swarm.nodes[i].reachability();
+        assert_eq!(r.class(), a.unwrap_or(Reach::Public), "node {i}: {r:?}");
+    }
+    swarm
+}
+
+/// A punchable node and a private one (automatic mode: a client) form a group that nobody can
+/// reduce for: the punchable node cannot be reached by the private one, and the client reduces
+/// nothing. Both steps fail with `Unreachable`, naming the members' modes and reachabilities,
+/// before any link is tried: long before the step's own timeout (a step that ran into its
+/// links or the round would end in `Links`, `Round` or `Timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_that_cannot_reach_itself_fails_fast() {
+    let _serial = serial().await;
+    let swarm = nat_swarm(&[Some(Reach::Punchable), Some(Reach::Private)]).await;
+    let averagers: Vec<_> = (0..2)
+        .map(|i| {
+            let mut c = AveragerConfig::new("unreachable");
+            c.target_group_size = Some(2);
+            c.min_group_size = 2;
+            c.min_matchmaking_time = Duration::from_secs(2);
+            swarm.averager(i, vec![vec![i as f32; 16]], c)
+        })
+        .collect();
+    let results = step_all(&averagers, |_| StepOptions {
+        timeout: Some(Duration::from_secs(120)),
+        ..StepOptions::default()
+    })
+    .await;
+    for (i, r) in results.iter().enumerate() {
+        match r {
+            Err(AveragerError::Unreachable(why)) => {
+                assert!(
+                    why.contains("node/punchable") && why.contains("client/private"),
+                    "peer {i}: {why}"
+                );
+                assert!(why.contains("relay"), "peer {i} suggests a remedy: {why}");
+            }
+            other => panic!("peer {i}: expected Unreachable, got {other:?}"),
+        }
+        assert_eq!(values(&averagers[i]), vec![vec![i as f32; 16]], "unchanged");
+    }
+    swarm.shutdown(averagers).await;
+}
+
+fn auto_config(prefix: &str, mode: Option<Mode>) -> AveragerConfig {
+    let mut c = AveragerConfig::new(prefix);
+    c.mode = mode;
+    c.target_group_size = Some(3);
+    c.min_group_size = 3;
+    c.min_matchmaking_time = Duration::from_secs(2);
+    c
+}
+
+/// Steps all three averagers once and checks that each holds the mean of `inputs`.
+async fn step_to_the_mean(
+    averagers: &[Arc<Averager>],
+    inputs: &[Vec<Vec<f32>>],
+) -> Vec<StepOutcome> {
+    let results = step_all(averagers, |_| StepOptions {
+        timeout: Some(Duration::from_secs(60)),
+        ..StepOptions::default()
+    })
+    .await;
+    let mean = weighted_mean(&inputs.iter().map(|v| (v.clone(), 1.0)).collect::<Vec<_>>());
+    let mut outcomes = Vec::new();
+    for (i, r) in results.into_iter().enumerate() {
+        let o = r.unwrap_or_else(|e| panic!("peer {i}: {e}"));
+        assert_eq!(o.members.len(), 3, "peer {i}");
+        assert_close(&values(&averagers[i]), &mean, 1e-6, "the mean of all three");
+        outcomes.push(o);
+    }
+    outcomes
+}
+
+/// Automatic mode (`mode: None`): a node that assumes it is private takes part as a client,
+/// the public ones as nodes, and every member (the client too) ends with the exact mean.
+/// `StepOutcome::links` names how each member's link is carried (`None` for itself): node 1
+/// has no TLS listener, so links with it are TCP streams; the client links to node 0 over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_node_averages_as_a_client_automatically() {
+    let _serial = serial().await;
+    let assume = [None, None, Some(Reach::Private)];
+    let swarm = Swarm::start_with(3, |i, c| {
+        c.p2p.nat.assume = assume[i];
+        if i == 1 {
+            c.data_listen = None;
+        }
+    })
+    .await;
+    swarm.introduce().await;
+    let mut rng = StdRng::seed_from_u64(8);
+    let inputs: Vec<Vec<Vec<f32>>> = (0..3).map(|_| random_tensors(&mut rng)).collect();
+    let averagers: Vec<_> = (0..3)
+        .map(|i| swarm.averager(i, inputs[i].clone(), auto_config("auto", None)))
+        .collect();
+    let outcomes = step_to_the_mean(&averagers, &inputs).await;
+    let node_of =
+        |o: &StepOutcome, j: usize| (0..3).find(|&n| swarm.peer(n) == o.members[j]).unwrap();
+    for (i, o) in outcomes.iter().enumerate() {
+        let (mode, reach) = if i == 2 {
+            (Mode::Client, Reach::Private)
+        } else {
+            (Mode::Node, Reach::Public)
+        };
+        assert_eq!((o.mode, o.reach), (mode, reach), "peer {i}");
+        assert_eq!(o.members[o.me], swarm.peer(i));
+        // The client reduced nothing: no span of the round is its own.
+        assert!(
+            o.report.spans.iter().all(|s| node_of(o, s.reducer) != 2),
+            "peer {i}: {:?}",
+            o.report
+        );
+        for j in 0..3 {
+            let want = if j == o.me {
+                None
+            } else if [i, node_of(o, j)] == [0, 2] || [i, node_of(o, j)] == [2, 0] {
+                Some(LinkKind::Tls)
+            } else {
+                Some(LinkKind::Stream(Transport::Tcp))
+            };
+            assert_eq!(o.links[j], want, "peer {i}, member {j}: {:?}", o.links);
+            assert_eq!(o.carriers[j], want.map(LinkKind::carrier), "peer {i}");
+        }
+    }
+    swarm.shutdown(averagers).await;
+}
+
+/// An explicit `mode: Some(Mode::Node)` is kept behind a NAT: the private node reduces (the
+/// public members can reach it, since it dials them) and everyone gets the exact mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_explicit_node_mode_stays_a_node_when_private() {
+    let _serial = serial().await;
+    let swarm = nat_swarm(&[None, None, Some(Reach::Private)]).await;
+    let mut rng = StdRng::seed_from_u64(9);
+    // Enough 1 KiB parts that every reducer gets some.
+    let inputs: Vec<Vec<Vec<f32>>> = (0..3)
+        .map(|_| vec![(0..3000).map(|_| rng.random_range(-1.0..1.0)).collect()])
+        .collect();
+    let averagers: Vec<_> = (0..3)
+        .map(|i| {
+            let mut c = auto_config("explicit", (i == 2).then_some(Mode::Node));
+            c.part_size_bytes = 1 << 10;
+            swarm.averager(i, inputs[i].clone(), c)
+        })
+        .collect();
+    let outcomes = step_to_the_mean(&averagers, &inputs).await;
+    for (i, o) in outcomes.iter().enumerate() {
+        assert_eq!(o.mode, Mode::Node, "peer {i}");
+        let reach = if i == 2 {
+            Reach::Private
+        } else {
+            Reach::Public
+        };
+        assert_eq!(o.reach, reach, "peer {i}");
+        assert!(
+            o.links
+                .iter()
+                .enumerate()
+                .all(|(j, k)| k.is_some() == (j != o.me)),
+            "peer {i}: {:?}",
+            o.links
+        );
+    }
+    // The private node reduced a span of its own, as did the others.
+    let o = &outcomes[2];
+    assert_eq!(o.report.spans.len(), 3, "{:?}", o.report);
+    assert!(
+        o.report.spans.iter().any(|s| s.reducer == o.me),
+        "{:?}",
+        o.report
+    );
     swarm.shutdown(averagers).await;
 }

@@ -1,10 +1,12 @@
 //! In-process libp2p swarms on loopback: bootstrap, merged puts from many peers, gets that
-//! merge replicas, client-mode peers, identity persistence, startup errors.
+//! merge replicas, client-mode peers, identity persistence, startup errors, reachability (found
+//! out on loopback, or assumed) and the Kademlia mode that follows from it.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
 
 use hivemesh::p2p::{P2p, P2pConfig, P2pError, RecordPolicy};
+use hivemesh::reach::Reach;
 use libp2p::{PeerId, identity::Keypair};
 
 /// Values are sets of lines; merging is set union (enough to test the plumbing).
@@ -42,12 +44,27 @@ fn union(values: &[Vec<u8>]) -> BTreeSet<String> {
 }
 
 async fn node(initial: Vec<libp2p::Multiaddr>, client: bool) -> P2p {
-    let cfg = P2pConfig {
+    spawn(P2pConfig {
         initial_peers: initial,
         client_mode: client,
         request_timeout: Duration::from_secs(10),
         ..P2pConfig::loopback()
+    })
+    .await
+}
+
+/// A node joined through `initial` that takes reachability `assume` instead of finding it out.
+async fn assuming(initial: Vec<libp2p::Multiaddr>, assume: Reach) -> P2p {
+    let mut cfg = P2pConfig {
+        initial_peers: initial,
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
     };
+    cfg.nat.assume = Some(assume);
+    spawn(cfg).await
+}
+
+async fn spawn(cfg: P2pConfig) -> P2p {
     P2p::spawn(cfg, Keypair::generate_ed25519(), Box::new(UnionPolicy))
         .await
         .expect("node starts")
@@ -202,4 +219,86 @@ async fn streams_open_to_peers_known_only_by_id() {
         matches!(err, P2pError::OpenStream { .. } | P2pError::Dial { .. }),
         "{err}"
     );
+}
+
+/// Generous bound on finding out reachability and on DHT operations.
+const T: Duration = Duration::from_secs(30);
+
+/// Whether `got` (a GET's answer) holds the line `line`.
+fn holds(got: &Result<Vec<Vec<u8>>, P2pError>, line: &str) -> bool {
+    got.as_ref().is_ok_and(|v| union(v).contains(line))
+}
+
+/// Nodes that join a bootstrap on loopback find out they are public (the peer sees them at their
+/// own address), and then serve Kademlia: a record stored by one is read through another, and
+/// a newcomer that knows only one of them reads the DHT through it, which needs that node in
+/// server mode (nodes joining through initial peers start as Kademlia clients).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_nodes_find_out_they_are_public_and_serve_the_dht() {
+    let boot = node(vec![], false).await;
+    let addrs = boot.listen_addrs().await.unwrap();
+    let a = node(addrs.clone(), false).await;
+    let b = node(addrs, false).await;
+    for (name, n) in [("a", &a), ("b", &b)] {
+        let r = n.wait_reachability(T, |r| r.reach.is_some()).await;
+        assert_eq!(r.reach, Some(Reach::Public), "{name}: {r:?}");
+        assert!(!r.observed.is_empty(), "{name}: {r:?}");
+        assert!(
+            r.relayed.is_empty(),
+            "{name}: a public node needs no relay: {r:?}"
+        );
+    }
+    a.put_record(b"public".to_vec(), b"from-a".to_vec())
+        .await
+        .unwrap();
+    assert!(holds(&b.get_record(b"public".to_vec()).await, "from-a"));
+    // A newcomer joined through `a` alone: `a` is its only Kademlia peer.
+    let c = node(a.listen_addrs().await.unwrap(), false).await;
+    assert!(
+        holds(&c.get_record(b"public".to_vec()).await, "from-a"),
+        "a serves Kademlia"
+    );
+    let r = c.wait_reachability(T, |r| r.reach.is_some()).await;
+    assert_eq!(r.reach, Some(Reach::Public), "{r:?}");
+    for p in [a, b, c, boot] {
+        p.shutdown().await.unwrap();
+    }
+}
+
+/// `NatConfig::assume = Some(Private)` wins over what peers observe (on loopback they see the
+/// node at its own address, which would make it public) and keeps the node a Kademlia client:
+/// it reads and writes the DHT through the others, but a newcomer that knows only it cannot
+/// read the DHT through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assumed_private_node_stays_a_kademlia_client() {
+    let boot = node(vec![], false).await;
+    let addrs = boot.listen_addrs().await.unwrap();
+    let a = node(addrs.clone(), false).await;
+    let p = assuming(addrs, Reach::Private).await;
+    assert_eq!(p.reachability().reach, Some(Reach::Private));
+    let r = a.wait_reachability(T, |r| r.reach.is_some()).await;
+    assert_eq!(r.reach, Some(Reach::Public), "{r:?}");
+    // Peers have told it where they see it; it stays private.
+    let r = p.wait_reachability(T, |r| !r.observed.is_empty()).await;
+    assert!(!r.observed.is_empty(), "{r:?}");
+    assert_eq!(r.reach, Some(Reach::Private), "{r:?}");
+
+    // It reads what others stored and stores what others read.
+    a.put_record(b"shared".to_vec(), b"from-a".to_vec())
+        .await
+        .unwrap();
+    assert!(holds(&p.get_record(b"shared".to_vec()).await, "from-a"));
+    p.put_record(b"shared".to_vec(), b"from-p".to_vec())
+        .await
+        .unwrap();
+    assert!(holds(&a.get_record(b"shared".to_vec()).await, "from-p"));
+
+    // A newcomer joined through `p` alone finds nothing: `p` answers no Kademlia requests.
+    let z = node(p.listen_addrs().await.unwrap(), false).await;
+    let got = z.get_record(b"shared".to_vec()).await;
+    assert!(!holds(&got, "from-a"), "{got:?}");
+    assert_eq!(p.reachability().reach, Some(Reach::Private));
+    for n in [z, p, a, boot] {
+        n.shutdown().await.unwrap();
+    }
 }

@@ -267,6 +267,7 @@ pub fn round_members(
 mod tests {
     use super::*;
     use crate::matchmaking::{GroupKey, GroupMember, MemberInfo, PeerId};
+    use crate::reach::Reach;
     use bytes::Bytes;
     use proptest::prelude::*;
 
@@ -415,6 +416,138 @@ mod tests {
         // An empty vector still yields usable fractions.
         let f = group_fractions(&g, 0, 0).unwrap();
         assert!((f.iter().sum::<f64>() - 1.0).abs() < 1e-12 && f[1] == 0.0);
+    }
+
+    /// A group of members with these modes, reachabilities and relay consents (no bandwidth).
+    fn reach_group(members: &[(Mode, Reach, bool)]) -> Group {
+        let mut g = group(&vec![(Mode::Node, None); members.len()]);
+        for (m, &(mode, reach, relay_data)) in g.members.iter_mut().zip(members) {
+            m.info.mode = mode;
+            m.info.reach = reach;
+            m.info.relay_data = relay_data;
+        }
+        g
+    }
+
+    /// Which members get a positive fraction (and the fractions sum to the vector).
+    fn reducing(g: &Group, t: u64) -> Vec<bool> {
+        let f = group_fractions(g, t, 0).unwrap();
+        assert_eq!(f.iter().sum::<f64>(), t as f64, "{f:?}");
+        assert!(f.iter().all(|&x| x >= 0.0), "{f:?}");
+        f.iter().map(|&x| x > 0.0).collect()
+    }
+
+    #[test]
+    fn members_some_sender_cannot_reach_reduce_nothing() {
+        use Reach::*;
+        // A private client sends to every reducer; it cannot reach the punchable member.
+        let g = reach_group(&[
+            (Mode::Node, Public, false),
+            (Mode::Node, Public, false),
+            (Mode::Node, Punchable, false),
+            (Mode::Client, Private, false),
+        ]);
+        assert_eq!(reducing(&g, 1000), [true, true, false, false]);
+        assert_eq!(
+            round_members(&g, 1000, 0).unwrap()[2],
+            Member {
+                mode: Mode::Node,
+                fraction: 0.0
+            }
+        );
+        // Without the private member, punchable members reach each other by hole punching.
+        let g = reach_group(&[
+            (Mode::Node, Public, false),
+            (Mode::Node, Public, false),
+            (Mode::Node, Punchable, false),
+            (Mode::Node, Punchable, false),
+        ]);
+        assert_eq!(reducing(&g, 1000), [true; 4]);
+        // An empty vector: shares, with the same zeros.
+        let g = reach_group(&[
+            (Mode::Node, Public, false),
+            (Mode::Node, Punchable, false),
+            (Mode::Client, Private, false),
+        ]);
+        let f = group_fractions(&g, 0, 0).unwrap();
+        assert_eq!(f, [1.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_group_nobody_can_reduce_for_is_unreachable() {
+        use Reach::*;
+        for mode in [Mode::Client, Mode::Node] {
+            let g = reach_group(&[(Mode::Node, Punchable, false), (mode, Private, false)]);
+            assert_eq!(
+                group_fractions(&g, 100, 0),
+                Err(LoadBalanceError::Unreachable),
+                "private {mode:?}"
+            );
+            assert_eq!(
+                round_members(&g, 100, 0),
+                Err(LoadBalanceError::Unreachable)
+            );
+            // One of the two allowing relayed data is not enough.
+            for (a, b) in [(true, false), (false, true)] {
+                let g = reach_group(&[(Mode::Node, Punchable, a), (mode, Private, b)]);
+                assert_eq!(
+                    group_fractions(&g, 100, 0),
+                    Err(LoadBalanceError::Unreachable)
+                );
+            }
+        }
+        // Two private nodes: the same.
+        let g = reach_group(&[(Mode::Node, Private, false), (Mode::Node, Private, false)]);
+        assert_eq!(
+            group_fractions(&g, 100, 0),
+            Err(LoadBalanceError::Unreachable)
+        );
+        // Nobody may reduce at all (all clients): that is AllZero, not a reachability problem.
+        let g = reach_group(&[
+            (Mode::Client, Punchable, false),
+            (Mode::Client, Private, false),
+        ]);
+        assert_eq!(group_fractions(&g, 100, 0), Err(LoadBalanceError::AllZero));
+    }
+
+    #[test]
+    fn relayed_data_lets_the_punchable_member_reduce_again() {
+        use Reach::*;
+        let g = reach_group(&[(Mode::Node, Punchable, true), (Mode::Client, Private, true)]);
+        assert_eq!(reducing(&g, 100), [true, false]);
+        // A private node is reached through the relay too.
+        let g = reach_group(&[(Mode::Node, Punchable, true), (Mode::Node, Private, true)]);
+        assert_eq!(reducing(&g, 100), [true, true]);
+        // In the mixed group, relaying between the two NATed members brings the punchable one
+        // back; a member that does not allow relaying stays out.
+        let g = reach_group(&[
+            (Mode::Node, Public, false),
+            (Mode::Node, Public, false),
+            (Mode::Node, Punchable, true),
+            (Mode::Client, Private, true),
+        ]);
+        assert_eq!(reducing(&g, 1000), [true, true, true, false]);
+        let g = reach_group(&[
+            (Mode::Node, Public, false),
+            (Mode::Node, Public, false),
+            (Mode::Node, Punchable, true),
+            (Mode::Client, Private, false),
+        ]);
+        assert_eq!(reducing(&g, 1000), [true, true, false, false]);
+    }
+
+    /// An aux peer sends nothing: a member it cannot reach may still reduce.
+    #[test]
+    fn aux_peers_do_not_constrain_reducers() {
+        use Reach::*;
+        let g = reach_group(&[
+            (Mode::Node, Public, false),
+            (Mode::Node, Punchable, false),
+            (Mode::Aux, Private, false),
+        ]);
+        // The private aux peer reduces only if every sender reaches it: the punchable node does
+        // not.
+        assert_eq!(reducing(&g, 1000), [true, true, false]);
     }
 
     proptest! {

@@ -37,6 +37,17 @@ pub struct Swarm {
 
 impl Swarm {
     pub async fn start(n: usize, no_listener: impl Fn(usize) -> bool) -> Self {
+        Self::start_with(n, |i, config| {
+            if no_listener(i) {
+                config.data_listen = None;
+            }
+        })
+        .await
+    }
+
+    /// [`Swarm::start`] with node `i`'s config (`NodeConfig::loopback` joined through the
+    /// bootstrap) adjusted by `configure(i, ..)`.
+    pub async fn start_with(n: usize, configure: impl Fn(usize, &mut NodeConfig)) -> Self {
         let bootstrap = Node::start(
             NodeConfig::loopback_bootstrap(),
             libp2p::identity::Keypair::generate_ed25519(),
@@ -48,9 +59,7 @@ impl Swarm {
         for i in 0..n {
             let mut config = NodeConfig::loopback();
             config.p2p.initial_peers = vec![addr.clone()];
-            if no_listener(i) {
-                config.data_listen = None;
-            }
+            configure(i, &mut config);
             nodes.push(
                 Node::start(config, libp2p::identity::Keypair::generate_ed25519())
                     .await
@@ -58,6 +67,27 @@ impl Swarm {
             );
         }
         Self { bootstrap, nodes }
+    }
+
+    /// Tells every node every other node's listen addresses, so that peers that are in no
+    /// routing table (Kademlia clients, e.g. nodes that assume they are behind a NAT) and
+    /// have no relay address can still be dialled on loopback.
+    pub async fn introduce(&self) {
+        let mut addrs = Vec::new();
+        for n in &self.nodes {
+            addrs.push(n.dht().p2p().listen_addrs().await.unwrap());
+        }
+        for (i, a) in self.nodes.iter().enumerate() {
+            for (j, b) in self.nodes.iter().enumerate() {
+                if i != j {
+                    a.dht()
+                        .p2p()
+                        .add_peer_addresses(b.dht().p2p().peer_id(), addrs[j].clone())
+                        .await
+                        .unwrap();
+                }
+            }
+        }
     }
 
     pub fn peer(&self, i: usize) -> PeerId {
