@@ -57,9 +57,20 @@ if [[ ${HIVEMESH_STRIP:-1} == 1 ]] && command -v strip >/dev/null; then
 fi
 chmod 0755 "$context/hivemesh" "$context/join" "$context/entrypoint.sh"
 
+# The image is labelled with a digest of what went into it; CI builds it once per run of
+# docker/ci.sh (three of them), so an image made from the same files on the same base is kept.
+base_id=$(docker image inspect -f '{{.Id}}' "$base" 2>/dev/null || echo "$base")
+digest=$( (cd "$context" && sha256sum Dockerfile entrypoint.sh hivemesh join && echo "$base_id") |
+  sha256sum | cut -c1-32)
+if [[ $(docker image inspect -f '{{index .Config.Labels "hivemesh.context"}}' "$image" 2>/dev/null) == "$digest" ]]; then
+  echo "build: $image is up to date (same binaries, entrypoint and base)"
+  exit 0
+fi
+
 echo "build: $image from $base ($(du -sh "$context" | cut -f1) of context)"
 # Quiet on success (the legacy builder's deprecation notice included), everything on failure.
-if ! out=$(docker build --build-arg "BASE=$base" --tag "$image" "$context" 2>&1); then
+if ! out=$(docker build --build-arg "BASE=$base" --label "hivemesh.context=$digest" \
+  --tag "$image" "$context" 2>&1); then
   echo "$out" >&2
   die "docker build failed"
 fi

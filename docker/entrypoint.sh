@@ -106,12 +106,22 @@ case $role in
       ipt=iptables-legacy
     fi
     masquerade=(-j MASQUERADE)
-    [[ ${HIVEMESH_NAT:-} == symmetric ]] && masquerade+=(--random-fully)
-    {
-      "$ipt" -t nat -A POSTROUTING -o "$wan" "${masquerade[@]}" &&
-        "$ipt" -A FORWARD -i "$wan" -m state --state ESTABLISHED,RELATED -j ACCEPT &&
-        "$ipt" -A FORWARD -i "$wan" -j DROP
-    } || die router "iptables failed (needs cap_add: NET_ADMIN)"
+    case ${HIVEMESH_NAT:-} in
+      '' | port-preserving) ;;
+      symmetric) masquerade+=(--random-fully) ;;
+      *) die router "HIVEMESH_NAT=$HIVEMESH_NAT: not port-preserving or symmetric" ;;
+    esac
+    # Like a home router (and the routers of tests/netns): from the WAN only what answers a
+    # connection from inside, to the home (FORWARD) and to the router itself (INPUT).
+    nat_rules() {
+      "$ipt" -t nat -A POSTROUTING -o "$wan" "${masquerade[@]}" || return 1
+      local chain
+      for chain in FORWARD INPUT; do
+        "$ipt" -A "$chain" -i "$wan" -m state --state ESTABLISHED,RELATED -j ACCEPT || return 1
+        "$ipt" -A "$chain" -i "$wan" -j DROP || return 1
+      done
+    }
+    nat_rules || die router "iptables failed (needs cap_add: NET_ADMIN)"
     # The only routes a router needs are its two networks'; a default route via a home
     # network's gateway (the Docker host) would be a way around the WAN.
     if default_dev=$(ip -4 route show default | awk '{for (i = 1; i < NF; i++) if ($i == "dev") print $(i + 1)}') &&
