@@ -10,13 +10,17 @@
 //!
 //! Scenarios: `public` (4 public peers), `cone` (2 public, 2 behind port-preserving NATs: the
 //! NATed pair hole-punches), `symmetric` (2 public, 2 behind symmetric NATs: clients), `all`
-//! (the default: the three in turn). Each prints, per repetition,
-//! `hivemesh_nat scenario=S peers=4 mib=M link_mbit=L median_step_s=T bound_s=B punches_ok=K
-//! punches_failed=F`: T is the median over rounds 2.. of the slowest peer's step time (round 1
-//! includes joining), B the time the busiest uplink needs for its bytes at the link rate (in a
-//! butterfly all-reduce of N peers each reducer's uplink carries (N-1)/N of a tensor as parts
-//! and as many averages; with two clients the two public reducers carry more), K and F the
-//! hole punches of all peers.
+//! (the default: the three in turn), and `pair` (2 peers behind port-preserving NATs, a group
+//! of 2: every byte crosses the hole-punched link). `--mbit 0` leaves the links unlimited;
+//! `--no-punched-tls` makes the punched links libp2p streams on the hole-punched connection
+//! instead of TLS over a simultaneous-open TCP connection (the default). Each prints, per repetition,
+//! `hivemesh_nat scenario=S peers=P mib=M link_mbit=L median_step_s=T bound_s=B punches_ok=K
+//! punches_failed=F cpu_s=C`: T is the median over rounds 2.. of the slowest peer's step time
+//! (round 1 includes joining), B the time the busiest uplink needs for its bytes at the link
+//! rate (in a butterfly all-reduce of N peers each reducer's uplink carries (N-1)/N of a tensor
+//! as parts and as many averages; with two clients the two public reducers carry more; 0 when
+//! unlimited), K and F the hole punches of all peers, C the CPU time of all peers (user +
+//! system, from /proc when they exit).
 
 #[path = "../tests/netns/mod.rs"]
 mod netns;
@@ -32,6 +36,7 @@ struct Options {
     mib: usize,
     rounds: usize,
     repeat: usize,
+    stream_punched: bool,
 }
 
 fn options() -> Options {
@@ -41,6 +46,7 @@ fn options() -> Options {
         mib: 16,
         rounds: 6,
         repeat: 1,
+        stream_punched: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -57,6 +63,7 @@ fn options() -> Options {
                     "public" => vec!["public"],
                     "cone" => vec!["cone"],
                     "symmetric" => vec!["symmetric"],
+                    "pair" => vec!["pair"],
                     "all" => vec!["public", "cone", "symmetric"],
                     other => panic!("unknown scenario {other:?} (public, cone, symmetric, all)"),
                 }
@@ -65,6 +72,11 @@ fn options() -> Options {
             "--mib" => o.mib = number("--mib"),
             "--rounds" => o.rounds = number("--rounds").max(2),
             "--repeat" => o.repeat = number("--repeat").max(1),
+            "--no-punched-tls" => {
+                o.stream_punched = true;
+                i += 1;
+                continue;
+            }
             // `cargo bench` passes `--bench`; anything else is ours.
             "--bench" => {
                 i += 1;
@@ -103,20 +115,27 @@ fn main() {
 fn run(bed: &mut Testbed, bin: &Path, join: &Path, scenario: &str, o: &Options) {
     let boot = bed.public_host("boot");
     let nat = match scenario {
-        "cone" => Some(Nat::PortPreserving),
+        "cone" | "pair" => Some(Nat::PortPreserving),
         "symmetric" => Some(Nat::Symmetric),
         _ => None,
     };
-    let mut hosts: Vec<Host> = vec![bed.public_host("pub0"), bed.public_host("pub1")];
+    let mut hosts: Vec<Host> = if scenario == "pair" {
+        Vec::new()
+    } else {
+        vec![bed.public_host("pub0"), bed.public_host("pub1")]
+    };
     for i in 0..2 {
         hosts.push(match nat {
             Some(nat) => bed.home(&format!("nat{i}"), nat),
             None => bed.public_host(&format!("pub{}", i + 2)),
         });
     }
-    for h in &hosts {
-        bed.rate_limit(h, o.mbit);
+    if o.mbit > 0 {
+        for h in &hosts {
+            bed.rate_limit(h, o.mbit);
+        }
     }
+    let group = hosts.len().to_string();
     let listen = format!("/ip4/{}/tcp/4001", boot.ip());
     let mut dht = bed.spawn(&boot, bin, ["dht", "--listen", &listen]);
     let addr = dht
@@ -128,15 +147,15 @@ fn run(bed: &mut Testbed, bin: &Path, join: &Path, scenario: &str, o: &Options) 
         .iter()
         .enumerate()
         .map(|(i, h)| {
-            let args = [
+            let mut args = vec![
                 "--initial-peer".to_owned(),
                 addr.clone(),
                 "--host".to_owned(),
                 h.ip().to_string(),
                 "--group-size".to_owned(),
-                "4".to_owned(),
+                group.clone(),
                 "--min-group-size".to_owned(),
-                "4".to_owned(),
+                group.clone(),
                 "--rounds".to_owned(),
                 o.rounds.to_string(),
                 "--size".to_owned(),
@@ -146,14 +165,22 @@ fn run(bed: &mut Testbed, bin: &Path, join: &Path, scenario: &str, o: &Options) 
                 "--seed".to_owned(),
                 (i + 1).to_string(),
             ];
+            if o.stream_punched {
+                args.push("--no-punched-tls".to_owned());
+            }
             bed.spawn(h, join, args)
         })
         .collect();
     // Per round, the slowest peer's step time.
     let mut slowest = vec![0.0f64; o.rounds];
     let (mut ok, mut failed) = (0u64, 0u64);
+    let mut cpu = 0.0;
     for p in &mut procs {
         let limit = Duration::from_secs((timeout * o.rounds as u64) + 60);
+        // CPU time of the peer, read just before it exits (its last lines are the NAT summary).
+        p.wait_line(|l| l.starts_with(&format!("round {}:", o.rounds)), limit)
+            .unwrap_or_else(|e| panic!("{e}"));
+        cpu += cpu_seconds(p.pid());
         let status = p.wait_with_timeout(limit).unwrap_or_else(|e| panic!("{e}"));
         let transcript = p.transcript();
         assert!(status.success(), "{status}\n{transcript}");
@@ -193,16 +220,44 @@ fn run(bed: &mut Testbed, bin: &Path, join: &Path, scenario: &str, o: &Options) 
     let link = f64::from(o.mbit) * 1e6;
     // Bytes through the busiest uplink: with 4 reducers each sends 3/4 of its tensor and the
     // averages of its quarter to 3 others (1.5 tensors); with 2 client senders the 2 public
-    // reducers each send half a tensor to the other and averages of their half to 3 (2 tensors).
-    let busiest = if nat == Some(Nat::Symmetric) {
-        2.0
-    } else {
-        1.5
+    // reducers each send half a tensor to the other and averages of their half to 3 (2
+    // tensors); a pair sends half a tensor and the averages of its half (1 tensor).
+    let busiest = match scenario {
+        "symmetric" => 2.0,
+        "pair" => 1.0,
+        _ => 1.5,
     };
-    let bound = busiest * tensor_bits / link;
+    let bound = if o.mbit > 0 {
+        busiest * tensor_bits / link
+    } else {
+        0.0
+    };
     println!(
-        "hivemesh_nat scenario={scenario} peers=4 mib={} link_mbit={} median_step_s={median:.3} bound_s={bound:.3} punches_ok={ok} punches_failed={failed}",
-        o.mib, o.mbit
+        "hivemesh_nat scenario={scenario}{} peers={} mib={} link_mbit={} median_step_s={median:.3} bound_s={bound:.3} punches_ok={ok} punches_failed={failed} cpu_s={cpu:.2}",
+        if o.stream_punched {
+            "+punched-streams"
+        } else {
+            ""
+        },
+        hosts.len(),
+        o.mib,
+        o.mbit
     );
     eprintln!("  slowest step per round: {slowest:.3?}");
+}
+
+/// User + system CPU seconds of process `pid` so far (`/proc/<pid>/stat`, fields 14 and 15).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name (field 2) may hold spaces: count fields after its closing parenthesis.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // After the name: state is field 3, so utime (14) and stime (15) are at 11 and 12.
+    (ticks(11) + ticks(12)) / 100.0
 }

@@ -21,7 +21,7 @@
 # local_parts=0`), and all end on the same mean: the mean of their starting means. Each
 # peer's mode and reachability must be what its place implies: public peers `mode=node
 # reach=public`; behind port-preserving NATs `mode=node reach=punchable` with a hole-punched
-# (`punched/`) link in every round; behind symmetric NATs `mode=client reach=private`. A NATed
+# link (`tls/punched`, or `punched/` with --no-punched-tls) in every round; behind symmetric NATs `mode=client reach=private`. A NATed
 # peer must never report itself public, and no link may go through a relay.
 # Always tears the containers, networks and volume down again, also on failure or Ctrl-C.
 #
@@ -328,7 +328,7 @@ for c in "${ids[@]}"; do
     if [[ $nat_kind == symmetric ]]; then
       want_mode=client want_reach=private
     else
-      want_reach=punchable want_link=punched/
+      want_reach=punchable want_link=punched
     fi
   fi
   problems=()
@@ -375,7 +375,7 @@ for c in "${ids[@]}"; do
     [[ -z $want_link || $links == *"$want_link"* ]] || problems+=("round $r: no $want_link link")
     # Everyone but a client links to every member; a client only to the reducers, directly.
     if [[ $want_mode == client ]]; then
-      [[ $links != *punched/* ]] || problems+=("round $r: a client with a hole-punched link")
+      [[ $links != *punched* ]] || problems+=("round $r: a client with a hole-punched link")
     else
       [[ ,$links, != *,-,* ]] || problems+=("round $r: a member without a link")
     fi

@@ -82,10 +82,10 @@ struct Args {
     /// Let tensor data go through a relay when no direct connection can be made.
     #[arg(long)]
     allow_relayed_data: bool,
-    /// Between two peers behind NATs, carry the round over TLS on a TCP connection made by a
-    /// simultaneous open instead of over a libp2p stream on the hole-punched connection.
+    /// Between two peers behind NATs, carry the round over a libp2p stream on the hole-punched
+    /// connection instead of over TLS on a TCP connection made by a simultaneous open.
     #[arg(long)]
-    punched_tls: bool,
+    no_punched_tls: bool,
     /// Seconds between the starts of two rounds (a training loop's compute between averaging
     /// steps); 0: back to back.
     #[arg(long, default_value_t = 0.0)]
@@ -146,7 +146,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             },
             data_listen: Some(SocketAddr::new(args.host, 0)),
             hub: hivemesh::links::HubConfig {
-                punched_tls: args.punched_tls,
+                punched_tls: !args.no_punched_tls,
                 ..hivemesh::links::HubConfig::default()
             },
             ..NodeConfig::loopback()

@@ -224,6 +224,12 @@ pub struct NatConfig {
     /// Take this reachability instead of finding it out (`None`: find out, the default). For
     /// nodes whose operator knows better, and for tests.
     pub assume: Option<Reach>,
+    /// Addresses others reach this node at, known without asking (a public server's own
+    /// address): confirmed at start, so the node is public from the first moment, and a relay
+    /// serves at once. Otherwise a dial-back (AutoNAT) must confirm an address, which needs a
+    /// connection this node dialed: a lone bootstrap that only ever accepts connections would
+    /// never get one.
+    pub external: Vec<Multiaddr>,
     /// Ask peers to dial our observed addresses back (AutoNAT v2 client).
     pub autonat: bool,
     /// Dial back the addresses peers ask us to test (AutoNAT v2 server).
@@ -242,6 +248,7 @@ impl Default for NatConfig {
     fn default() -> Self {
         Self {
             assume: None,
+            external: Vec::new(),
             autonat: true,
             autonat_server: true,
             autonat_interval: Duration::from_secs(2),
@@ -306,6 +313,10 @@ pub struct Reachability {
     /// Our relay circuit addresses (`.../p2p/<relay>/p2p-circuit/p2p/<us>`), one per active
     /// reservation.
     pub relayed: Vec<Multiaddr>,
+    /// Some peer saw a connection we dialed from our listening port coming from that same port
+    /// number: our NAT (if any) keeps ports, so the endpoint of a fresh local port can be
+    /// predicted (what a TCP simultaneous open for the data plane needs).
+    pub port_preserving: bool,
 }
 
 impl Reachability {

@@ -291,6 +291,8 @@ pub enum RejectReason {
     Duplicate,
     /// The link runs through a relay, which the two members do not both allow for tensor data.
     RelayNotAllowed,
+    /// The acceptor cannot take part in a simultaneous open ([`LinkMessage::Punch`]).
+    NoPunch,
 }
 
 impl std::fmt::Display for RejectReason {
@@ -302,6 +304,7 @@ impl std::fmt::Display for RejectReason {
             Self::WrongDirection => "wrong direction",
             Self::Duplicate => "duplicate link",
             Self::RelayNotAllowed => "tensor data through a relay is not allowed",
+            Self::NoPunch => "no simultaneous open here",
         })
     }
 }
@@ -315,6 +318,7 @@ impl From<RejectReason> for proto::RejectReason {
             RejectReason::WrongDirection => Self::RejectWrongDirection,
             RejectReason::Duplicate => Self::RejectDuplicate,
             RejectReason::RelayNotAllowed => Self::RejectRelayNotAllowed,
+            RejectReason::NoPunch => Self::RejectNoPunch,
         }
     }
 }
@@ -393,6 +397,7 @@ impl TryFrom<proto::LinkFrame> for LinkMessage {
                     Ok(proto::RejectReason::RejectWrongDirection) => RejectReason::WrongDirection,
                     Ok(proto::RejectReason::RejectDuplicate) => RejectReason::Duplicate,
                     Ok(proto::RejectReason::RejectRelayNotAllowed) => RejectReason::RelayNotAllowed,
+                    Ok(proto::RejectReason::RejectNoPunch) => RejectReason::NoPunch,
                     Ok(proto::RejectReason::RejectUnspecified) | Err(_) => {
                         return Err(WireError::UnknownEnum {
                             field: "reject reason",

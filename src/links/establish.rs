@@ -193,7 +193,12 @@ async fn open_link(
             }
         }
     }
-    if path == Path::HolePunch && shared.config.punched_tls && shared.identity.is_some() {
+    if path == Path::HolePunch
+        && shared.config.punched_tls
+        && shared.identity.is_some()
+        && shared.p2p.reachability().port_preserving
+        && !shared.punch_failed_recently(&peer.peer_id)
+    {
         match punched_tls(shared, hello, peer).await {
             Ok(link) => {
                 tracing::debug!(peer = %peer.peer_id, "punched TLS link opened");
@@ -203,6 +208,7 @@ async fn open_link(
                 };
             }
             Err(error) => {
+                shared.punch_failed(peer.peer_id);
                 tracing::info!(peer = %peer.peer_id, %error, "no punched TLS link: a stream instead");
             }
         }

@@ -48,6 +48,11 @@ impl std::fmt::Debug for LinkHub {
     }
 }
 
+/// How long a failed punched TLS link keeps us from trying again with that peer.
+const PUNCH_MEMORY: Duration = Duration::from_secs(600);
+/// Most peers remembered for [`PUNCH_MEMORY`].
+const MAX_PUNCH_MEMORY: usize = 1024;
+
 /// State shared by the hub's tasks and the rounds using it.
 pub(super) struct Shared {
     pub(super) peer_id: PeerId,
@@ -62,6 +67,8 @@ pub(super) struct Shared {
     early_waiting: AtomicUsize,
     next_token: AtomicU64,
     stats: watch::Sender<HubStats>,
+    /// Peers a punched TLS link failed with, and when ([`Shared::punch_failed_recently`]).
+    punch_failures: Mutex<HashMap<PeerId, std::time::Instant>>,
 }
 
 /// Counts one event in the hub's stats.
@@ -174,6 +181,7 @@ impl LinkHub {
             early_waiting: AtomicUsize::new(0),
             next_token: AtomicU64::new(0),
             stats: watch::Sender::new(HubStats::default()),
+            punch_failures: Mutex::new(HashMap::new()),
         });
         let (tx, rx) = mpsc::channel(shared.config.max_pending_links.max(1));
         let mut tasks = JoinSet::new();
@@ -371,6 +379,34 @@ impl Shared {
             ));
         }
         Ok((reg, from))
+    }
+
+    /// Whether a punched TLS link with `peer` failed less than [`PUNCH_MEMORY`] ago: its NAT (or
+    /// ours) defeats the simultaneous open, and every round would wait for it in vain.
+    pub(super) fn punch_failed_recently(&self, peer: &PeerId) -> bool {
+        let failures = self
+            .punch_failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        failures
+            .get(peer)
+            .is_some_and(|at| at.elapsed() < PUNCH_MEMORY)
+    }
+
+    /// Remembers that a punched TLS link with `peer` failed (at most [`MAX_PUNCH_MEMORY`]
+    /// peers; the oldest are forgotten first).
+    pub(super) fn punch_failed(&self, peer: PeerId) {
+        let mut failures = self
+            .punch_failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        failures.retain(|_, at| at.elapsed() < PUNCH_MEMORY);
+        if failures.len() >= MAX_PUNCH_MEMORY
+            && let Some(oldest) = failures.iter().min_by_key(|(_, at)| **at).map(|(p, _)| *p)
+        {
+            failures.remove(&oldest);
+        }
+        failures.insert(peer, std::time::Instant::now());
     }
 
     /// Undoes [`Shared::admit`] when the Ack could not be written.
@@ -652,7 +688,8 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
 }
 
 /// The acceptor's side of a punched TLS link (a [`LinkMessage::Punch`] on a stream from `peer`):
-/// the Hello's checks (without linking the pair: the Hello on the TLS link does that), a fresh
+/// the Hello's checks (without linking the pair: the Hello on the TLS link does that; refused
+/// as `NoPunch` without a TLS identity or behind a NAT that does not keep ports), a fresh
 /// port, our endpoint as our NAT maps it (the IP peers observe, the port kept: punchable NATs
 /// preserve it), the simultaneous open, the TLS server handshake (the client must be `peer`),
 /// then the TLS link is served like any inbound one.
@@ -666,13 +703,17 @@ async fn punch(
 ) -> Result<(), HubError> {
     let config = &shared.config;
     let failed = |detail: String| HubError::NoPath { peer, detail };
-    let identity = shared
-        .identity
-        .clone()
-        .ok_or_else(|| failed("no TLS identity here".into()))?;
-    if let Err(reject) =
-        when_registered(shared, &mut registered, || shared.check(hello, peer)).await
-    {
+    let checks = || {
+        shared.check(hello, peer)?;
+        if shared.identity.is_none() || !shared.p2p.reachability().port_preserving {
+            return Err(Reject {
+                reason: RejectReason::NoPunch,
+                detail: "no TLS identity, or a NAT that does not keep ports".into(),
+            });
+        }
+        Ok(())
+    };
+    if let Err(reject) = when_registered(shared, &mut registered, checks).await {
         let _ = tokio::time::timeout(config.hello_timeout, async {
             write_link_frame(&mut stream, &LinkMessage::Reject(reject)).await?;
             stream.shutdown().await
@@ -680,6 +721,10 @@ async fn punch(
         .await;
         return Err(failed("the punch request failed the Hello's checks".into()));
     }
+    let identity = shared
+        .identity
+        .clone()
+        .ok_or_else(|| failed("no TLS identity here".into()))?;
     let socket = PunchSocket::bind().map_err(|e| failed(e.to_string()))?;
     let ours = super::establish::mapped_endpoint(&shared.p2p, socket.port())
         .ok_or_else(|| failed("no observed address to punch from".into()))?;

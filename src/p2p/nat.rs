@@ -277,6 +277,7 @@ impl Nat {
             confirmed: self.confirmed.clone(),
             observed: self.observed.clone(),
             relayed,
+            port_preserving: self.obs.seen.iter().any(|s| s.port == s.local_port),
         };
         self.reach_tx.send_if_modified(|r| {
             let changed = *r != reach;
@@ -678,7 +679,7 @@ impl EventLoop {
         if is_relayed(&addr) {
             return;
         }
-        tracing::info!(%addr, "external address confirmed by a dial-back");
+        tracing::info!(%addr, "external address confirmed");
         push_bounded(&mut self.nat.confirmed, addr);
         self.nat.obs.confirmed = true;
         self.reclassify();

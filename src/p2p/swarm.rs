@@ -239,7 +239,12 @@ impl EventLoop {
                 detail: e.to_string(),
             })?;
         }
-        Ok(Self {
+        for addr in &config.nat.external {
+            // Confirmed by the operator: behaviours (the relay server among them) see it as
+            // confirmed (this causes no swarm event: `Nat` is told below).
+            swarm.add_external_address(addr.clone());
+        }
+        let mut event_loop = Self {
             swarm,
             commands,
             policy,
@@ -252,7 +257,11 @@ impl EventLoop {
             peer_waiters: HashMap::new(),
             nat: Nat::new(&config.nat),
             forced_client: client_mode,
-        })
+        };
+        for addr in &config.nat.external {
+            event_loop.on_external_confirmed(addr.clone());
+        }
+        Ok(event_loop)
     }
 
     /// The watches behind [`super::P2p::reachability`] and [`super::P2p::nat_stats`].

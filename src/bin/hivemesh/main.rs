@@ -77,6 +77,12 @@ struct DhtArgs {
     /// of 1 GiB and 30 minutes per circuit).
     #[arg(long)]
     no_relay: bool,
+    /// An address others reach this node at (repeatable), e.g. a public IP in front of
+    /// `--listen /ip4/0.0.0.0/...`. Listen addresses with an explicit IP count as such
+    /// addresses already. Without one, peers must confirm an address first (a dial-back), and
+    /// a node that only accepts connections never gets one: it cannot relay.
+    #[arg(long, value_name = "MADDR")]
+    external: Vec<libp2p::Multiaddr>,
 }
 
 /// A fault injected into one peer: `KIND@PEER`.
@@ -220,6 +226,14 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
     if !args.listen.is_empty() {
         config.listen = args.listen;
     }
+    // An explicit listen IP (and port) is where the operator told peers to find this node.
+    config.nat.external = config
+        .listen
+        .iter()
+        .filter(|a| is_explicit(a))
+        .cloned()
+        .chain(args.external)
+        .collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -263,6 +277,20 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
             .context("the p2p task failed")?;
         Ok(())
     })
+}
+
+/// Whether `addr` names a specific IP and port (not `0.0.0.0`, `::` or port 0).
+fn is_explicit(addr: &libp2p::Multiaddr) -> bool {
+    use libp2p::multiaddr::Protocol;
+    let ip = addr.iter().any(|p| match p {
+        Protocol::Ip4(ip) => !ip.is_unspecified(),
+        Protocol::Ip6(ip) => !ip.is_unspecified(),
+        _ => false,
+    });
+    let port = addr
+        .iter()
+        .any(|p| matches!(p, Protocol::Tcp(port) | Protocol::Udp(port) if port != 0));
+    ip && port
 }
 
 /// `reachability: public (confirmed /ip4/...)`, `reachability: punchable (relayed /ip4/...)`.
