@@ -95,8 +95,11 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new(
+                    "warn,libp2p_kad::behaviour=error,libp2p_autonat=error,quinn_udp=error",
+                )
+            }),
         )
         .with_writer(std::io::stderr)
         .init();

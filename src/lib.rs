@@ -22,7 +22,9 @@
 //! the typed values stored in it; [`wire`] holds the prost messages of a round;
 //! [`transport`] is the data plane that carries them (TLS 1.3 over TCP, authenticated by
 //! libp2p PeerIds); [`links`] sets up a round's links over it or, as the fallback, over libp2p
-//! streams, and [`runner`] runs the round over them.
+//! streams, and [`runner`] runs the round over them. Behind NATs, [`reach`] says how each peer
+//! can be reached and, for a group, who links with whom, who opens and who may reduce; the p2p
+//! layer finds a node's reachability, keeps relay reservations and hole-punches.
 #![warn(missing_docs)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 

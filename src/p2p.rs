@@ -20,9 +20,9 @@
 //! bytes. Kademlia's defaults (16 KiB messages, 65 KiB values) are raised deliberately:
 //! [`P2pConfig::max_record_bytes`] bounds stored values and the packet size follows from it.
 //!
-//! Peers that cannot accept connections set [`P2pConfig::client_mode`]: their Kademlia runs in
-//! client mode (they query but are never added to others' routing tables). Everyone else is
-//! forced to server mode: on loopback and LANs nothing would confirm an external address.
+//! Kademlia's mode follows the node's reachability (next section): a client (it queries but
+//! is never added to others' routing tables) while it is behind a NAT, a server once it is
+//! public. [`P2pConfig::client_mode`] forces client mode.
 //!
 //! # Reachability, relays and hole punching
 //!
@@ -33,10 +33,13 @@
 //!   the classification of [`crate::reach`] turns those into a [`Reach`] (public, punchable,
 //!   private), published in [`Reachability`] ([`P2p::reachability`], [`P2p::watch_reachability`])
 //!   and re-derived with every new observation. An AutoNAT v2 client asks peers to dial those
-//!   addresses back: a confirmed address makes the node public (a forwarded port), a failed
-//!   dial-back of its own address means a firewall. Every node also serves AutoNAT v2 dial-backs
-//!   ([`NatConfig::autonat_server`]). Kademlia runs in server mode while the node is public (or
-//!   unknown) and in client mode otherwise, unless [`P2pConfig::client_mode`] forces client mode.
+//!   addresses back: a confirmed address makes the node public (a forwarded port), failed
+//!   dial-backs of its own address mean a firewall; [`NatConfig::external`] names addresses
+//!   known to be public. Every node also serves AutoNAT v2 dial-backs
+//!   ([`NatConfig::autonat_server`]). A node joining through peers starts as a Kademlia client
+//!   and becomes a server once it is public (a lone node is a server from the start; one whose
+//!   class is still unknown after 20 s becomes one), unless [`P2pConfig::client_mode`] forces
+//!   client mode.
 //! * **Relays.** A node with [`NatConfig::relay_server`] serves circuit relay v2 with limits
 //!   sized for tensor data ([`RelayLimits`]; libp2p's defaults, 128 KiB and 2 min per circuit,
 //!   carry nothing but signalling). A node that is not public reserves a slot on a relay among its
@@ -204,7 +207,8 @@ pub struct P2pConfig {
     pub listen: Vec<Multiaddr>,
     /// Peers to join through, each ending with `/p2p/<peer id>`.
     pub initial_peers: Vec<Multiaddr>,
-    /// Run Kademlia in client mode (for peers that cannot accept connections).
+    /// Always run Kademlia in client mode (otherwise it follows reachability: see the module
+    /// docs).
     pub client_mode: bool,
     /// Bound on a stored record value (Kademlia packets get this plus 64 KiB).
     pub max_record_bytes: usize,

@@ -31,6 +31,10 @@ const HOP_PROTOCOL: &str = "/libp2p/circuit/relay/0.2.0/hop";
 pub(super) const MAX_RELAY_CANDIDATES: usize = 64;
 /// Observed and confirmed addresses kept for [`Reachability`].
 const MAX_ADDRS: usize = 16;
+/// How long a node that joined through peers may stay a Kademlia client without learning its
+/// reachability (every peer's identify tells it within a round trip, so this is a fallback for
+/// peers that never do): then it serves the DHT as public nodes do.
+const UNKNOWN_GRACE: Duration = Duration::from_secs(20);
 /// Pause before a relay that failed us is tried again; doubles per failure up to 64×.
 const RELAY_BACKOFF: Duration = Duration::from_secs(1);
 
@@ -162,6 +166,8 @@ pub(super) struct Nat {
     candidates: Vec<Candidate>,
     reservations: HashMap<ListenerId, Reservation>,
     direct_waiters: HashMap<PeerId, DirectWait>,
+    /// When the node started, until its class is known or [`UNKNOWN_GRACE`] has passed.
+    unknown_since: Option<Instant>,
     /// Peers with a relayed connection whose hole punch has not reported yet, and since when.
     punching: HashMap<PeerId, Instant>,
     reach_tx: watch::Sender<Reachability>,
@@ -186,6 +192,7 @@ impl Nat {
             candidates: Vec::new(),
             reservations: HashMap::new(),
             direct_waiters: HashMap::new(),
+            unknown_since: config.assume.is_none().then(Instant::now),
             punching: HashMap::new(),
             reach_tx: watch::Sender::new(reach),
             stats_tx: watch::Sender::new(NatStats::default()),
@@ -336,6 +343,22 @@ impl EventLoop {
     /// Once a second: keep the wanted number of relay reservations while not public, drop them
     /// once public.
     pub(super) fn nat_tick(&mut self) {
+        if self.nat.class.is_some() {
+            self.nat.unknown_since = None;
+        } else if self
+            .nat
+            .unknown_since
+            .is_some_and(|since| since.elapsed() >= UNKNOWN_GRACE)
+        {
+            self.nat.unknown_since = None;
+            if self.kad_mode_follows_reach() {
+                tracing::info!("reachability still unknown: serving the DHT as a public node");
+                self.swarm
+                    .behaviour_mut()
+                    .kad
+                    .set_mode(Some(kad::Mode::Server));
+            }
+        }
         let class = self.nat.class.unwrap_or_default();
         if class == Reach::Public {
             let ids: Vec<ListenerId> = self.nat.reservations.keys().copied().collect();

@@ -150,9 +150,8 @@ struct SimArgs {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("warn,libp2p_kad::behaviour=error")
-            }),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -174,6 +173,12 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// What is logged unless `RUST_LOG` says otherwise: warnings, less the ones that are routine on
+/// the internet (Kademlia peers that went away, AutoNAT dial-backs that a NAT dropped, QUIC
+/// packets to unreachable addresses).
+const DEFAULT_LOG_FILTER: &str =
+    "warn,libp2p_kad::behaviour=error,libp2p_autonat=error,quinn_udp=error";
 
 /// Ctrl-C (SIGINT) or SIGTERM, registered as soon as it is created.
 struct StopSignal {
@@ -254,12 +259,31 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
         let directory = RelayDirectory::start(dht.clone(), relay);
         let mut reach = dht.p2p().watch_reachability();
         let report = async {
-            // One line per change of how others reach us.
+            // One line per change of how others reach us, and a hint if a relay cannot relay.
+            let hint_at = tokio::time::Instant::now() + Duration::from_secs(30);
+            let mut hinted = !relay;
             loop {
                 let r = reach.borrow_and_update().clone();
                 eprintln!("{}", describe_reachability(&r));
-                if reach.changed().await.is_err() {
-                    break;
+                if !r.confirmed.is_empty() {
+                    hinted = true;
+                }
+                let hint = async {
+                    if hinted {
+                        std::future::pending::<()>().await;
+                    }
+                    tokio::time::sleep_until(hint_at).await;
+                };
+                tokio::select! {
+                    changed = reach.changed() => if changed.is_err() { break },
+                    () = hint => {
+                        hinted = true;
+                        eprintln!(
+                            "warning: no confirmed external address after 30 s, so this node \
+                             does not relay for peers behind NATs yet; pass --external \
+                             /ip4/<public ip>/tcp/<port> (or --listen with this host's public IP)"
+                        );
+                    }
                 }
             }
         };
