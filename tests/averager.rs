@@ -679,6 +679,8 @@ async fn step_to_the_mean(
 /// the public ones as nodes, and every member (the client too) ends with the exact mean.
 /// `StepOutcome::links` names how each member's link is carried (`None` for itself): node 1
 /// has no TLS listener, so links with it are TCP streams; the client links to node 0 over TLS.
+/// Nobody is told the client's addresses: every connection with it is one it dialled, as
+/// behind a real NAT (a direct connection a NATed node did not dial counts as punched).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_private_node_averages_as_a_client_automatically() {
     let _serial = serial().await;
@@ -690,7 +692,7 @@ async fn a_private_node_averages_as_a_client_automatically() {
         }
     })
     .await;
-    swarm.introduce().await;
+    swarm.introduce_except(&[2]).await;
     let mut rng = StdRng::seed_from_u64(8);
     let inputs: Vec<Vec<Vec<f32>>> = (0..3).map(|_| random_tensors(&mut rng)).collect();
     let averagers: Vec<_> = (0..3)

@@ -73,13 +73,20 @@ impl Swarm {
     /// routing table (Kademlia clients, e.g. nodes that assume they are behind a NAT) and
     /// have no relay address can still be dialled on loopback.
     pub async fn introduce(&self) {
+        self.introduce_except(&[]).await
+    }
+
+    /// [`Swarm::introduce`], but nobody learns the addresses of the nodes in `hidden` (as if
+    /// they were behind a NAT that drops unsolicited connections): every connection with
+    /// them is one they dialled.
+    pub async fn introduce_except(&self, hidden: &[usize]) {
         let mut addrs = Vec::new();
         for n in &self.nodes {
             addrs.push(n.dht().p2p().listen_addrs().await.unwrap());
         }
         for (i, a) in self.nodes.iter().enumerate() {
             for (j, b) in self.nodes.iter().enumerate() {
-                if i != j {
+                if i != j && !hidden.contains(&j) {
                     a.dht()
                         .p2p()
                         .add_peer_addresses(b.dht().p2p().peer_id(), addrs[j].clone())
