@@ -307,6 +307,20 @@ impl StepControl {
     pub async fn result(self) -> Result<StepOutcome, AveragerError> {
         self.result.await.unwrap_or(Err(AveragerError::Shutdown))
     }
+
+    /// Separates the result from the controls: the returned future resolves to the step's
+    /// result, while [`StepControl::trigger`], [`StepControl::cancel`] and the stage keep
+    /// working on `self` (so another thread can cancel while one awaits the result). Called
+    /// twice, the second future says [`AveragerError::Shutdown`], as does
+    /// [`StepControl::result`] afterwards.
+    pub fn take_result(
+        &mut self,
+    ) -> impl std::future::Future<Output = Result<StepOutcome, AveragerError>> + Send + 'static
+    {
+        let (_, closed) = oneshot::channel();
+        let result = std::mem::replace(&mut self.result, closed);
+        async move { result.await.unwrap_or(Err(AveragerError::Shutdown)) }
+    }
 }
 
 struct StepRequest {

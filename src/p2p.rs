@@ -88,6 +88,22 @@ use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt as _};
 
 pub use identity::load_or_create as load_or_create_identity;
 
+/// Whether `addr` names a specific IP and port (not `0.0.0.0`, `::` or port 0): where an
+/// operator told peers to find a node, so it counts as an external address
+/// ([`NatConfig::external`]).
+pub fn is_explicit_addr(addr: &Multiaddr) -> bool {
+    use libp2p::multiaddr::Protocol;
+    let ip = addr.iter().any(|p| match p {
+        Protocol::Ip4(ip) => !ip.is_unspecified(),
+        Protocol::Ip6(ip) => !ip.is_unspecified(),
+        _ => false,
+    });
+    let port = addr
+        .iter()
+        .any(|p| matches!(p, Protocol::Tcp(port) | Protocol::Udp(port) if port != 0));
+    ip && port
+}
+
 use crate::reach::Reach;
 
 /// Kademlia protocol name of hivemesh DHTs.
@@ -747,5 +763,21 @@ impl AsyncWrite for P2pStream {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explicit_addresses_name_an_ip_and_a_port() {
+        let explicit = |a: &str| is_explicit_addr(&a.parse().unwrap());
+        assert!(explicit("/ip4/203.0.113.7/tcp/4001"));
+        assert!(explicit("/ip6/2001:db8::1/udp/4001/quic-v1"));
+        assert!(!explicit("/ip4/0.0.0.0/tcp/4001"), "unspecified IP");
+        assert!(!explicit("/ip6/::/tcp/4001"), "unspecified IP");
+        assert!(!explicit("/ip4/203.0.113.7/tcp/0"), "any port");
+        assert!(!explicit("/dns4/example.com/tcp/4001"), "no IP");
     }
 }

@@ -6,7 +6,10 @@
 //! few numeric kernels the reducer needs, behind the [`ops::ReduceKernel`] trait that a GPU
 //! kernel can implement as well.
 
+mod external;
 pub mod ops;
+
+pub use external::External;
 
 use half::{bf16, f16};
 use ndarray::{ArrayD, IxDyn};
@@ -96,7 +99,10 @@ pub enum TensorError {
 }
 
 /// A dense tensor in standard (row-major, contiguous) layout.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// Cloning copies the elements, also for an [`External`] tensor (the copy owns them).
+/// Equality compares dtype, shape and elements, whoever holds them.
+#[derive(Debug)]
 pub enum Tensor {
     /// f32 elements.
     F32(ArrayD<f32>),
@@ -104,6 +110,28 @@ pub enum Tensor {
     F16(ArrayD<f16>),
     /// bf16 elements.
     BF16(ArrayD<bf16>),
+    /// Elements in memory the tensor does not own, such as a PyTorch tensor's storage shared
+    /// with Python ([`Tensor::from_external`]).
+    External(External),
+}
+
+impl Clone for Tensor {
+    fn clone(&self) -> Self {
+        match self {
+            Self::F32(a) => Self::F32(a.clone()),
+            Self::F16(a) => Self::F16(a.clone()),
+            Self::BF16(a) => Self::BF16(a.clone()),
+            Self::External(e) => e.to_owned_tensor(),
+        }
+    }
+}
+
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Self) -> bool {
+        self.dtype() == other.dtype()
+            && self.shape() == other.shape()
+            && self.flat() == other.flat()
+    }
 }
 
 /// Makes an array's layout standard, copying only when it is not.
@@ -186,6 +214,7 @@ impl Tensor {
             Self::F32(_) => DType::F32,
             Self::F16(_) => DType::F16,
             Self::BF16(_) => DType::BF16,
+            Self::External(e) => e.dtype(),
         }
     }
 
@@ -195,6 +224,7 @@ impl Tensor {
             Self::F32(a) => a.shape(),
             Self::F16(a) => a.shape(),
             Self::BF16(a) => a.shape(),
+            Self::External(e) => e.shape(),
         }
     }
 
@@ -204,6 +234,7 @@ impl Tensor {
             Self::F32(a) => a.len(),
             Self::F16(a) => a.len(),
             Self::BF16(a) => a.len(),
+            Self::External(e) => e.numel(),
         }
     }
 
@@ -219,6 +250,7 @@ impl Tensor {
             Self::F32(a) => PartView::F32(a.as_slice().expect("tensor kept in standard layout")),
             Self::F16(a) => PartView::F16(a.as_slice().expect("tensor kept in standard layout")),
             Self::BF16(a) => PartView::BF16(a.as_slice().expect("tensor kept in standard layout")),
+            Self::External(e) => e.view(),
         }
     }
 
@@ -234,6 +266,7 @@ impl Tensor {
             Self::BF16(a) => {
                 PartViewMut::BF16(a.as_slice_mut().expect("tensor kept in standard layout"))
             }
+            Self::External(e) => e.view_mut(),
         }
     }
 

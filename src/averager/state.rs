@@ -496,9 +496,25 @@ impl Averager {
     pub async fn load_state_from_peers(&self) -> Result<Option<LoadedState>, StateError> {
         let inner = &self.state.inner;
         let limit = inner.config.load_timeout;
-        tokio::time::timeout(limit, inner.load())
+        let loaded = tokio::time::timeout(limit, inner.load(true))
             .await
-            .map_err(|_| StateError::Timeout(limit))?
+            .map_err(|_| StateError::Timeout(limit))??;
+        Ok(loaded.map(|l| l.state))
+    }
+
+    /// Like [`Averager::load_state_from_peers`], but installs nothing: returns the verified
+    /// state's tensors (owned, in the local schema) beside where they came from, and leaves
+    /// the local tensors and metadata as they are (hivemind's `load_state_from_peers`, which
+    /// hands the state to the caller).
+    pub async fn download_state_from_peers(
+        &self,
+    ) -> Result<Option<(LoadedState, Vec<Tensor>)>, StateError> {
+        let inner = &self.state.inner;
+        let limit = inner.config.load_timeout;
+        let loaded = tokio::time::timeout(limit, inner.load(false))
+            .await
+            .map_err(|_| StateError::Timeout(limit))??;
+        Ok(loaded.and_then(|l| Some((l.state, l.tensors?))))
     }
 
     /// Switches serving the state on or off and returns once the announcement (or its
@@ -955,6 +971,12 @@ struct Progress {
 }
 
 /// A completed download.
+/// What a load produced: the state, and its tensors when they were not installed.
+struct Loaded {
+    state: LoadedState,
+    tensors: Option<Vec<Tensor>>,
+}
+
 struct Downloaded {
     data: Vec<u8>,
     meta: Metadata,
@@ -964,7 +986,7 @@ struct Downloaded {
 }
 
 impl Inner {
-    async fn load(&self) -> Result<Option<LoadedState>, StateError> {
+    async fn load(&self, install: bool) -> Result<Option<Loaded>, StateError> {
         let expected = {
             let tensors = lock(&self.shared.tensors);
             Expected {
@@ -1012,7 +1034,16 @@ impl Inner {
                             .filter_map(|p| Some((p.stream?, p.meta.session))),
                     );
                     release(idle, self.config.request_timeout);
-                    return self.install(done, failures);
+                    return if install {
+                        self.install(done, failures).map(|s| {
+                            s.map(|state| Loaded {
+                                state,
+                                tensors: None,
+                            })
+                        })
+                    } else {
+                        Ok(Some(self.unpack(done, failures)))
+                    };
                 }
                 Err(group_failures) => failures.extend(group_failures),
             }
@@ -1239,6 +1270,49 @@ impl Inner {
         })
     }
 
+    /// A verified download as tensors of the local schema, installed nowhere.
+    fn unpack(&self, done: Downloaded, skipped: Vec<(PeerId, DonorError)>) -> Loaded {
+        let Downloaded {
+            data,
+            meta,
+            reports,
+            ..
+        } = done;
+        let mut offset = 0;
+        let tensors = meta
+            .tensors
+            .iter()
+            .map(|d| {
+                let mut t = Tensor::zeros(&d.shape, d.dtype);
+                let n = t.size_bytes();
+                copy_into(&mut t, &data[offset..offset + n]);
+                offset += n;
+                t
+            })
+            .collect();
+        Loaded {
+            state: self.loaded_state(meta, reports, skipped),
+            tensors: Some(tensors),
+        }
+    }
+
+    /// Where a verified download came from, and what it was.
+    fn loaded_state(
+        &self,
+        meta: Metadata,
+        reports: Vec<DonorReport>,
+        skipped: Vec<(PeerId, DonorError)>,
+    ) -> LoadedState {
+        LoadedState {
+            source: reports.first().map_or(self.dht.p2p().peer_id(), |r| r.peer),
+            donors: reports,
+            bytes: meta.total_bytes,
+            content_hash: meta.content_hash,
+            metadata: meta.metadata,
+            skipped,
+        }
+    }
+
     /// Replaces the tensors and the metadata with a verified download.
     fn install(
         &self,
@@ -1269,14 +1343,7 @@ impl Inner {
             }
         }
         *lock(&self.metadata) = meta.metadata.clone();
-        Ok(Some(LoadedState {
-            source: reports.first().map_or(self.dht.p2p().peer_id(), |r| r.peer),
-            donors: reports,
-            bytes: meta.total_bytes,
-            content_hash: meta.content_hash,
-            metadata: meta.metadata,
-            skipped,
-        }))
+        Ok(Some(self.loaded_state(meta, reports, skipped)))
     }
 }
 

@@ -235,7 +235,7 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
     config.nat.external = config
         .listen
         .iter()
-        .filter(|a| is_explicit(a))
+        .filter(|a| hivemesh::p2p::is_explicit_addr(a))
         .cloned()
         .chain(args.external)
         .collect();
@@ -301,20 +301,6 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
             .context("the p2p task failed")?;
         Ok(())
     })
-}
-
-/// Whether `addr` names a specific IP and port (not `0.0.0.0`, `::` or port 0).
-fn is_explicit(addr: &libp2p::Multiaddr) -> bool {
-    use libp2p::multiaddr::Protocol;
-    let ip = addr.iter().any(|p| match p {
-        Protocol::Ip4(ip) => !ip.is_unspecified(),
-        Protocol::Ip6(ip) => !ip.is_unspecified(),
-        _ => false,
-    });
-    let port = addr
-        .iter()
-        .any(|p| matches!(p, Protocol::Tcp(port) | Protocol::Udp(port) if port != 0));
-    ip && port
 }
 
 /// `reachability: public (confirmed /ip4/...)`, `reachability: punchable (relayed /ip4/...)`.

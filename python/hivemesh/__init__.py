@@ -1,0 +1,47 @@
+"""hivemesh: peer-to-peer decentralized averaging, with hivemind's averaging API.
+
+A training loop that averages with hivemind switches by changing its imports::
+
+    import hivemesh
+    dht = hivemesh.DHT(initial_peers=[...], start=True)
+    averager = hivemesh.DecentralizedAverager([param.data for param in model.parameters()],
+                                              dht, prefix="my_run", target_group_size=4,
+                                              start=True)
+    averager.step()  # the parameters now hold the group's average
+
+The tensors (PyTorch CPU tensors or numpy arrays) are shared with the Rust core, not copied.
+"""
+
+from hivemesh._hivemesh import (
+    AveragingError,
+    DHTError,
+    HivemeshError,
+    MatchmakingError,
+    ShutdownError,
+    StateError,
+    __version__,
+    get_dht_time,
+)
+from hivemesh import compression
+from hivemesh.averaging import AveragingMode, AveragingStage, DecentralizedAverager, StepControl
+from hivemesh.dht import DHT, Multiaddr, PeerID, ValueWithExpiration
+
+__all__ = [
+    "DHT",
+    "AveragingError",
+    "AveragingMode",
+    "AveragingStage",
+    "DHTError",
+    "DecentralizedAverager",
+    "HivemeshError",
+    "MatchmakingError",
+    "Multiaddr",
+    "PeerID",
+    "ShutdownError",
+    "StateError",
+    "StepControl",
+    "ValueWithExpiration",
+    "__version__",
+    "compression",
+    "get_dht_time",
+]

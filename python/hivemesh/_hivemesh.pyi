@@ -1,0 +1,143 @@
+"""Type stubs of the native module ``hivemesh._hivemesh`` (see python/src/ for the Rust side).
+
+Use the Python API (``hivemesh.DHT``, ``hivemesh.DecentralizedAverager``); these classes are
+what it is built on.
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__version__: str
+
+class HivemeshError(Exception):
+    """Base of every hivemesh error."""
+
+class DHTError(HivemeshError):
+    """The swarm or DHT failed (starting, storing, reading)."""
+
+class AveragingError(HivemeshError):
+    """A step failed: linking, the all-reduce, an unreachable group."""
+
+class MatchmakingError(AveragingError):
+    """No group formed in time."""
+
+class StateError(HivemeshError):
+    """Downloading or serving the averager's state failed."""
+
+class ShutdownError(HivemeshError):
+    """The node or averager has shut down (or was created in a parent process before a fork)."""
+
+def get_dht_time() -> float:
+    """Seconds since the UNIX epoch, as the DHT counts time."""
+
+class Node:
+    """A hivemesh node: swarm, DHT and link hub."""
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] = ...,
+        listen: Optional[Sequence[str]] = ...,
+        client_mode: bool = ...,
+        identity_path: Optional[str] = ...,
+        relay: bool = ...,
+        external: Sequence[str] = ...,
+        data_plane: bool = ...,
+        start_timeout: float = ...,
+    ) -> None: ...
+    @property
+    def peer_id(self) -> str:
+        """This node's peer id (base58)."""
+    @property
+    def is_alive(self) -> bool:
+        """Whether the node runs."""
+    def visible_maddrs(self) -> List[str]:
+        """Addresses others can join through, each ending with ``/p2p/<peer id>``."""
+    def reachability(self) -> Tuple[str, List[str], List[str]]:
+        """``(class, confirmed addresses, relayed addresses)``."""
+    def own_subkey(self) -> bytes:
+        """A subkey that only this node can write."""
+    def store(
+        self, key: bytes, value: bytes, expiration_time: float, subkey: Optional[bytes] = ...
+    ) -> int:
+        """Stores a value; returns how many remote peers took it."""
+    def get(
+        self, key: bytes
+    ) -> Optional[Tuple[Optional[Tuple[bytes, float]], List[Tuple[bytes, bytes, float]]]]:
+        """``None`` or ``(plain, [(subkey, value, expiration)])``."""
+    def shutdown(self) -> None:
+        """Stops the node. Idempotent."""
+
+class StepControl:
+    """A scheduled step."""
+
+    @property
+    def stage(self) -> str:
+        """``queued``, ``matchmaking``, ``awaiting_trigger``, ``allreduce`` or ``finished``."""
+    def trigger(self) -> None:
+        """Lets the all-reduce begin."""
+    def cancel(self) -> None:
+        """Cancels the step."""
+    def done(self) -> bool:
+        """Whether the step has finished."""
+    def wait(self, timeout: Optional[float] = ...) -> bool:
+        """Waits (GIL released) until finished or ``timeout``; returns whether finished."""
+    def outcome(self) -> Dict[str, Any]:
+        """The finished step's outcome, or its error raised."""
+
+class TensorLock:
+    """The averager's tensor lock, held until released."""
+
+    def release(self) -> None:
+        """Releases the lock. Idempotent."""
+
+class Averager:
+    """An averager over tensors shared with Python."""
+
+    def __init__(
+        self,
+        node: Node,
+        tensors: List[Any],
+        prefix: str,
+        *,
+        target_group_size: Optional[int] = ...,
+        min_group_size: int = ...,
+        min_matchmaking_time: float = ...,
+        request_timeout: float = ...,
+        allreduce_timeout: Optional[float] = ...,
+        sender_timeout: Optional[float] = ...,
+        reducer_timeout: Optional[float] = ...,
+        compression: Tuple[int, int, int] = ...,
+        part_size_bytes: Optional[int] = ...,
+        mode: Optional[str] = ...,
+        initial_group_bits: str = ...,
+        allow_state_sharing: bool = ...,
+        state_priority: float = ...,
+        allow_relayed_data: bool = ...,
+        bandwidth: Optional[float] = ...,
+    ) -> None: ...
+    @property
+    def mode(self) -> str:
+        """``node``, ``client`` or ``aux``."""
+    def schedule_step(
+        self,
+        *,
+        weight: float = ...,
+        gather: Optional[bytes] = ...,
+        timeout: Optional[float] = ...,
+        allow_retries: bool = ...,
+        require_trigger: bool = ...,
+        scheduled_in: Optional[float] = ...,
+    ) -> StepControl:
+        """Schedules a step."""
+    def lock(self) -> TensorLock:
+        """Takes the tensor lock."""
+    def download_state(
+        self,
+    ) -> Optional[Tuple[bytes, List[Tuple[str, List[int], bytes]]]]:
+        """Downloads the state without installing it."""
+    state_metadata: bytes
+    def allow_state_sharing(self) -> bool: ...
+    def set_allow_state_sharing(self, allow: bool) -> None: ...
+    def state_priority(self) -> float: ...
+    def set_state_priority(self, priority: float) -> None: ...
+    def shutdown(self) -> None:
+        """Stops the averager. Idempotent."""

@@ -1,0 +1,414 @@
+"""``hivemesh.DecentralizedAverager``: hivemind's averaging API over hivemesh's Rust core.
+
+The averaged tensors are the caller's own PyTorch CPU tensors (float32, float16, bfloat16) or
+numpy arrays (float32, float16), contiguous: the Rust core reads and writes their memory, so
+after :meth:`DecentralizedAverager.step` the caller's objects hold the group's average, and
+:meth:`DecentralizedAverager.get_tensors` yields those same objects. A round adds
+``average - snapshot`` to each tensor (the delta rule), so updates made while it runs are kept;
+make them inside ``with averager.get_tensors():`` (the lock the round takes to apply) or
+between steps.
+
+While a step runs, the GIL is released: other Python threads (a data loader, the training
+step) keep running. Ctrl-C during ``step()`` cancels it and raises ``KeyboardInterrupt``;
+the tensors are left unchanged unless the round had already finished.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import enum
+import json
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from hivemesh import _hivemesh
+from hivemesh._hivemesh import MatchmakingError, get_dht_time
+from hivemesh.compression import CompressionBase, NoCompression
+from hivemesh.dht import DHT, PeerID
+
+__all__ = ["DecentralizedAverager", "StepControl", "AveragingMode", "AveragingStage"]
+
+GatheredData = Any
+
+# A gathered value travels as one tag byte and its encoding: raw bytes, or JSON for anything
+# JSON can carry (dicts, lists, numbers, strings). Nothing from the network is unpickled.
+_RAW, _JSON = b"\x00", b"\x01"
+
+
+def _encode_gather(gather: Any) -> bytes:
+    if gather is None:
+        return b""
+    if isinstance(gather, (bytes, bytearray, memoryview)):
+        return _RAW + bytes(gather)
+    try:
+        return _JSON + json.dumps(gather, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"gather must be bytes or JSON-serializable (dicts, lists, str, numbers): {e}"
+        ) from None
+
+
+def _decode_gather(data: bytes) -> Any:
+    if not data:
+        return None
+    tag, body = data[:1], data[1:]
+    if tag == _RAW:
+        return body
+    if tag == _JSON:
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None
+    return None
+
+
+class AveragingMode(enum.Enum):
+    """How a peer takes part: sends and reduces (``NODE``), sends only and is never dialled
+    (``CLIENT``), reduces only (``AUX``)."""
+
+    NODE = 0
+    CLIENT = 1
+    AUX = 2
+
+
+class AveragingStage(enum.Enum):
+    """Where a step is."""
+
+    IDLE = 0
+    LOOKING_FOR_GROUP = 1
+    AWAITING_TRIGGER = 2
+    RUNNING_ALLREDUCE = 3
+    FINISHED = 4
+
+
+_STAGES = {
+    "queued": AveragingStage.IDLE,
+    "matchmaking": AveragingStage.LOOKING_FOR_GROUP,
+    "awaiting_trigger": AveragingStage.AWAITING_TRIGGER,
+    "allreduce": AveragingStage.RUNNING_ALLREDUCE,
+    "finished": AveragingStage.FINISHED,
+}
+
+
+class StepControl:
+    """A step in flight (``step(wait=False)``): :meth:`trigger` it, :meth:`cancel` it, read
+    its :attr:`stage`, wait for its :meth:`result`."""
+
+    def __init__(self, native: _hivemesh.StepControl, scheduled_time: Optional[float],
+                 weight: float):
+        self._native = native
+        self.scheduled_time = scheduled_time
+        self.weight = weight
+        self._cancelled = False
+        self._triggered = False
+        #: The last step's outcome (group id, members, links per member, mode): hivemesh's
+        #: round report, set once the step succeeded.
+        self.outcome: Optional[Dict[str, Any]] = None
+
+    def trigger(self) -> None:
+        """Lets the all-reduce begin (for ``require_trigger=True``)."""
+        self._triggered = True
+        self._native.trigger()
+
+    allow_allreduce = trigger  # hivemind's name
+
+    @property
+    def triggered(self) -> bool:
+        """Whether :meth:`trigger` was called."""
+        return self._triggered
+
+    @property
+    def stage(self) -> AveragingStage:
+        """The step's stage."""
+        return _STAGES[self._native.stage]
+
+    @property
+    def began_allreduce(self) -> bool:
+        """Whether the all-reduce has begun."""
+        return self.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED)
+
+    def cancel(self) -> bool:
+        """Cancels the step; returns ``False`` if it had already finished."""
+        if self._native.done():
+            return False
+        self._cancelled = True
+        self._native.cancel()
+        return True
+
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` stopped the step."""
+        return self._cancelled and self._native.done()
+
+    def done(self) -> bool:
+        """Whether the step has finished (in any way)."""
+        return self._native.done()
+
+    def result(self, timeout: Optional[float] = None) -> Optional[Dict[PeerID, GatheredData]]:
+        """Waits for the step: the group's gathered data ``{peer_id: gather}`` (every
+        member, this peer too), or ``None`` if no group formed in time. Raises
+        ``concurrent.futures.TimeoutError`` if ``timeout`` seconds pass first,
+        ``concurrent.futures.CancelledError`` if the step was cancelled, and
+        ``hivemesh.AveragingError`` if the round failed."""
+        if not self._native.wait(timeout):
+            raise concurrent.futures.TimeoutError(f"the step did not finish in {timeout} s")
+        try:
+            outcome = self._native.outcome()
+        except MatchmakingError:
+            return None
+        self.outcome = outcome
+        return {
+            PeerID(peer): _decode_gather(g)
+            for peer, g in zip(outcome["members"], outcome["gathered"])
+        }
+
+    def __repr__(self) -> str:
+        return f"<StepControl {self.stage.name}>"
+
+
+def _tensor_kind(t: Any) -> str:
+    module = type(t).__module__
+    if module.startswith("torch"):
+        return "torch"
+    if module.startswith("numpy"):
+        return "numpy"
+    raise TypeError(
+        f"averaged_tensors must be torch.Tensor or numpy.ndarray, not {type(t).__name__}"
+    )
+
+
+class DecentralizedAverager:
+    """Averages ``averaged_tensors`` with peers that share ``prefix``, in groups found through
+    ``dht``. hivemind's arguments and meanings; see the module docs for how tensors are
+    shared.
+
+    hivemesh's own arguments: ``allow_relayed_data`` lets tensor data go through relays when
+    no direct connection can be made; ``bandwidth`` is this peer's share of reduction work.
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[Any],
+        dht: DHT,
+        *,
+        start: bool = True,
+        prefix: str,
+        target_group_size: Optional[int] = None,
+        min_group_size: int = 2,
+        initial_group_bits: str = "",
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        averaging_alpha: float = 1.0,
+        part_size_bytes: Optional[int] = None,
+        allreduce_timeout: Optional[float] = None,
+        next_chunk_timeout: Optional[float] = None,
+        sender_timeout: Optional[float] = None,
+        reducer_timeout: Optional[float] = None,
+        compression: CompressionBase = NoCompression(),
+        state_compression: CompressionBase = NoCompression(),
+        tensor_infos: Any = None,
+        bandwidth: Optional[float] = None,
+        min_vector_size: int = 0,
+        auxiliary: bool = False,
+        allow_state_sharing: Optional[bool] = None,
+        state_sharing_priority: float = 0.0,
+        declare_state_period: Optional[float] = None,
+        client_mode: Optional[bool] = None,
+        daemon: bool = True,
+        shutdown_timeout: float = 5.0,
+        allow_relayed_data: bool = False,
+    ):
+        if not isinstance(dht, DHT):
+            raise TypeError(f"dht must be a hivemesh.DHT, not {type(dht).__name__}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError("prefix must be a non-empty str")
+        if target_group_size is not None and target_group_size < 2:
+            raise ValueError(f"target_group_size must be at least 2, not {target_group_size}")
+        if min_group_size < 1:
+            raise ValueError(f"min_group_size must be at least 1, not {min_group_size}")
+        if initial_group_bits and set(initial_group_bits) - {"0", "1"}:
+            raise ValueError(f"initial_group_bits must be 0s and 1s, not {initial_group_bits!r}")
+        if averaging_alpha != 1.0:
+            raise ValueError("averaging_alpha other than 1.0 is not supported")
+        if not isinstance(compression, CompressionBase):
+            raise TypeError(f"compression must be a hivemesh.compression codec, not {compression!r}")
+        if auxiliary and client_mode:
+            raise ValueError("an auxiliary peer cannot be in client mode")
+        tensors = list(averaged_tensors)
+        if not tensors:
+            raise ValueError("averaged_tensors is empty")
+        kinds = {_tensor_kind(t) for t in tensors}
+        if len(kinds) > 1:
+            raise TypeError("averaged_tensors mixes torch tensors and numpy arrays")
+        self._kind = kinds.pop()
+        self._tensors = tensors
+        self.dht = dht
+        self.prefix = prefix
+        self.client_mode = client_mode
+        self.auxiliary = auxiliary
+        if auxiliary:
+            mode: Optional[str] = "aux"
+        elif client_mode is None:
+            mode = None
+        else:
+            mode = "client" if client_mode else "node"
+        self._args = dict(
+            prefix=prefix,
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            min_matchmaking_time=float(min_matchmaking_time),
+            request_timeout=float(request_timeout),
+            allreduce_timeout=allreduce_timeout,
+            sender_timeout=sender_timeout if sender_timeout is not None else next_chunk_timeout,
+            reducer_timeout=reducer_timeout,
+            compression=compression._spec(),
+            part_size_bytes=part_size_bytes,
+            mode=mode,
+            initial_group_bits=initial_group_bits,
+            allow_state_sharing=(not auxiliary and not client_mode
+                                 if allow_state_sharing is None else bool(allow_state_sharing)),
+            state_priority=float(state_sharing_priority),
+            allow_relayed_data=bool(allow_relayed_data),
+            bandwidth=bandwidth,
+        )
+        self._native: Optional[_hivemesh.Averager] = None
+        if start:
+            self.run_in_background()
+
+    def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
+        """Starts the averager (a no-op if it runs)."""
+        if self._native is None:
+            self._native = _hivemesh.Averager(self.dht._native, self._tensors, **self._args)
+
+    @property
+    def _averager(self) -> _hivemesh.Averager:
+        if self._native is None:
+            raise _hivemesh.ShutdownError("the averager is not running (start=False or shut down)")
+        return self._native
+
+    @property
+    def peer_id(self) -> PeerID:
+        """This peer's id (its DHT's)."""
+        return self.dht.peer_id
+
+    @property
+    def mode(self) -> AveragingMode:
+        """How this peer takes part now (with ``client_mode=None``: a client when behind a NAT
+        that nobody can reach)."""
+        return AveragingMode[self._averager.mode.upper()]
+
+    def step(
+        self,
+        gather: Optional[GatheredData] = None,
+        scheduled_time: Optional[float] = None,
+        weight: Optional[float] = None,
+        timeout: Optional[float] = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        wait: bool = True,
+    ) -> Any:
+        """Finds a group and averages with it. With ``wait=True`` returns the group's
+        gathered data ``{peer_id: gather}`` (``None`` if no group formed in time); with
+        ``wait=False`` a :class:`StepControl`.
+
+        ``gather``: bytes or JSON-serializable data shared with the group; ``scheduled_time``:
+        when the all-reduce should begin at the earliest (DHT time); ``weight``: this peer's
+        weight (default 1, 0 for an auxiliary peer); ``timeout``: give up after this long;
+        ``require_trigger``: begin the all-reduce only after ``StepControl.trigger()``."""
+        if weight is None:
+            weight = 0.0 if self.auxiliary else 1.0
+        scheduled_in = None
+        if scheduled_time is not None:
+            scheduled_in = max(0.0, float(scheduled_time) - get_dht_time())
+        native = self._averager.schedule_step(
+            weight=float(weight),
+            gather=_encode_gather(gather),
+            timeout=None if timeout is None else float(timeout),
+            allow_retries=allow_retries,
+            require_trigger=require_trigger,
+            scheduled_in=scheduled_in,
+        )
+        control = StepControl(native, scheduled_time, float(weight))
+        return control.result() if wait else control
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[List[Any]]:
+        """Holds the averager's tensor lock and yields the averaged tensors (the caller's own
+        objects). A round that finishes meanwhile waits to apply its result."""
+        lock = self._averager.lock()
+        try:
+            yield self._tensors
+        finally:
+            lock.release()
+
+    def _new_tensor(self, dtype: str, shape: List[int], data: bytes) -> Any:
+        import numpy as np
+
+        if self._kind == "numpy":
+            return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
+        import torch
+
+        if dtype == "bfloat16":
+            raw = np.frombuffer(data, dtype=np.int16).reshape(shape).copy()
+            return torch.from_numpy(raw).view(torch.bfloat16)
+        return torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy())
+
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None
+                              ) -> Optional[Tuple[bytes, List[Any]]]:
+        """Downloads the averaged tensors from a peer that shares them (the one with the
+        highest ``state_sharing_priority``): ``(metadata, tensors)`` as new tensors of the
+        same kind as this averager's, or ``None`` if no peer shares. The local tensors are
+        left as they are. ``metadata`` is the donor's :attr:`state_metadata` (bytes)."""
+        if not wait:
+            raise ValueError("wait=False is not supported; call it in a thread")
+        got = self._averager.download_state()
+        if got is None:
+            return None
+        metadata, tensors = got
+        return metadata, [self._new_tensor(d, s, b) for d, s, b in tensors]
+
+    @property
+    def state_metadata(self) -> bytes:
+        """Bytes served to newcomers with the tensors (hivemind's ``metadata`` of
+        ``get_current_state``)."""
+        return self._averager.state_metadata
+
+    @state_metadata.setter
+    def state_metadata(self, value: bytes) -> None:
+        self._averager.state_metadata = bytes(value)
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        """Whether this peer serves its tensors to newcomers (settable)."""
+        return self._averager.allow_state_sharing()
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        self._averager.set_allow_state_sharing(bool(value))
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """Priority newcomers see (higher is asked first; settable)."""
+        return self._averager.state_priority()
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self._averager.set_state_priority(float(value))
+
+    def is_alive(self) -> bool:
+        """Whether the averager runs."""
+        return self._native is not None
+
+    def shutdown(self) -> None:
+        """Stops the averager (a step in flight fails). Idempotent."""
+        if self._native is not None:
+            self._native.shutdown()
+            self._native = None
+
+    def __enter__(self) -> "DecentralizedAverager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<hivemesh.DecentralizedAverager {self.prefix!r} {self._kind}>"

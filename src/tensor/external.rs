@@ -1,0 +1,245 @@
+//! Tensors over memory that someone else owns: the elements of a PyTorch tensor or a numpy
+//! array, shared with the averager instead of copied, so that after a step the caller's own
+//! objects hold the average.
+//!
+//! An [`External`] is a pointer, a dtype and a shape, plus an *owner*: any value that keeps
+//! the memory alive (the Python bindings hand in a reference to the tensor's storage). The
+//! averager reads and writes such a tensor exactly as it does an owned one, under its tensor
+//! lock; a clone is an owned copy, so a round's snapshot never aliases the caller's memory.
+
+use std::any::Any;
+use std::fmt;
+use std::ptr::NonNull;
+
+use half::{bf16, f16};
+
+use super::{DType, PartView, PartViewMut, Tensor, TensorError};
+
+/// Elements of a tensor in memory that the tensor does not own (see the module docs).
+pub struct External {
+    ptr: NonNull<u8>,
+    dtype: DType,
+    shape: Vec<usize>,
+    numel: usize,
+    _owner: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: an `External` is a unique handle to its elements (the contract of
+// `Tensor::from_external`): it hands out `&[T]` only through `&self` and `&mut [T]` only
+// through `&mut self`, so Rust's aliasing rules hold as they do for a `Vec`, and the owner
+// that keeps the memory alive is itself `Send + Sync`.
+unsafe impl Send for External {}
+// SAFETY: see `Send`; shared access only reads.
+unsafe impl Sync for External {}
+
+impl fmt::Debug for External {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("External")
+            .field("ptr", &self.ptr)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
+}
+
+impl External {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// The address of the first element.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(super) fn view(&self) -> PartView<'_> {
+        let (p, n) = (self.ptr.as_ptr(), self.numel);
+        // SAFETY: `from_external`'s contract: `n` initialized, aligned elements of `dtype`,
+        // valid while `self` lives; `&self` excludes writers through this handle.
+        unsafe {
+            match self.dtype {
+                DType::F32 => PartView::F32(std::slice::from_raw_parts(p.cast::<f32>(), n)),
+                DType::F16 => PartView::F16(std::slice::from_raw_parts(p.cast::<f16>(), n)),
+                DType::BF16 => PartView::BF16(std::slice::from_raw_parts(p.cast::<bf16>(), n)),
+            }
+        }
+    }
+
+    pub(super) fn view_mut(&mut self) -> PartViewMut<'_> {
+        let (p, n) = (self.ptr.as_ptr(), self.numel);
+        // SAFETY: as in `view`; `&mut self` makes this the only access through the handle.
+        unsafe {
+            match self.dtype {
+                DType::F32 => PartViewMut::F32(std::slice::from_raw_parts_mut(p.cast::<f32>(), n)),
+                DType::F16 => PartViewMut::F16(std::slice::from_raw_parts_mut(p.cast::<f16>(), n)),
+                DType::BF16 => {
+                    PartViewMut::BF16(std::slice::from_raw_parts_mut(p.cast::<bf16>(), n))
+                }
+            }
+        }
+    }
+
+    /// An owned tensor with a copy of the elements.
+    pub(super) fn to_owned_tensor(&self) -> Tensor {
+        let dim = ndarray::IxDyn(&self.shape);
+        // The shape's product is `numel` (checked at construction), so these cannot fail.
+        let t = match self.view() {
+            PartView::F32(s) => ndarray::ArrayD::from_shape_vec(dim, s.to_vec()).map(Tensor::F32),
+            PartView::F16(s) => ndarray::ArrayD::from_shape_vec(dim, s.to_vec()).map(Tensor::F16),
+            PartView::BF16(s) => ndarray::ArrayD::from_shape_vec(dim, s.to_vec()).map(Tensor::BF16),
+        };
+        t.unwrap_or_else(|e| unreachable!("shape checked at construction: {e}"))
+    }
+}
+
+impl Tensor {
+    /// A tensor over `shape.iter().product()` elements of `dtype` at `ptr`, which it reads and
+    /// writes in place (row-major) but does not own: `owner` is kept until the tensor is
+    /// dropped and must keep the memory alive. Cloning the tensor copies the elements.
+    ///
+    /// Fails if `ptr` is null or not aligned for `dtype` (a zero-element tensor may have any
+    /// pointer).
+    ///
+    /// # Safety
+    ///
+    /// For as long as the returned tensor lives: the memory at `ptr` holds that many
+    /// initialized elements of `dtype`, contiguous, stays allocated (that is what `owner` is
+    /// for), and is not read or written by anyone else while the tensor is being read or
+    /// written; the caller provides that exclusion (the averager reads and writes its
+    /// tensors only under [`crate::averager::Averager::tensors`]'s lock, so other code must
+    /// take the same lock).
+    pub unsafe fn from_external(
+        shape: &[usize],
+        dtype: DType,
+        ptr: *mut u8,
+        owner: impl Any + Send + Sync,
+    ) -> Result<Self, TensorError> {
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .filter(|n| {
+                n.checked_mul(dtype.size_bytes())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+            .ok_or_else(|| TensorError::Mismatch(format!("shape {shape:?} is too large")))?;
+        let align = match dtype {
+            DType::F32 => std::mem::align_of::<f32>(),
+            DType::F16 => std::mem::align_of::<f16>(),
+            DType::BF16 => std::mem::align_of::<bf16>(),
+        };
+        let ptr = if numel == 0 {
+            // No element is ever read: any well-aligned non-null pointer will do.
+            NonNull::<f32>::dangling().cast::<u8>()
+        } else {
+            let p = NonNull::new(ptr)
+                .ok_or_else(|| TensorError::Mismatch("null pointer for external tensor".into()))?;
+            if !(p.as_ptr() as usize).is_multiple_of(align) {
+                return Err(TensorError::Mismatch(format!(
+                    "external {dtype} data at {p:?} is not {align}-byte aligned"
+                )));
+            }
+            p
+        };
+        Ok(Self::External(External {
+            ptr,
+            dtype,
+            shape: shape.to_vec(),
+            numel,
+            _owner: Box::new(owner),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// Counts drops, to show the owner lives exactly as long as the tensor.
+    struct Owner(Arc<AtomicUsize>);
+
+    impl Drop for Owner {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn writes_land_in_the_callers_memory_and_clones_are_copies() {
+        let mut memory = vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let dropped = Arc::new(AtomicUsize::new(0));
+        // SAFETY: `memory` outlives `t` and nothing else touches it meanwhile.
+        let mut t = unsafe {
+            Tensor::from_external(
+                &[2, 3],
+                DType::F32,
+                memory.as_mut_ptr().cast(),
+                Owner(dropped.clone()),
+            )
+        }
+        .unwrap();
+        assert_eq!(t.shape(), &[2, 3]);
+        assert_eq!(t.dtype(), DType::F32);
+        assert_eq!(t.numel(), 6);
+        assert_eq!(
+            t,
+            Tensor::from_f32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap()
+        );
+        let copy = t.clone();
+        assert!(matches!(copy, Tensor::F32(_)), "a clone owns its elements");
+        t.add_scaled_f32(1, &[10.0, 10.0], 0.5).unwrap();
+        let average: Vec<u8> = [7.0f32, 7.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        t.add_average(4, &average, copy.part(4..6), 1.0).unwrap();
+        drop(t);
+        assert_eq!(
+            dropped.load(Ordering::SeqCst),
+            1,
+            "the owner is dropped with the tensor"
+        );
+        assert_eq!(memory, vec![1.0, 7.0, 8.0, 4.0, 7.0, 7.0]);
+        assert_eq!(copy.to_f32_vec(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    }
+
+    #[test]
+    fn half_precision_elements_are_shared_too() {
+        let mut memory = vec![bf16::from_f32(1.0); 3];
+        // SAFETY: `memory` outlives `t` and nothing else touches it meanwhile.
+        let mut t =
+            unsafe { Tensor::from_external(&[3], DType::BF16, memory.as_mut_ptr().cast(), ()) }
+                .unwrap();
+        t.add_scaled_f32(0, &[1.0, 2.0, 3.0], 1.0).unwrap();
+        drop(t);
+        assert_eq!(
+            memory.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+            [2.0, 3.0, 4.0]
+        );
+    }
+
+    #[test]
+    fn bad_pointers_and_shapes_are_refused() {
+        let mut memory = vec![0u8; 16];
+        let base = memory.as_mut_ptr();
+        // SAFETY: each call fails before any element could be touched.
+        unsafe {
+            assert!(Tensor::from_external(&[2], DType::F32, std::ptr::null_mut(), ()).is_err());
+            let odd = base.add(usize::from((base as usize).is_multiple_of(2)));
+            assert!(Tensor::from_external(&[2], DType::F16, odd, ()).is_err());
+            assert!(Tensor::from_external(&[usize::MAX, 2], DType::F32, base, ()).is_err());
+            let empty = Tensor::from_external(&[0, 4], DType::F32, std::ptr::null_mut(), ());
+            assert_eq!(empty.unwrap().numel(), 0);
+        }
+    }
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every test: the Rust crate's (`cargo test`, extra arguments go to it) and the Python
+# bindings' (pytest in tests/python, against the package installed with `pip install .` into
+# a virtual environment, target/python-venv unless HIVEMESH_VENV says otherwise).
+#
+# The first run creates the environment and installs maturin, pytest, numpy and torch from
+# the package index (torch is large: a few minutes). The extension is built in the dev profile
+# here, which shares `cargo test`'s build; a plain `pip install .` builds it optimized.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+cargo test --locked "$@"
+
+venv=${HIVEMESH_VENV:-target/python-venv}
+if [[ ! -x $venv/bin/python ]]; then
+  echo "== creating $venv"
+  "${PYTHON:-python3}" -m venv "$venv"
+fi
+py=$(cd "$venv" && pwd)/bin/python
+"$py" -m pip install -q --disable-pip-version-check maturin pytest numpy
+if ! "$py" -c "import torch" 2>/dev/null; then
+  echo "== installing torch into $venv (large; once)"
+  "$py" -m pip install -q --disable-pip-version-check torch
+fi
+echo "== pip install . (the Python bindings)"
+PATH="$(dirname "$py"):$PATH" MATURIN_PEP517_ARGS="--profile dev" "$py" -m pip install -q --disable-pip-version-check \
+  --no-build-isolation --force-reinstall --no-deps .
+echo "== pytest tests/python"
+"$py" -m pytest -q tests/python

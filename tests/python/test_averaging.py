@@ -1,0 +1,333 @@
+"""hivemind's test_averaging.py scenarios through hivemesh's Python API, plus what the
+bindings promise: shared tensors, the GIL released during a step, Ctrl-C, bad arguments."""
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import hivemesh
+from hivemesh.compression import Float16Compression
+
+torch = pytest.importorskip("torch")
+
+# Generous: the suite runs on a loaded 2-core CI machine; nothing here asserts speed.
+STEP_TIMEOUT = 120.0
+
+
+def averagers_for(make_dht, tensors_per_peer, modes=None, **kwargs):
+    """One DHT and averager per peer (mode "node", "client" or "aux"), all in one group."""
+    modes = modes or ["node"] * len(tensors_per_peer)
+    out = []
+    for tensors, mode in zip(tensors_per_peer, modes):
+        dht = make_dht()
+        args = dict(prefix="mygroup", target_group_size=len(tensors_per_peer),
+                    min_group_size=len(tensors_per_peer), min_matchmaking_time=2.0,
+                    request_timeout=10.0)
+        args.update(kwargs)
+        out.append(hivemesh.DecentralizedAverager(
+            tensors, dht, client_mode=(mode == "client"), auxiliary=(mode == "aux"),
+            start=True, **args))
+    return out
+
+
+def shutdown(averagers):
+    for a in averagers:
+        a.shutdown()
+
+
+@pytest.mark.parametrize("n_clients,n_aux", [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (0, 2)])
+def test_allreduce_once(make_dht, n_clients, n_aux):
+    torch.manual_seed(0)
+    n_peers = 4
+    modes = ["client"] * n_clients + ["aux"] * n_aux
+    modes += ["node"] * (n_peers - len(modes))
+    tensors = [[torch.randn(3), torch.randn(5, 7), torch.randn(2, 2)] for _ in range(n_peers)]
+    originals = [[t.clone() for t in ts] for ts in tensors]
+    senders = [i for i, m in enumerate(modes) if m != "aux"]
+    reference = [sum(originals[i][k] for i in senders) / len(senders) for k in range(3)]
+    averagers = averagers_for(make_dht, tensors, modes)
+    try:
+        controls = [a.step(wait=False, timeout=STEP_TIMEOUT) for a in averagers]
+        results = [c.result(timeout=STEP_TIMEOUT) for c in controls]
+        for i, (a, result) in enumerate(zip(averagers, results)):
+            assert result is not None, f"peer {i} ({modes[i]}) found no group"
+            assert set(result) == {b.peer_id for b in averagers}, f"peer {i}"
+            assert a.mode.name.lower() == modes[i]
+        for i, mode in enumerate(modes):
+            for k in range(3):
+                if mode == "aux":
+                    assert torch.equal(tensors[i][k], originals[i][k]), "aux keeps its tensors"
+                else:
+                    assert torch.allclose(tensors[i][k], reference[k], atol=1e-5), (i, k)
+    finally:
+        shutdown(averagers)
+
+
+def test_allreduce_weighted_numpy(make_dht):
+    rng = np.random.default_rng(1)
+    weights = [0.5, 1.0, 2.0, 4.0]
+    tensors = [[rng.standard_normal((17,)).astype(np.float32)] for _ in weights]
+    originals = [t[0].copy() for t in tensors]
+    reference = sum(w * x for w, x in zip(weights, originals)) / sum(weights)
+    averagers = averagers_for(make_dht, tensors)
+    try:
+        controls = [a.step(wait=False, weight=w, timeout=STEP_TIMEOUT)
+                    for a, w in zip(averagers, weights)]
+        assert all(c.result(timeout=STEP_TIMEOUT) is not None for c in controls)
+        for i, ts in enumerate(tensors):
+            np.testing.assert_allclose(ts[0], reference, rtol=1e-5, atol=1e-5, err_msg=str(i))
+    finally:
+        shutdown(averagers)
+
+
+def test_gather_and_half_precision(make_dht):
+    """gather data reaches every member; float16/bfloat16 tensors average within their
+    precision, with a lossy codec on the wire."""
+    torch.manual_seed(2)
+    tensors = [[torch.randn(64).half(), torch.randn(8, 8).bfloat16()] for _ in range(3)]
+    reference = [sum(ts[k].float() for ts in tensors) / 3 for k in range(2)]
+    averagers = averagers_for(make_dht, tensors, compression=Float16Compression())
+    try:
+        controls = [a.step(wait=False, gather=dict(batch_size=123 + i, foo="bar"),
+                           timeout=STEP_TIMEOUT)
+                    for i, a in enumerate(averagers)]
+        for c in controls:
+            gathered = c.result(timeout=STEP_TIMEOUT)
+            assert len(gathered) == 3
+            for i, a in enumerate(averagers):
+                assert gathered[a.peer_id] == dict(batch_size=123 + i, foo="bar")
+        for ts in tensors:
+            assert ts[0].dtype == torch.float16 and ts[1].dtype == torch.bfloat16
+            assert torch.allclose(ts[0].float(), reference[0], atol=1e-2)
+            assert torch.allclose(ts[1].float(), reference[1], atol=5e-2)
+    finally:
+        shutdown(averagers)
+
+
+def test_tensors_are_shared_not_copied(make_dht):
+    ours = [torch.zeros(10), torch.full((4,), 2.0)]
+    theirs = [torch.ones(10), torch.full((4,), 4.0)]
+    averagers = averagers_for(make_dht, [ours, theirs])
+    ptrs = [t.data_ptr() for t in ours]
+    try:
+        with averagers[0].get_tensors() as locked:
+            assert locked is averagers[0]._tensors
+            assert all(a is b for a, b in zip(locked, ours))
+        controls = [a.step(wait=False, timeout=STEP_TIMEOUT) for a in averagers]
+        assert all(c.result(timeout=STEP_TIMEOUT) is not None for c in controls)
+        assert torch.equal(ours[0], torch.full((10,), 0.5))
+        assert torch.equal(ours[1], torch.full((4,), 3.0))
+        assert [t.data_ptr() for t in ours] == ptrs
+        with averagers[0].get_tensors() as locked:
+            assert torch.equal(locked[0], torch.full((10,), 0.5))
+    finally:
+        shutdown(averagers)
+
+
+def test_trigger_holds_the_allreduce(make_dht):
+    tensors = [[torch.full((5,), float(i))] for i in range(2)]
+    averagers = averagers_for(make_dht, tensors)
+    try:
+        controls = [a.step(wait=False, require_trigger=True, timeout=STEP_TIMEOUT)
+                    for a in averagers]
+        for c in controls:
+            # Without a trigger the step cannot finish; it waits for one.
+            with pytest.raises(concurrent.futures.TimeoutError):
+                c.result(timeout=3.0)
+            assert c.stage in (hivemesh.AveragingStage.LOOKING_FOR_GROUP,
+                               hivemesh.AveragingStage.AWAITING_TRIGGER)
+            assert torch.equal(tensors[controls.index(c)][0],
+                               torch.full((5,), float(controls.index(c))))
+        for c in controls:
+            c.trigger()
+        assert all(c.result(timeout=STEP_TIMEOUT) is not None for c in controls)
+        for ts in tensors:
+            assert torch.equal(ts[0], torch.full((5,), 0.5))
+    finally:
+        shutdown(averagers)
+
+
+def test_cancel_leaves_the_tensors(make_dht):
+    t = torch.arange(6, dtype=torch.float32)
+    (averager,) = averagers_for(make_dht, [[t]], min_group_size=2, target_group_size=2)
+    try:
+        control = averager.step(wait=False)
+        assert control.cancel()
+        with pytest.raises(concurrent.futures.CancelledError):
+            control.result(timeout=STEP_TIMEOUT)
+        assert control.done() and control.cancelled()
+        assert not control.cancel(), "a finished step cannot be cancelled"
+        assert torch.equal(t, torch.arange(6, dtype=torch.float32))
+    finally:
+        averager.shutdown()
+
+
+def test_too_few_peers_return_none(make_dht):
+    t = torch.ones(3)
+    (averager,) = averagers_for(make_dht, [[t]], min_group_size=2, target_group_size=2,
+                                min_matchmaking_time=0.5)
+    try:
+        assert averager.step(timeout=3.0) is None
+        assert torch.equal(t, torch.ones(3))
+    finally:
+        averager.shutdown()
+
+
+def test_the_gil_is_released_during_a_step(make_dht):
+    """A Python thread runs while step() waits (here: for peers that never come)."""
+    t = torch.ones(3)
+    (averager,) = averagers_for(make_dht, [[t]], min_group_size=2, target_group_size=2,
+                                min_matchmaking_time=0.5)
+    counter = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counter[0] += 1
+
+    thread = threading.Thread(target=spin)
+    try:
+        # The step starts before the thread: everything the thread counts, it counted while
+        # the main thread was inside step().
+        control = averager.step(wait=False, timeout=3.0)
+        thread.start()
+        before = counter[0]
+        assert control.result(timeout=STEP_TIMEOUT) is None
+        during = counter[0]
+        assert during > before, "no Python thread ran while the step waited"
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=10)
+        averager.shutdown()
+
+
+def test_load_state_from_peers(make_dht):
+    donor_tensors = [torch.randn(3), torch.arange(5, dtype=torch.float32)]
+    newcomer_tensors = [torch.zeros(3), torch.zeros(5)]
+    donor, newcomer = averagers_for(make_dht, [donor_tensors, newcomer_tensors],
+                                    prefix="demo-run")
+    try:
+        donor.state_metadata = b"epoch=7"
+        got = newcomer.load_state_from_peers(timeout=STEP_TIMEOUT)
+        assert got is not None
+        metadata, tensors = got
+        assert metadata == b"epoch=7"
+        assert all(torch.equal(a, b) for a, b in zip(tensors, donor_tensors))
+        assert all(torch.equal(t, torch.zeros_like(t)) for t in newcomer_tensors), \
+            "load_state_from_peers returns the state; it does not overwrite the tensors"
+        donor.allow_state_sharing = False
+        newcomer.allow_state_sharing = False
+        assert newcomer.load_state_from_peers() is None
+    finally:
+        shutdown([donor, newcomer])
+
+
+@pytest.mark.parametrize(
+    "tensor,error",
+    [
+        (lambda: torch.ones(4, 4).t(), "not contiguous"),
+        (lambda: torch.ones(3, dtype=torch.int64), "dtype"),
+        (lambda: np.ones((4, 4), dtype=np.float32)[:, ::2], "not C-contiguous"),
+        (lambda: np.ones(3, dtype=np.float64), "dtype"),
+        (lambda: [1.0, 2.0], "torch.Tensor or numpy.ndarray"),
+    ],
+)
+def test_bad_tensors_are_refused(make_dht, tensor, error):
+    dht = make_dht()
+    with pytest.raises(TypeError, match=error):
+        hivemesh.DecentralizedAverager([tensor()], dht, prefix="bad", start=True)
+
+
+def test_bad_arguments_are_refused(make_dht):
+    dht = make_dht()
+    t = [torch.ones(2)]
+    with pytest.raises(ValueError):
+        hivemesh.DecentralizedAverager(t, dht, prefix="", start=True)
+    with pytest.raises(ValueError):
+        hivemesh.DecentralizedAverager(t, dht, prefix="x", target_group_size=1)
+    with pytest.raises(ValueError):
+        hivemesh.DecentralizedAverager(t, dht, prefix="x", initial_group_bits="012")
+    with pytest.raises(TypeError):
+        hivemesh.DecentralizedAverager(t, dht, prefix="x", no_such_argument=1)
+    with pytest.raises(ValueError):
+        hivemesh.DecentralizedAverager(t, dht, prefix="x", request_timeout=-1.0)
+    with pytest.raises(ValueError):
+        hivemesh.DecentralizedAverager([], dht, prefix="x")
+    with pytest.raises(TypeError):
+        hivemesh.DecentralizedAverager(t, dht, prefix="x", compression="fp16")
+    averager = hivemesh.DecentralizedAverager(t, dht, prefix="x", start=True)
+    try:
+        with pytest.raises(TypeError):
+            averager.step(gather=object())
+        with pytest.raises(ValueError):
+            averager.step(weight=-1.0)
+    finally:
+        averager.shutdown()
+
+
+CTRL_C_CHILD = textwrap.dedent(
+    """
+    import sys, torch, hivemesh
+    dht = hivemesh.DHT(initial_peers=sys.argv[1:], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    t = torch.arange(4, dtype=torch.float32)
+    averager = hivemesh.DecentralizedAverager([t], dht, prefix="alone", min_group_size=2,
+                                              target_group_size=2, start=True)
+    print("stepping", flush=True)
+    try:
+        averager.step()  # nobody else: waits until interrupted
+        print("step returned", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", "unchanged" if torch.equal(t, torch.arange(4.0)) else "changed",
+              flush=True)
+    averager.shutdown()
+    dht.shutdown()
+    """
+)
+
+
+def test_ctrl_c_interrupts_a_step(bootstrap):
+    child = subprocess.Popen([sys.executable, "-c", CTRL_C_CHILD, *bootstrap],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "stepping"
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=STEP_TIMEOUT)
+    finally:
+        child.kill()
+    assert out.strip() == "interrupted unchanged", err
+    assert child.returncode == 0, err
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_forked_child_cannot_use_the_parents_dht_but_the_parent_can(make_dht):
+    dht = make_dht()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what happened through the pipe, then leave at once
+        try:
+            try:
+                dht.get("key")
+                verdict = b"used"
+            except hivemesh.ShutdownError:
+                child = hivemesh.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                verdict = b"refused, own dht " + child.peer_id.to_base58().encode()
+                child.shutdown()
+            os.write(w, verdict)
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        verdict = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert verdict.startswith(b"refused, own dht "), verdict
+    assert dht.store("key", b"value", hivemesh.get_dht_time() + 60)
+    assert dht.get("key").value == b"value"

@@ -1,0 +1,100 @@
+"""hivemesh.DHT: hivemind's DHT interface, and `python -m hivemesh.dht`."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import hivemesh
+from hivemesh import get_dht_time
+
+
+def test_store_and_get(make_dht):
+    a, b = make_dht(), make_dht()
+    now = get_dht_time()
+    assert a.store("plain", b"hello", now + 60)
+    got = b.get("plain", latest=True)
+    assert got.value == b"hello" and got.expiration_time == pytest.approx(now + 60)
+    assert a.store("dict", b"one", now + 60, subkey="x")
+    assert b.store("dict", b"two", now + 70, subkey=b"\xff")
+    got = a.get("dict")
+    assert got.value == {
+        "x": hivemesh.ValueWithExpiration(b"one", pytest.approx(now + 60)),
+        b"\xff": hivemesh.ValueWithExpiration(b"two", pytest.approx(now + 70)),
+    }
+    assert a.get("missing") is None
+    with pytest.warns(RuntimeWarning, match="expired"):
+        assert a.store("expired", b"x", now - 1) is False
+    assert a.get("expired") is None
+
+
+def test_identity_and_addresses(make_dht, tmp_path):
+    path = tmp_path / "id.key"
+    first = make_dht(identity_path=str(path))
+    peer = first.peer_id
+    addrs = first.get_visible_maddrs()
+    assert addrs and all(str(a).endswith(f"/p2p/{peer}") for a in addrs)
+    first.shutdown()
+    assert not first.is_alive()
+    again = make_dht(identity_path=str(path))
+    assert again.peer_id == peer, "the identity file keeps the peer id"
+
+
+def test_bad_arguments(bootstrap):
+    with pytest.raises(ValueError, match="multiaddr"):
+        hivemesh.DHT(initial_peers=["not a multiaddr"])
+    with pytest.raises(ValueError, match="/p2p/"):
+        hivemesh.DHT(initial_peers=["/ip4/127.0.0.1/tcp/1"])
+    with pytest.raises(TypeError):
+        hivemesh.DHT(initial_peers="/ip4/127.0.0.1/tcp/1")
+    with pytest.raises(TypeError):
+        hivemesh.DHT(no_such_argument=True)
+    with hivemesh.DHT(initial_peers=bootstrap, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as dht:
+        with pytest.raises(TypeError):
+            dht.store("k", "not bytes", get_dht_time() + 10)
+        with pytest.raises(TypeError):
+            dht.get(123)
+    assert not dht.is_alive()
+
+
+def test_start_false_then_run_in_background(bootstrap):
+    dht = hivemesh.DHT(initial_peers=bootstrap, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       start=False)
+    assert not dht.is_alive()
+    with pytest.raises(hivemesh.DHTError):
+        dht.peer_id
+    dht.run_in_background(await_ready=True)
+    try:
+        assert dht.is_alive()
+        assert dht.store("k", b"v", get_dht_time() + 30)
+    finally:
+        dht.shutdown()
+
+
+def test_python_m_hivemesh_dht(make_dht):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hivemesh.dht", "--listen", "/ip4/127.0.0.1/tcp/0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        addr = proc.stdout.readline().strip()
+        assert "/p2p/" in addr, proc.stderr.read() if proc.poll() is not None else addr
+        with hivemesh.DHT(initial_peers=[addr], host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as a:
+            assert a.store("via-bootstrap", b"yes", get_dht_time() + 60)
+            with hivemesh.DHT(initial_peers=[addr],
+                              host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as b:
+                assert b.get("via-bootstrap").value == b"yes"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "as a relay" in err and "shutting down" in err
+
+
+def test_python_m_hivemesh_dht_bad_flag():
+    proc = subprocess.run([sys.executable, "-m", "hivemesh.dht", "--listen", "nonsense"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "error:" in proc.stderr and "multiaddr" in proc.stderr
