@@ -341,16 +341,17 @@ class DecentralizedAverager:
             lock.release()
 
     def _new_tensor(self, dtype: str, shape: List[int], data: bytes) -> Any:
-        import numpy as np
-
         if self._kind == "numpy":
+            import numpy as np
+
             return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
         import torch
 
-        if dtype == "bfloat16":
-            raw = np.frombuffer(data, dtype=np.int16).reshape(shape).copy()
-            return torch.from_numpy(raw).view(torch.bfloat16)
-        return torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy())
+        torch_dtype = getattr(torch, dtype)
+        if not data:
+            return torch.empty(shape, dtype=torch_dtype)
+        # A bytearray is writable, so the tensor may own it without a copy or a warning.
+        return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(shape)
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None
                               ) -> Optional[Tuple[bytes, List[Any]]]:

@@ -210,8 +210,9 @@ def test_the_gil_is_released_during_a_step(make_dht):
 
 
 def test_load_state_from_peers(make_dht):
-    donor_tensors = [torch.randn(3), torch.arange(5, dtype=torch.float32)]
-    newcomer_tensors = [torch.zeros(3), torch.zeros(5)]
+    donor_tensors = [torch.randn(3), torch.arange(5, dtype=torch.float32),
+                     torch.randn(2, 2).bfloat16()]
+    newcomer_tensors = [torch.zeros(3), torch.zeros(5), torch.zeros(2, 2).bfloat16()]
     donor, newcomer = averagers_for(make_dht, [donor_tensors, newcomer_tensors],
                                     prefix="demo-run")
     try:
@@ -220,6 +221,7 @@ def test_load_state_from_peers(make_dht):
         assert got is not None
         metadata, tensors = got
         assert metadata == b"epoch=7"
+        assert [t.dtype for t in tensors] == [t.dtype for t in donor_tensors]
         assert all(torch.equal(a, b) for a, b in zip(tensors, donor_tensors))
         assert all(torch.equal(t, torch.zeros_like(t)) for t in newcomer_tensors), \
             "load_state_from_peers returns the state; it does not overwrite the tensors"
