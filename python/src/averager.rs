@@ -546,7 +546,7 @@ impl StepControl {
             async move {
                 let _ = done.wait_for(|d| *d).await;
             },
-            || self.cancel(),
+            runtime::OnInterrupt::Finish(|| self.cancel()),
             timeout,
         )?;
         Ok(finished.is_some())

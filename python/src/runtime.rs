@@ -77,19 +77,28 @@ impl Owner {
     }
 }
 
+/// What a wait does when a Python signal handler raises (Ctrl-C: `KeyboardInterrupt`).
+pub(crate) enum OnInterrupt<F: FnOnce()> {
+    /// Drop the future.
+    Abort,
+    /// Run this (e.g. cancel a step), then let the future end (at most 30 s).
+    Finish(F),
+}
+
 /// Runs `fut` on the runtime and waits for it with the GIL released, waking every
-/// [`SIGNAL_CHECK`] to run Python's signal handlers. If one raises (Ctrl-C:
-/// `KeyboardInterrupt`), `on_interrupt` runs and its result is awaited (e.g. a cancelled
-/// step's end), then the handler's exception is returned.
-pub(crate) fn wait<T, F>(
+/// [`SIGNAL_CHECK`] to run Python's signal handlers; if one raises, does what `on_interrupt`
+/// says and returns the handler's exception. `Ok(None)`: `timeout` passed first (the future
+/// keeps running on the runtime).
+pub(crate) fn wait<T, F, I>(
     py: Python<'_>,
     fut: F,
-    on_interrupt: impl FnOnce(),
+    on_interrupt: OnInterrupt<I>,
     timeout: Option<Duration>,
 ) -> PyResult<Option<T>>
 where
     T: Send + 'static,
     F: Future<Output = T> + Send + 'static,
+    I: FnOnce(),
 {
     let rt = handle()?;
     let mut task = rt.spawn(fut);
@@ -111,43 +120,31 @@ where
             Err(_) => {}
         }
         if let Err(interrupt) = py.check_signals() {
-            on_interrupt();
-            // The future ends soon after `on_interrupt` (or is dropped here).
-            let _ = py.detach(|| {
-                rt.block_on(async { tokio::time::timeout(Duration::from_secs(30), task).await })
-            });
+            match on_interrupt {
+                OnInterrupt::Abort => task.abort(),
+                OnInterrupt::Finish(f) => {
+                    f();
+                    let _ = py.detach(|| {
+                        rt.block_on(async {
+                            tokio::time::timeout(Duration::from_secs(30), task).await
+                        })
+                    });
+                }
+            }
             return Err(interrupt);
         }
         if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-            // The caller's timeout: leave the future running (it is owned by the runtime).
             return Ok(None);
         }
     }
 }
 
-/// [`wait`] without a timeout: the future's output, or the interrupt.
+/// [`wait`] with no timeout, dropping the future on Ctrl-C.
 pub(crate) fn block_on<T, F>(py: Python<'_>, fut: F) -> PyResult<T>
 where
     T: Send + 'static,
     F: Future<Output = T> + Send + 'static,
 {
-    let rt = handle()?;
-    let mut task = rt.spawn(fut);
-    loop {
-        let polled = py
-            .detach(|| rt.block_on(async { tokio::time::timeout(SIGNAL_CHECK, &mut task).await }));
-        match polled {
-            Ok(Ok(out)) => return Ok(out),
-            Ok(Err(e)) => {
-                return Err(ShutdownError::new_err(format!(
-                    "a hivemesh task failed: {e}"
-                )));
-            }
-            Err(_) => {}
-        }
-        if let Err(interrupt) = py.check_signals() {
-            task.abort();
-            return Err(interrupt);
-        }
-    }
+    let out = wait(py, fut, OnInterrupt::<fn()>::Abort, None)?;
+    out.ok_or_else(|| ShutdownError::new_err("a wait without a timeout timed out"))
 }
