@@ -65,6 +65,8 @@ import torch
 
 import hivemesh
 
+from _harness import Failure, stop_processes
+
 #: Where every node listens: loopback, TCP, a port of the system's choice.
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 #: Every how many elements the first step's result is checked.
@@ -158,26 +160,6 @@ def worker_main(index: int, args: argparse.Namespace, initial_peers: List[str], 
             dht.shutdown()
 
 
-class Failure(Exception):
-    """The harness failed (the message says why)."""
-
-
-def stop_workers(procs: List[Any], grace: float) -> None:
-    """Waits up to ``grace`` seconds for the workers to exit, then terminates (and if need be
-    kills) the rest."""
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-
-
 def next_message(results: Any, procs: List[Any], timeout: float, waiting_for: str) -> tuple:
     """The next message from a worker; fails if ``timeout`` seconds pass first, if a worker
     exits meanwhile, or on a worker's fatal error."""
@@ -244,7 +226,7 @@ def run(args: argparse.Namespace) -> List[float]:
     except threading.BrokenBarrierError:
         raise Failure("a worker did not reach the round barrier in time") from None
     finally:
-        stop_workers(procs, grace=30.0 if ok else 0.0)
+        stop_processes(procs, grace=30.0 if ok else 0.0)
         bootstrap.shutdown()
         results.close()
     return times

@@ -63,6 +63,8 @@ from torch import nn
 
 import hivemesh
 
+from _harness import Failure, stop_processes
+
 #: Where every node listens: loopback, TCP, a port of the system's choice.
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 #: Hidden units of the teacher network that generates the targets.
@@ -263,26 +265,6 @@ def peer_main(p: int, args: argparse.Namespace, initial_peers: List[str], result
 # The parent
 
 
-class Failure(Exception):
-    """The run failed (the message says why)."""
-
-
-def stop_peers(procs: List[Any], grace: float) -> None:
-    """Waits up to ``grace`` seconds for the peers to exit, then terminates (and if need be
-    kills) the rest."""
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
-
-
 def run_peers(args: argparse.Namespace, baseline_losses: List[float], n_rounds: int
               ) -> Tuple[Dict[int, torch.Tensor], Dict[int, List[Tuple[float, Optional[str]]]]]:
     """Starts the bootstrap node and the peer processes, prints peer 0's rounds as they come,
@@ -346,7 +328,7 @@ def run_peers(args: argparse.Namespace, baseline_losses: List[float], n_rounds: 
     finally:
         # After a success the peers leave on their own (once every peer reported); on any
         # failure they are stopped at once.
-        stop_peers(procs, grace=args.step_timeout if ok else 0.0)
+        stop_processes(procs, grace=args.step_timeout if ok else 0.0)
         bootstrap.shutdown()
         results.close()
     return finals, steps
