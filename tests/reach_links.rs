@@ -3,6 +3,8 @@
 //! refuses a Hello from the other side), clients link only to reducers, and `EstablishedLinks`
 //! reports how each link is carried.
 
+mod common;
+
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
@@ -95,20 +97,7 @@ async fn nodes(setups: &[Setup]) -> Vec<Node> {
             .expect("hub");
         nodes.push(Node { p2p, keypair, hub });
     }
-    let mut addrs = Vec::new();
-    for n in &nodes {
-        addrs.push(n.p2p.listen_addrs().await.expect("addrs"));
-    }
-    for a in &nodes {
-        for (b, addrs) in nodes.iter().zip(&addrs) {
-            if a.p2p.peer_id() != b.p2p.peer_id() {
-                a.p2p
-                    .add_peer_addresses(b.p2p.peer_id(), addrs.clone())
-                    .await
-                    .expect("add addresses");
-            }
-        }
-    }
+    common::introduce_all(&nodes.iter().map(|n| &n.p2p).collect::<Vec<_>>()).await;
     nodes
 }
 

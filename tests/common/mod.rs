@@ -69,3 +69,20 @@ pub fn foreign_group_frame() -> Vec<u8> {
     );
     b.to_vec()
 }
+
+/// Tells every node the others' listen addresses, so that any of them can dial any other.
+pub async fn introduce_all(nodes: &[&hivemesh::p2p::P2p]) {
+    let mut addrs = Vec::new();
+    for n in nodes {
+        addrs.push(n.listen_addrs().await.expect("addrs"));
+    }
+    for a in nodes {
+        for (b, addrs) in nodes.iter().zip(&addrs) {
+            if a.peer_id() != b.peer_id() {
+                a.add_peer_addresses(b.peer_id(), addrs.clone())
+                    .await
+                    .expect("add addresses");
+            }
+        }
+    }
+}
