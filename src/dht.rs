@@ -63,9 +63,12 @@
 //! building the map, and rejects non-finite expirations, empty subkeys (hivemind reserves `b""`
 //! for "the whole dictionary"), duplicate subkeys and values holding nothing with typed
 //! [`DhtValueError`]s; it never panics on arbitrary bytes. [`DhtValue::validate`] then checks a
-//! value against [`ValidationLimits`] at `now`, including that no expiration lies more than
-//! `max_expiration_ahead` past `now`: a write's expiration is its version, so an unbounded one
-//! would win every merge forever. Expired writes are not an error (a replica may answer before
+//! value against [`ValidationLimits`] at `now`, including that no expiration lies past the
+//! [horizon](ValidationLimits::horizon) `now + max_expiration_ahead + max_clock_skew`: a write's
+//! expiration is its version, so an unbounded one would win every merge forever. Clocks
+//! differ, so a reader does not refuse a replica's whole answer for a write past *its* horizon
+//! (one that a replica whose clock runs ahead accepted): it drops that write and keeps the
+//! rest ([`Dht::get`]). Expired writes are not an error (a replica may answer before
 //! it pruned them); callers drop them with [`DhtValue::without_expired`]. Merging two valid
 //! values can exceed the limits (the union of two full dictionaries); the record store validates
 //! the merge result as well and keeps its current value when an inbound record would push it
@@ -151,6 +154,10 @@ pub const DEFAULT_MAX_SUBKEYS: usize = 4096;
 /// Default [`ValidationLimits::max_expiration_ahead`]: one hour.
 pub const DEFAULT_MAX_EXPIRATION_AHEAD: Duration = Duration::from_secs(3600);
 
+/// Default [`ValidationLimits::max_clock_skew`]: five minutes, well past what NTP-synced
+/// machines drift (milliseconds) and enough for a home machine whose clock was set by hand.
+pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_secs(300);
+
 /// Limits an inbound value must respect.
 ///
 /// The defaults: **768 KiB** of encoded value, three quarters of the 1 MiB record bound the p2p
@@ -177,6 +184,18 @@ pub struct ValidationLimits {
     pub max_subkeys: usize,
     /// How far past `now` an expiration may lie.
     pub max_expiration_ahead: Duration,
+    /// How far another node's clock may run ahead of ours: added to `max_expiration_ahead`
+    /// where a value is checked (a write ahead of this much is refused by a replica, and
+    /// dropped from an answer by a reader; see [`Dht::get`]).
+    pub max_clock_skew: Duration,
+}
+
+impl ValidationLimits {
+    /// The latest expiration accepted at `now`: `now + max_expiration_ahead + max_clock_skew`.
+    pub fn horizon(&self, now: DhtTime) -> DhtTime {
+        now.saturating_add(self.max_expiration_ahead)
+            .saturating_add(self.max_clock_skew)
+    }
 }
 
 impl Default for ValidationLimits {
@@ -185,6 +204,7 @@ impl Default for ValidationLimits {
             max_value_bytes: DEFAULT_MAX_VALUE_BYTES,
             max_subkeys: DEFAULT_MAX_SUBKEYS,
             max_expiration_ahead: DEFAULT_MAX_EXPIRATION_AHEAD,
+            max_clock_skew: DEFAULT_MAX_CLOCK_SKEW,
         }
     }
 }
@@ -204,7 +224,8 @@ pub enum DhtValueError {
     /// The value holds more subkeys than the limit.
     #[error("{count} subkeys exceed the limit of {max}")]
     TooManySubkeys {
-        /// Subkeys in the value.
+        /// Subkeys in the value (from [`DhtValue::from_bytes`], which counts before decoding
+        /// and stops at the first one over: the limit plus one).
         count: usize,
         /// Limit.
         max: usize,
@@ -226,7 +247,7 @@ pub enum DhtValueError {
     ExpirationTooFar {
         /// The offending expiration.
         expiration: DhtTime,
-        /// `now + max_expiration_ahead`.
+        /// `now + max_expiration_ahead + max_clock_skew`.
         horizon: DhtTime,
     },
     /// The bytes are not a valid encoding.

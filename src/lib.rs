@@ -36,6 +36,7 @@ pub mod dht;
 pub mod links;
 pub mod matchmaking;
 pub mod p2p;
+mod proto_guard;
 pub mod reach;
 pub mod runner;
 pub mod sim;

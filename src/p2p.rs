@@ -71,6 +71,7 @@
 
 mod identity;
 mod nat;
+mod store;
 mod swarm;
 
 use std::path::PathBuf;
@@ -87,6 +88,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt as _};
 
 pub use identity::load_or_create as load_or_create_identity;
+pub use store::{StoreLimits, StoreRefusal, StoreUsage};
 
 /// Whether `addr` names a specific IP and port (not `0.0.0.0`, `::` or port 0): where an
 /// operator told peers to find a node, so it counts as an external address
@@ -236,6 +238,38 @@ pub struct P2pConfig {
     pub idle_connection_timeout: Duration,
     /// Reachability, relays and hole punching.
     pub nat: NatConfig,
+    /// Bounds on the DHT records kept for others (`store.rs`: a share per peer; local records
+    /// are never evicted).
+    pub store: StoreLimits,
+    /// Bounds on the swarm's connections.
+    pub connections: ConnectionLimits,
+}
+
+/// Bounds on the swarm's connections (libp2p's `connection_limits`): connections beyond them
+/// are refused before their handshake completes (pending) or right after it (established).
+///
+/// The defaults: **128 pending inbound** (handshakes in flight: a burst of dials costs at most
+/// that many noise handshakes at once), **1024 established inbound** (a bootstrap node of a
+/// swarm of a thousand peers), **8 per peer** (TCP and QUIC, direct, relayed and hole-punched
+/// connections of one peer, with room for redials while old ones close).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Inbound connections still in their handshake.
+    pub max_pending_incoming: u32,
+    /// Established inbound connections.
+    pub max_established_incoming: u32,
+    /// Established connections (either direction) with one peer.
+    pub max_per_peer: u32,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            max_pending_incoming: 128,
+            max_established_incoming: 1024,
+            max_per_peer: 8,
+        }
+    }
 }
 
 /// How a node finds out its reachability and makes itself reachable (module docs).
@@ -408,6 +442,8 @@ impl Default for P2pConfig {
             bootstrap_timeout: DEFAULT_BOOTSTRAP_TIMEOUT,
             idle_connection_timeout: Duration::from_secs(60),
             nat: NatConfig::default(),
+            store: StoreLimits::default(),
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -530,6 +566,13 @@ impl P2p {
     /// Counters of hole punches and relay reservations.
     pub fn nat_stats(&self) -> NatStats {
         *self.nat_stats.borrow()
+    }
+
+    /// What the DHT record store holds (records, bytes, this node's own share, evictions and
+    /// refusals).
+    pub async fn store_usage(&self) -> Result<StoreUsage, P2pError> {
+        self.call(|reply| swarm::Command::StoreUsage { reply })
+            .await
     }
 
     /// How we are connected to `peer` now, one entry per connection (empty: not connected).

@@ -20,13 +20,15 @@
 //!
 //! When the round is over the writers flush and close their write halves, readers are stopped,
 //! and the outcome is returned. Every task is owned and joined (or aborted) before returning.
+//! Dropping the round's future (a step's deadline does) aborts the link tasks, which closes the
+//! links, and tells the compute thread to stop at its next wake-up: nothing outlives the round.
 
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
 
 use crate::allreduce::{Butterfly, Message, Outcome, RoundConfig, RoundError, RoundEvent};
 use crate::buffers::BufferPool;
@@ -171,8 +173,9 @@ async fn run(
 
     let (in_tx, mut in_rx) = mpsc::channel(runner.inbound_queue);
     let mut writers: Vec<Option<mpsc::Sender<Message>>> = (0..n).map(|_| None).collect();
-    let mut tasks: Vec<JoinHandle<()>> = Vec::new();
-    let mut readers: Vec<JoinHandle<()>> = Vec::new();
+    // Owned: dropping this future (the round abandoned) aborts them, closing the links.
+    let mut tasks = JoinSet::new();
+    let mut readers = JoinSet::new();
     let mut unreachable = Vec::new();
     for (peer, link) in links.into_iter().enumerate() {
         let Some(link) = link else {
@@ -184,15 +187,15 @@ async fn run(
         let (read, write) = tokio::io::split(link);
         let (tx, rx) = mpsc::channel(runner.link_queue);
         writers[peer] = Some(tx);
-        readers.push(tokio::spawn(read_link(
+        readers.spawn(read_link(
             peer,
             read,
             group_id.clone(),
             in_tx.clone(),
             runner.max_frame_bytes,
             runner.pool.clone(),
-        )));
-        tasks.push(tokio::spawn(write_link(
+        ));
+        tasks.spawn(write_link(
             peer,
             write,
             rx,
@@ -200,10 +203,13 @@ async fn run(
             in_tx.clone(),
             runner.write_timeout,
             runner.close_timeout,
-        )));
+        ));
     }
     drop(in_tx);
 
+    // Held here until the compute thread is joined: if this future is dropped first, the
+    // thread sees the channel close and returns instead of running to the round's deadlines.
+    let (_abandon_guard, mut abandoned) = oneshot::channel::<()>();
     let handle = tokio::runtime::Handle::current();
     let span = tracing::Span::current();
     let compute = tokio::task::spawn_blocking(move || {
@@ -212,21 +218,23 @@ async fn run(
         for peer in unreachable {
             machine.handle_link_failed(Instant::now(), peer, None);
         }
-        let result = compute_loop(&handle, &mut machine, &mut writers, &mut in_rx, &mut cancel);
+        let result = compute_loop(
+            &handle,
+            &mut machine,
+            &mut writers,
+            &mut in_rx,
+            &mut cancel,
+            &mut abandoned,
+        );
         drop(writers); // closes the link queues: writers flush and close
         result.map(|()| machine)
     });
     let machine = compute
         .await
         .map_err(|e| RunnerError::Internal(e.to_string()))?;
-    for t in tasks {
-        // Writers end by themselves once their queue is closed (each step under a timeout).
-        let _ = t.await;
-    }
-    for r in readers {
-        r.abort();
-        let _ = r.await;
-    }
+    // Writers end by themselves once their queue is closed (each step under a timeout).
+    while tasks.join_next().await.is_some() {}
+    readers.shutdown().await;
     Ok(machine?.into_outcome()?)
 }
 
@@ -236,6 +244,7 @@ fn compute_loop(
     writers: &mut [Option<mpsc::Sender<Message>>],
     inbound: &mut mpsc::Receiver<Inbound>,
     cancel: &mut watch::Receiver<bool>,
+    abandoned: &mut oneshot::Receiver<()>,
 ) -> Result<(), RunnerError> {
     let mut inbound_open = true;
     let mut cancel_open = true;
@@ -278,6 +287,7 @@ fn compute_loop(
                 }
             };
             tokio::select! {
+                _ = &mut *abandoned => None,
                 ev = inbound.recv(), if inbound_open => Some(ev),
                 changed = cancel.changed(), if cancel_open => {
                     if changed.is_err() {
@@ -291,6 +301,10 @@ fn compute_loop(
         });
         let now = Instant::now();
         match event {
+            None if abandoned.try_recv() != Err(oneshot::error::TryRecvError::Empty) => {
+                // Nobody waits for this round any more.
+                return Err(RunnerError::Round(RoundError::Cancelled));
+            }
             None => {
                 if *cancel.borrow() {
                     machine.cancel(now);

@@ -19,10 +19,16 @@ use hivemesh::tensor::Tensor;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+/// An averager that forms groups of exactly `target` (min = target): tests that assert full
+/// groups must not pass or fail on whether every peer made it into the group in time, since a
+/// smaller group is a valid outcome with a lower minimum.
 fn config(prefix: &str, mode: Mode, target: Option<usize>) -> AveragerConfig {
     let mut c = AveragerConfig::new(prefix);
     c.mode = Some(mode);
     c.target_group_size = target;
+    if let Some(t) = target {
+        c.min_group_size = t;
+    }
     c.min_matchmaking_time = Duration::from_secs(2);
     c
 }
@@ -500,6 +506,8 @@ async fn member_dying_mid_round_does_not_hang_the_others() {
     let averagers: Vec<_> = (0..4)
         .map(|i| {
             let mut c = config("dying", Mode::Node, Some(4));
+            // Survivors may regroup without the dead peer.
+            c.min_group_size = 2;
             c.part_size_bytes = 16 << 10;
             c.sender_timeout = Duration::from_secs(2);
             c.reducer_timeout = Duration::from_secs(4);

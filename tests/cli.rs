@@ -1,6 +1,145 @@
 //! The `hivemesh` binary, run as a separate process: output contract and argument errors.
+//!
+//! Every wait on a child process here ends ([`procs::LIMIT`]), every child is killed and reaped
+//! if its test fails first, and every pipe is drained, so a stuck or chatty child fails its test
+//! instead of hanging the run.
 
 use std::process::Command;
+
+mod procs {
+    use std::io::{BufRead, BufReader, Read};
+    use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+    use std::sync::mpsc::{self, RecvTimeoutError};
+    use std::thread::JoinHandle;
+    use std::time::{Duration, Instant};
+
+    /// The most one wait takes before it fails the test: far beyond what any of these commands
+    /// needs on a loaded 2-core machine; only a hung child reaches it.
+    pub const LIMIT: Duration = Duration::from_secs(300);
+
+    /// A running child with piped stdio. Its stdout arrives line by line through a thread, its
+    /// stderr is drained by another (a full pipe cannot block it). Killed and reaped on drop.
+    pub struct Proc {
+        child: Child,
+        lines: mpsc::Receiver<String>,
+        stderr: Option<JoinHandle<String>>,
+    }
+
+    impl Proc {
+        pub fn spawn(cmd: &mut Command) -> Self {
+            let mut child = cmd
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap_or_else(|e| panic!("{cmd:?} starts: {e}"));
+            let stdout = child.stdout.take().expect("piped stdout");
+            let (tx, lines) = mpsc::channel();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { return };
+                    if tx.send(line).is_err() {
+                        return;
+                    }
+                }
+            });
+            let mut err = child.stderr.take().expect("piped stderr");
+            let stderr = std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let _ = err.read_to_end(&mut buf);
+                String::from_utf8_lossy(&buf).into_owned()
+            });
+            Self {
+                child,
+                lines,
+                stderr: Some(stderr),
+            }
+        }
+
+        pub fn id(&self) -> u32 {
+            self.child.id()
+        }
+
+        pub fn stdin(&mut self) -> &mut ChildStdin {
+            self.child.stdin.as_mut().expect("piped stdin")
+        }
+
+        /// The next stdout line; fails the test if none comes within [`LIMIT`].
+        pub fn next_line(&mut self) -> String {
+            match self.lines.recv_timeout(LIMIT) {
+                Ok(line) => line,
+                Err(RecvTimeoutError::Timeout) => panic!("no output within {LIMIT:?}"),
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = self.wait();
+                    panic!("the process ended ({status}) without another line")
+                }
+            }
+        }
+
+        /// Sends `signal` (a `kill` name: `INT`, `KILL`, ...).
+        pub fn signal(&self, signal: &str) {
+            let ok = Command::new("kill")
+                .args([&format!("-{signal}"), &self.id().to_string()])
+                .status()
+                .expect("kill runs")
+                .success();
+            assert!(ok, "kill -{signal} {}", self.id());
+        }
+
+        /// Waits for the child to exit; fails the test after [`LIMIT`] (the drop kills it).
+        pub fn wait(&mut self) -> ExitStatus {
+            let deadline = Instant::now() + LIMIT;
+            loop {
+                if let Some(status) = self.child.try_wait().expect("try_wait") {
+                    return status;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the process did not exit within {LIMIT:?}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+
+        /// Waits for the child to exit: its status, the stdout lines not read yet, its stderr.
+        pub fn finish(mut self) -> (ExitStatus, String, String) {
+            let status = self.wait();
+            let mut stdout = String::new();
+            loop {
+                match self.lines.recv_timeout(LIMIT) {
+                    Ok(line) => {
+                        stdout.push_str(&line);
+                        stdout.push('\n');
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break,
+                    Err(RecvTimeoutError::Timeout) => panic!("stdout stayed open after exit"),
+                }
+            }
+            let stderr = self
+                .stderr
+                .take()
+                .map(|h| h.join().unwrap_or_default())
+                .unwrap_or_default();
+            (status, stdout, stderr)
+        }
+    }
+
+    impl Drop for Proc {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// Runs `cmd` to the end (stdin closed): exit code (`None`: killed by a signal), stdout,
+    /// stderr.
+    pub fn output(cmd: &mut Command) -> (Option<i32>, String, String) {
+        let mut p = Proc::spawn(cmd);
+        drop(p.child.stdin.take());
+        let (status, stdout, stderr) = p.finish();
+        (status.code(), stdout, stderr)
+    }
+}
 
 fn hivemesh(args: &[&str]) -> (bool, String, String) {
     let (code, stdout, stderr) = hivemesh_code(args);
@@ -9,15 +148,7 @@ fn hivemesh(args: &[&str]) -> (bool, String, String) {
 
 /// Runs the binary; returns its exit code (`None`: killed by a signal), stdout and stderr.
 fn hivemesh_code(args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-        .args(args)
-        .output()
-        .expect("the hivemesh binary runs");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args(args))
 }
 
 /// The `key=value` fields of `line` after its first word, which must be `word`.
@@ -139,35 +270,25 @@ fn bad_arguments_fail_with_a_clear_message() {
 }
 
 mod dht {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Child, Command, Stdio};
+    use super::procs::{self, Proc};
+    use std::process::Command;
 
-    /// Starts `hivemesh dht` and returns it with its first printed address.
-    pub(super) fn start(args: &[&str]) -> (Child, String) {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-            .arg("dht")
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("hivemesh dht starts");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut line = String::new();
-        // Blocks until the node prints its first address (it does so once it is listening and,
-        // with --initial-peer, connected).
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("reads an address");
+    /// Starts `hivemesh dht` and returns it with its first printed address (it prints once it
+    /// is listening and, with --initial-peer, connected).
+    pub(super) fn start(args: &[&str]) -> (Proc, String) {
+        let mut child = Proc::spawn(
+            Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+                .arg("dht")
+                .args(args),
+        );
+        let line = child.next_line();
         (child, line.trim().to_owned())
     }
 
-    pub(super) fn interrupt(child: &mut Child) -> bool {
-        let status = Command::new("kill")
-            .args(["-INT", &child.id().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success());
-        child.wait().expect("child exits").success()
+    /// Ctrl-C: whether it then exits cleanly (within [`procs::LIMIT`]).
+    pub(super) fn interrupt(child: &mut Proc) -> bool {
+        child.signal("INT");
+        child.wait().success()
     }
 
     #[test]
@@ -202,38 +323,31 @@ mod dht {
 
     #[test]
     fn bad_initial_peer_is_an_error() {
-        let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-            .args([
-                "dht",
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--initial-peer",
-                "/ip4/127.0.0.1/tcp/9",
-            ])
-            .output()
-            .unwrap();
-        assert!(!out.status.success());
-        assert!(String::from_utf8_lossy(&out.stderr).contains("must end with /p2p/<peer id>"));
+        let (code, _, stderr) = procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([
+            "dht",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--initial-peer",
+            "/ip4/127.0.0.1/tcp/9",
+        ]));
+        assert_ne!(code, Some(0));
+        assert!(stderr.contains("must end with /p2p/<peer id>"), "{stderr}");
     }
 }
 
 mod bench {
-    use std::io::{BufRead, BufReader, Write};
-    use std::process::{Child, ChildStdout, Command, Stdio};
+    use super::procs::{self, Proc};
+    use std::io::Write;
+    use std::process::Command;
 
     /// Runs a small `bench allreduce` over `transport` and checks its one line.
     fn bench_line(transport: &str) {
-        let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-            .args(["bench", "allreduce", "--peers", "3", "--mib", "2"])
-            .args(["--rounds", "2", "--transport", transport])
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{transport}: {stdout}{}",
-            String::from_utf8_lossy(&out.stderr)
+        let (code, stdout, stderr) = procs::output(
+            Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+                .args(["bench", "allreduce", "--peers", "3", "--mib", "2"])
+                .args(["--rounds", "2", "--transport", transport]),
         );
+        assert_eq!(code, Some(0), "{transport}: {stdout}{stderr}");
         let line = stdout.lines().last().unwrap();
         let keys: Vec<&str> = line
             .split(' ')
@@ -275,37 +389,17 @@ mod bench {
 
     #[test]
     fn unknown_transport_is_refused_clearly() {
-        let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-            .args(["bench", "allreduce", "--transport", "carrier-pigeon"])
-            .output()
-            .unwrap();
-        assert!(!out.status.success());
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let (code, _, stderr) = procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([
+            "bench",
+            "allreduce",
+            "--transport",
+            "carrier-pigeon",
+        ]));
+        assert_ne!(code, Some(0));
         assert!(
             stderr.contains("possible values: tcp, quic, stream"),
             "{stderr}"
         );
-    }
-
-    struct Worker {
-        child: Child,
-        lines: std::io::Lines<BufReader<ChildStdout>>,
-    }
-
-    impl Worker {
-        fn next_line(&mut self) -> String {
-            self.lines
-                .next()
-                .expect("worker output")
-                .expect("utf-8 line")
-        }
-    }
-
-    impl Drop for Worker {
-        fn drop(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 
     /// 4 worker processes; one is SIGKILLed as soon as its first round starts. The others
@@ -314,17 +408,13 @@ mod bench {
     #[test]
     fn sigkill_mid_round_leaves_correct_partial_averages() {
         let n = 4;
-        let mut workers: Vec<Worker> = (0..n)
+        let mut workers: Vec<Proc> = (0..n)
             .map(|i| {
-                let mut child = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-                    .args(["bench-worker", "--index", &i.to_string(), "--peers", "4"])
-                    .args(["--mib", "24", "--rounds", "1", "--part-bytes", "65536"])
-                    .stdin(Stdio::piped())
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap();
-                let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-                Worker { child, lines }
+                Proc::spawn(
+                    Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+                        .args(["bench-worker", "--index", &i.to_string(), "--peers", "4"])
+                        .args(["--mib", "24", "--rounds", "1", "--part-bytes", "65536"]),
+                )
             })
             .collect();
         let roster: Vec<String> = workers
@@ -337,7 +427,7 @@ mod bench {
             .collect();
         let roster = format!("ROSTER {}\n", roster.join(" "));
         for w in &mut workers {
-            let stdin = w.child.stdin.as_mut().unwrap();
+            let stdin = w.stdin();
             stdin.write_all(roster.as_bytes()).unwrap();
             stdin.flush().unwrap();
         }
@@ -346,27 +436,20 @@ mod bench {
             assert_eq!(w.next_line(), "LINKED 0", "worker {i}");
         }
         for w in &mut workers {
-            let stdin = w.child.stdin.as_mut().unwrap();
+            let stdin = w.stdin();
             stdin.write_all(b"GO\n").unwrap();
             stdin.flush().unwrap();
         }
         // Kill worker 3 the moment its round starts.
         assert_eq!(workers[3].next_line(), "START 0");
-        let pid = workers[3].child.id().to_string();
-        assert!(
-            Command::new("kill")
-                .args(["-KILL", &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
+        workers[3].signal("KILL");
         for (i, w) in workers.iter_mut().enumerate().take(3) {
             assert_eq!(w.next_line(), "START 0");
             let round = w.next_line();
             assert!(round.starts_with("ROUND 0 "), "worker {i}: {round}");
         }
         for (i, w) in workers.iter_mut().enumerate().take(3) {
-            let stdin = w.child.stdin.as_mut().unwrap();
+            let stdin = w.stdin();
             stdin.write_all(b"CHECK\n").unwrap();
             stdin.flush().unwrap();
             let checked = w.next_line();
@@ -517,23 +600,26 @@ mod steps {
 }
 
 /// The examples, run from `target/<profile>/examples/` next to the binary. `cargo test` builds
-/// them; a run that did not (e.g. `cargo test --test cli`) skips these tests with a note.
+/// them; a run that did not (e.g. `cargo test --test cli`) fails these tests and says how to
+/// build them, rather than passing without running anything.
 mod examples {
+    use super::procs::{self, Proc};
     use std::path::PathBuf;
-    use std::process::{Command, Stdio};
+    use std::process::Command;
 
-    fn example(name: &str) -> Option<PathBuf> {
+    fn example(name: &str) -> PathBuf {
         let bin = PathBuf::from(env!("CARGO_BIN_EXE_hivemesh"));
-        let path = bin.parent()?.join("examples").join(name);
-        if path.exists() {
-            Some(path)
-        } else {
-            eprintln!(
-                "skipped: {} is not built (`cargo test` or `cargo build --examples` builds it)",
-                path.display()
-            );
-            None
-        }
+        let path = bin
+            .parent()
+            .expect("a bin directory")
+            .join("examples")
+            .join(name);
+        assert!(
+            path.exists(),
+            "{} is not built: run `cargo test` (which builds the examples) or `cargo build --examples` first",
+            path.display()
+        );
+        path
     }
 
     fn final_losses(stdout: &str) -> (f64, f64) {
@@ -552,14 +638,10 @@ mod examples {
     /// with blocking ones.
     #[test]
     fn training_example_matches_the_baseline() {
-        let Some(training) = example("training") else {
-            return;
-        };
+        let training = example("training");
         for extra in [&[][..], &["--blocking", "--peers", "3"][..]] {
-            let out = Command::new(&training).args(extra).output().unwrap();
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{extra:?}: {stdout}{stderr}");
+            let (code, stdout, stderr) = procs::output(Command::new(&training).args(extra));
+            assert_eq!(code, Some(0), "{extra:?}: {stdout}{stderr}");
             let epochs = stdout.lines().filter(|l| l.starts_with("epoch ")).count();
             assert_eq!(epochs, 10, "{stdout}");
             let (loss, baseline) = final_losses(&stdout);
@@ -578,43 +660,30 @@ mod examples {
     /// each other through it and average their vectors to the mean of all three.
     #[test]
     fn join_example_averages_through_a_dht_node() {
-        let Some(join) = example("join") else {
-            return;
-        };
+        let join = example("join");
         let (mut dht, addr) = super::dht::start(&["--listen", "/ip4/127.0.0.1/tcp/0"]);
-        let peers: Vec<_> = (0..3)
+        let peers: Vec<Proc> = (0..3)
             .map(|i| {
-                Command::new(&join)
-                    .args([
-                        "--initial-peer",
-                        &addr,
-                        "--group-size",
-                        "3",
-                        "--rounds",
-                        "2",
-                    ])
-                    .args(["--seed", &i.to_string(), "--timeout", "60"])
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap()
+                Proc::spawn(
+                    Command::new(&join)
+                        .args([
+                            "--initial-peer",
+                            &addr,
+                            "--group-size",
+                            "3",
+                            "--rounds",
+                            "2",
+                        ])
+                        .args(["--seed", &i.to_string(), "--timeout", "60"]),
+                )
             })
             .collect();
-        let outputs: Vec<_> = peers
-            .into_iter()
-            .map(|p| p.wait_with_output().unwrap())
-            .collect();
-        // Stop the DHT node before any assertion can fail.
+        let outputs: Vec<_> = peers.into_iter().map(Proc::finish).collect();
         assert!(super::dht::interrupt(&mut dht));
         let outputs: Vec<String> = outputs
             .into_iter()
-            .map(|out| {
-                let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-                assert!(
-                    out.status.success(),
-                    "{stdout}{}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
+            .map(|(status, stdout, stderr)| {
+                assert!(status.success(), "{stdout}{stderr}");
                 stdout
             })
             .collect();

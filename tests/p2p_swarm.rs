@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
 
-use hivemesh::p2p::{P2p, P2pConfig, P2pError, RecordPolicy};
+use hivemesh::p2p::{P2p, P2pConfig, P2pError, RecordPolicy, StoreLimits};
 use hivemesh::reach::Reach;
 use libp2p::{PeerId, identity::Keypair};
 
@@ -301,4 +301,110 @@ async fn an_assumed_private_node_stays_a_kademlia_client() {
     for n in [z, p, a, boot] {
         n.shutdown().await.unwrap();
     }
+}
+
+/// A peer that PUTs key after key gets its share of a node's record store and no more, and the
+/// node's own writes still go in (before the bounded store, one peer could make a node hold
+/// 65,536 records of 768 KiB, and a full store refused the node's own puts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_peer_gets_its_share_and_the_node_keeps_writing() {
+    let limits = StoreLimits {
+        max_bytes: 64 << 10,
+        max_records: 24,
+        max_bytes_per_peer: 16 << 10,
+        max_records_per_peer: 8,
+    };
+    let victim = spawn(P2pConfig {
+        store: limits.clone(),
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    })
+    .await;
+    let hostile = node(victim.listen_addrs().await.unwrap(), false).await;
+    let floods = 40;
+    for i in 0..floods {
+        // Kademlia acknowledges a PUT before the store decides: the answer says nothing.
+        let _ = hostile
+            .put_record(format!("flood-{i}").into_bytes(), vec![b'x'; 500])
+            .await;
+    }
+    // Every PUT reached the victim: each was either stored or refused.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let usage = loop {
+        let u = victim.store_usage().await.unwrap();
+        if u.refused as usize + (u.records - u.local_records) >= floods {
+            break u;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the PUTs did not all arrive: {u:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(usage.records - usage.local_records, 8, "{usage:?}");
+    assert!(usage.refused >= floods as u64 - 8, "{usage:?}");
+    // The store's totals leave room for 16 more; the node writes 24 of its own, which evicts
+    // the flooder's records rather than being refused.
+    for i in 0..24 {
+        victim
+            .put_record(format!("mine-{i}").into_bytes(), b"v".to_vec())
+            .await
+            .unwrap();
+    }
+    let usage = victim.store_usage().await.unwrap();
+    assert_eq!(usage.local_records, 24, "{usage:?}");
+    assert_eq!(usage.records, 24, "{usage:?}");
+    assert_eq!(usage.evicted, 8, "{usage:?}");
+    assert!(usage.bytes <= limits.max_bytes);
+    hostile.shutdown().await.unwrap();
+    victim.shutdown().await.unwrap();
+}
+
+/// The swarm's connection limits hold: with room for one inbound connection, a node keeps the
+/// first peer that joined through it and drops a second one's connection (without limits, a
+/// peer could hold any number of connections and handshakes open on a node).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbound_connections_beyond_the_limit_are_dropped() {
+    let mut cfg = P2pConfig {
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    };
+    cfg.connections.max_established_incoming = 1;
+    let guarded = spawn(cfg).await;
+    let addrs = guarded.listen_addrs().await.unwrap();
+    let first = node(addrs.clone(), false).await;
+    // The second peer's dial completes its handshake and is then dropped by the guarded node,
+    // so its start may fail or succeed with a connection that closes at once.
+    let second = P2p::spawn(
+        P2pConfig {
+            initial_peers: addrs,
+            request_timeout: Duration::from_secs(10),
+            bootstrap_timeout: Duration::from_secs(10),
+            ..P2pConfig::loopback()
+        },
+        Keypair::generate_ed25519(),
+        Box::new(UnionPolicy),
+    )
+    .await
+    .ok()
+    .map(|(p, _)| p);
+    if let Some(second) = &second {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !second.connected_peers().await.unwrap().is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the second peer stayed connected"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert_eq!(
+        guarded.connected_peers().await.unwrap(),
+        vec![first.peer_id()]
+    );
+    if let Some(second) = second {
+        second.shutdown().await.unwrap();
+    }
+    first.shutdown().await.unwrap();
+    guarded.shutdown().await.unwrap();
 }

@@ -389,3 +389,111 @@ async fn wrong_link_count_is_an_error() {
         }
     ));
 }
+
+type RoundTask = tokio::task::JoinHandle<Result<(Vec<Tensor>, Outcome), runner::RunnerError>>;
+
+/// A round of two whose other member never sends anything (its timeouts an hour away, so
+/// nothing but its caller can end it): the round's task and the silent member's end of the
+/// link (with room for everything the round sends).
+fn held_round(cancel: tokio::sync::watch::Receiver<bool>) -> (RoundTask, DuplexStream) {
+    let modes = [Mode::Node; 2];
+    let mut cfg = config(&modes, 0, 1.0);
+    cfg.sender_timeout = Duration::from_secs(3600);
+    cfg.reducer_timeout = Duration::from_secs(7200);
+    let (mine, theirs) = tokio::io::duplex(8 << 20);
+    let links: Vec<Option<Box<dyn Link>>> = vec![None, Some(Box::new(mine))];
+    let round = tokio::spawn(runner::run_round_cancellable(
+        cfg,
+        Bytes::from_static(b"g"),
+        make_tensors(&descriptors(), 7, 0).unwrap(),
+        links,
+        RunnerConfig::default(),
+        cancel,
+    ));
+    (round, theirs)
+}
+
+/// Dropping a round's future (what a step's deadline does) ends everything the round started:
+/// the peer's end of a link sees the stream close, rather than a reader and a writer that live
+/// on with the link and its buffers while the peer stays silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_round_closes_its_links() {
+    use tokio::io::AsyncReadExt;
+    let (_cancel, cancelled) = tokio::sync::watch::channel(false);
+    let (round, mut silent) = held_round(cancelled);
+    // The round has begun once its first part for the silent peer arrives.
+    let mut buf = vec![0u8; 64 << 10];
+    let n = tokio::time::timeout(Duration::from_secs(60), silent.read(&mut buf))
+        .await
+        .expect("no part arrived")
+        .unwrap();
+    assert!(n > 0);
+    round.abort();
+    assert!(round.await.unwrap_err().is_cancelled());
+    let closed = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match silent.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the link stayed open after its round was dropped"
+    );
+}
+
+/// Cancelling a round that nothing else can end (its peer never sends its part, and the
+/// timeouts are an hour away) ends it with `Cancelled` and tells the peer: among the frames it
+/// received is an abort, and then its link closes. Deterministic: the round cannot have
+/// finished before the cancel landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_held_round_aborts_it() {
+    use hivemesh::allreduce::{AbortReason, Message, RoundError};
+    use tokio::io::AsyncReadExt;
+    let (cancel, cancelled) = tokio::sync::watch::channel(false);
+    let (round, mut held) = held_round(cancelled);
+    let mut received = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    let n = tokio::time::timeout(Duration::from_secs(60), held.read(&mut buf))
+        .await
+        .expect("no part arrived")
+        .unwrap();
+    received.extend_from_slice(&buf[..n]);
+    cancel.send(true).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(60), round)
+        .await
+        .expect("the cancel ended the round")
+        .unwrap();
+    assert!(
+        matches!(
+            result,
+            Err(runner::RunnerError::Round(RoundError::Cancelled))
+        ),
+        "{:?}",
+        result.map(|_| ())
+    );
+    tokio::time::timeout(Duration::from_secs(60), held.read_to_end(&mut received))
+        .await
+        .expect("the link closed")
+        .unwrap();
+    let decoder = wire::FrameDecoder::new(wire::DEFAULT_MAX_FRAME_BYTES);
+    let mut rest = &received[..];
+    let mut aborted = false;
+    while let Some((prefix, len)) = decoder.peek_len(rest).unwrap() {
+        let frame =
+            wire::decode_frame(Bytes::copy_from_slice(&rest[prefix..prefix + len])).unwrap();
+        aborted |= matches!(
+            frame.message,
+            Message::Abort {
+                reason: AbortReason::Cancelled,
+                ..
+            }
+        );
+        rest = &rest[prefix + len..];
+    }
+    assert!(rest.is_empty(), "a partial frame was left");
+    assert!(aborted, "the peer was not told");
+}

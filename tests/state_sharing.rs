@@ -657,3 +657,49 @@ async fn clients_do_not_share() {
     assert_eq!(values(&newcomer), vec![vec![0.0; 4]]);
     swarm.shutdown(vec![client, newcomer]).await;
 }
+
+/// A donor's priority is its own word. A sybil announcing 1e300 and serving NaNs is skipped
+/// (a non-finite state is never installed; before, it was); one serving zeros at 1e299 still
+/// wins under the default trust (the best-priority answer, as in hivemind), and loses to a
+/// newcomer that requires two donors to agree on the content hash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sybil_donors_lose_to_the_callers_trust() {
+    let swarm = Swarm::start(6, |_| true).await;
+    let mut rng = StdRng::seed_from_u64(9);
+    let honest = vec![random(&mut rng, 300), vec![1.0, 2.0]];
+    let mut poisoned = honest.clone();
+    poisoned[0][17] = f32::NAN;
+    let zeros = vec![vec![0.0; 300], vec![0.0; 2]];
+    let tensors = |v: &[Vec<f32>]| v.iter().cloned().map(vector).collect::<Vec<_>>();
+    let fresh = vec![vec![5.0; 300], vec![5.0; 2]];
+    let mut agreeing = config("trust", 0.0, false);
+    agreeing.state.trust.min_agreeing = 2;
+    let averagers = vec![
+        swarm.averager(0, tensors(&poisoned), config("trust", 1e300, true)),
+        swarm.averager(1, tensors(&zeros), config("trust", 1e299, true)),
+        swarm.averager(2, tensors(&honest), config("trust", 2.0, true)),
+        swarm.averager(3, tensors(&honest), config("trust", 1.0, true)),
+        swarm.averager(4, tensors(&fresh), config("trust", 0.0, false)),
+        swarm.averager(5, tensors(&fresh), agreeing),
+    ];
+    let id: Vec<PeerId> = (0..6).map(|i| swarm.peer(i)).collect();
+    for a in &averagers[4..] {
+        wait_donors(a, "the four donors announced", |d| d.len() == 4).await;
+    }
+
+    let info = loaded(averagers[4].load_state_from_peers().await, "default trust");
+    assert!(
+        info.skipped
+            .iter()
+            .any(|(p, e)| *p == id[0] && matches!(e, DonorError::NonFinite)),
+        "the NaN donor is skipped: {:?}",
+        info.skipped
+    );
+    assert_eq!(info.source, id[1], "then the best priority wins");
+    assert_eq!(values(&averagers[4]), zeros);
+
+    let info = loaded(averagers[5].load_state_from_peers().await, "two must agree");
+    assert_eq!(info.source, id[2], "the honest pair's best priority");
+    assert_eq!(values(&averagers[5]), honest);
+    swarm.shutdown(averagers).await;
+}

@@ -50,8 +50,9 @@
 //! 2. Ask the first [`StateConfig::max_donors`] of them for metadata at once. Keep the answers
 //!    whose schema (hash and tensor descriptors) is ours; the decoder has already checked that
 //!    sizes add up and that the content hash matches the description.
-//! 3. The best-priority usable answer is the **reference**; every answer with the same content
-//!    hash serves the same bytes, so the download runs from all of them **in parallel**:
+//! 3. The best-priority usable answer (with [`Trust::min_agreeing`] > 1: the first content hash
+//!    that many answers share, asking further batches until one is) is the **reference**; every
+//!    answer with the same content hash serves the same bytes, so the download runs from all of them **in parallel**:
 //!    [`StateConfig::streams_per_donor`] streams per donor (the first is the metadata stream),
 //!    each asking one chunk at a time from a shared queue, so faster donors take more chunks.
 //!    Every chunk is checked on arrival (index, length, SHA-256 against the reference's list):
@@ -71,11 +72,14 @@
 //! reached); donors that answered with another schema give [`StateError::SchemaMismatch`].
 //!
 //! What verification cannot catch: the reference donor itself lying consistently (a wrong state
-//! with matching hashes). Nothing distinguishes it from an honest donor with a different state;
-//! priorities are the caller's trust. Donors with different states (any local update, or the
+//! with matching hashes). Nothing distinguishes it from an honest donor with a different state,
+//! and a donor's priority is its own claim; the caller's [`Trust`] decides instead (an allowlist,
+//! agreement of several donors on the content hash: `trust.rs`), and a state holding a NaN or
+//! an infinity is never installed. Donors with different states (any local update, or the
 //! last-ulp differences an all-reduce leaves between peers) have different content hashes, so
 //! in practice a download is parallel only across donors whose states are byte-identical.
 
+mod trust;
 pub mod wire;
 
 use std::collections::VecDeque;
@@ -95,6 +99,7 @@ use crate::dht::{Dht, DhtError, DhtTime};
 use crate::p2p::{InboundStreams, P2p, P2pError, P2pStream};
 use crate::tensor::{PartViewMut, Tensor};
 
+pub use trust::Trust;
 pub use wire::{Metadata, Refusal, Request, Response, WireError};
 
 /// Default [`StateConfig::declare_period`] (hivemind's `declare_state_period`).
@@ -131,6 +136,9 @@ pub struct StateConfig {
     pub streams_per_donor: usize,
     /// Newcomer: attempts per metadata request and consecutive failures per stream.
     pub attempts: usize,
+    /// Newcomer: which donors' states it downloads (an allowlist, agreement of several donors
+    /// on the content hash; see [`Trust`]). The default trusts the best-priority answer.
+    pub trust: Trust,
 }
 
 impl Default for StateConfig {
@@ -146,6 +154,7 @@ impl Default for StateConfig {
             max_donors: 4,
             streams_per_donor: 2,
             attempts: 3,
+            trust: Trust::default(),
         }
     }
 }
@@ -288,6 +297,17 @@ pub enum DonorError {
         index: u64,
         /// What was wrong.
         reason: String,
+    },
+    /// The state it served holds a NaN or an infinity.
+    #[error("its state holds non-finite values")]
+    NonFinite,
+    /// Too few other donors served its state ([`Trust::min_agreeing`]).
+    #[error("{agreeing} donor(s) served its state; {required} required")]
+    Unconfirmed {
+        /// Donors that served its content hash (itself included).
+        agreeing: usize,
+        /// [`Trust::min_agreeing`].
+        required: usize,
     },
 }
 
@@ -634,7 +654,7 @@ impl Inner {
         let mut donors: Vec<Donor> = value
             .iter()
             .flat_map(|v| v.owner_entries())
-            .filter(|(peer, _)| *peer != me)
+            .filter(|(peer, _)| *peer != me && self.config.trust.allows(peer))
             .filter_map(|(peer, entry)| match Announcement::decode(&entry.value)? {
                 Announcement::Sharing { priority, addrs } => Some(Donor {
                     peer,
@@ -998,13 +1018,32 @@ impl Inner {
         let mut failures: Vec<(PeerId, DonorError)> = Vec::new();
         let mut answered: Vec<Probed> = Vec::new();
         let mut downloaded = false;
+        let trust = &self.config.trust;
         loop {
-            if answered.is_empty() {
+            // The first content hash (in priority order) that enough donors serve; with the
+            // default trust, the best-priority answer's.
+            let Some(reference) = trust
+                .agreed(answered.iter().map(|p| &p.meta.content_hash))
+                .copied()
+            else {
                 let batch: Vec<Donor> = candidates
                     .by_ref()
                     .take(self.config.max_donors.max(1))
                     .collect();
                 if batch.is_empty() {
+                    // Nothing agreed on, and nobody left to ask.
+                    let required = trust.min_agreeing;
+                    let hashes: Vec<_> = answered.iter().map(|p| p.meta.content_hash).collect();
+                    let mut idle = Vec::new();
+                    for p in std::mem::take(&mut answered) {
+                        let agreeing = hashes.iter().filter(|h| **h == p.meta.content_hash).count();
+                        failures
+                            .push((p.donor.peer, DonorError::Unconfirmed { agreeing, required }));
+                        if let Some(stream) = p.stream {
+                            idle.push((stream, p.meta.session));
+                        }
+                    }
+                    release(idle, self.config.request_timeout);
                     break;
                 }
                 let probes = batch.iter().map(|d| self.probe(d, &expected));
@@ -1015,16 +1054,22 @@ impl Inner {
                     }
                 }
                 continue;
-            }
-            // The best-priority answer is the reference; every answer with its content hash
-            // serves the same bytes.
-            let reference = answered[0].meta.content_hash;
+            };
+            // Every answer with the reference's content hash serves the same bytes.
             let (group, rest): (Vec<Probed>, Vec<Probed>) = answered
                 .into_iter()
                 .partition(|p| p.meta.content_hash == reference);
             answered = rest;
             downloaded = true;
             match self.download(group).await {
+                Ok(done) if !trust::all_finite(&done.data, &done.meta.tensors) => {
+                    // Verified bytes, but not a state anyone should install: skip its donors
+                    // and try the next content hash.
+                    let mut done = done;
+                    failures.append(&mut done.failures);
+                    failures.extend(done.reports.iter().map(|r| (r.peer, DonorError::NonFinite)));
+                    release(std::mem::take(&mut done.idle), self.config.request_timeout);
+                }
                 Ok(mut done) => {
                     failures.append(&mut done.failures);
                     let mut idle = std::mem::take(&mut done.idle);

@@ -93,6 +93,34 @@ impl RecordPolicy for DhtPolicy {
     }
 }
 
+/// One replica's answer to a read of `key`, checked at `now`: `Ok(None)` if nothing in it is
+/// usable, an error if it is malformed or invalid (a forged or corrupt answer, skipped whole).
+///
+/// Writes expiring past this reader's [horizon](ValidationLimits::horizon) are dropped one by
+/// one before the answer is validated: a replica whose clock runs ahead of ours accepted them
+/// honestly, and the rest of its answer is good. Entries `verified` already holds identically
+/// (accepted from another replica) are not verified again.
+pub(crate) fn read_answer(
+    key: &[u8],
+    bytes: &[u8],
+    now: DhtTime,
+    limits: &ValidationLimits,
+    verified: Option<&DhtValue>,
+) -> Result<Option<DhtValue>, DhtValueError> {
+    let (value, dropped) = DhtValue::from_bytes(bytes, limits)?.without_past(limits.horizon(now));
+    if dropped > 0 {
+        tracing::debug!(
+            dropped,
+            "dropping writes past this reader's horizon (clock skew)"
+        );
+    }
+    let Some(value) = value else {
+        return Ok(None);
+    };
+    value.validate_against(key, now, limits, verified)?;
+    Ok(Some(value))
+}
+
 /// One write for [`Dht::store_many`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoreRequest {
@@ -181,6 +209,8 @@ impl Dht {
     /// answer does not decode or is not valid under `key` ([`DhtValue::validate`] at the
     /// current time: limits and owner signatures) is skipped whole, with a warning: honest
     /// replicas validate every record they store, so such an answer is forged or corrupt.
+    /// Writes expiring past this node's [horizon](ValidationLimits::horizon) are dropped from an
+    /// answer one by one first: a replica whose clock runs ahead accepted them honestly.
     /// Cancel-safe.
     pub async fn get(&self, key: &[u8]) -> Result<Option<DhtValue>, DhtError> {
         self.get_at(key, DhtTime::now()).await
@@ -193,18 +223,14 @@ impl Dht {
         let checked_at = DhtTime::now();
         let mut merged: Option<DhtValue> = None;
         for (replica, bytes) in answers.iter().enumerate() {
-            let answer = DhtValue::from_bytes(bytes, &self.limits).and_then(|v| {
-                // Entries already accepted from another replica are not verified again.
-                v.validate_against(key, checked_at, &self.limits, merged.as_ref())
-                    .map(|()| v)
-            });
-            match answer {
-                Ok(v) => {
+            match read_answer(key, bytes, checked_at, &self.limits, merged.as_ref()) {
+                Ok(Some(v)) => {
                     merged = Some(match merged.take() {
                         Some(m) => merge(m, v),
                         None => v,
                     })
                 }
+                Ok(None) => {}
                 Err(e) => tracing::warn!(replica, error = %e, "skipping an invalid replica answer"),
             }
         }

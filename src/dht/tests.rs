@@ -282,7 +282,11 @@ fn leave_overrides_declaration() {
 fn validate_bounds_expirations_subkeys_and_size() {
     let now = t(1000.0);
     let limits = ValidationLimits::default();
-    let horizon = now.saturating_add(DEFAULT_MAX_EXPIRATION_AHEAD);
+    let horizon = limits.horizon(now);
+    assert_eq!(
+        horizon,
+        now.saturating_add(DEFAULT_MAX_EXPIRATION_AHEAD + DEFAULT_MAX_CLOCK_SKEW)
+    );
     assert_eq!(
         DhtValue::plain(b("v"), horizon).validate(b"key", now, &limits),
         Ok(())
@@ -944,4 +948,75 @@ proptest! {
             prop_assert_eq!(DhtValue::from_bytes(&d.to_bytes(), &limits), Ok(d));
         }
     }
+}
+
+/// A replica whose clock runs ahead of the reader's holds an honest write that expires past the
+/// reader's horizon. The reader drops that write and keeps the rest of the answer (before, it
+/// threw the whole answer away); a write within the stated skew is kept.
+#[test]
+fn a_reader_behind_a_replica_drops_the_entry_not_the_answer() {
+    let limits = ValidationLimits::default();
+    let reader_now = t(10_000.0);
+    let horizon = limits.horizon(reader_now);
+    let ahead = horizon.saturating_add(Duration::from_secs(60));
+    let within_skew = reader_now
+        .saturating_add(DEFAULT_MAX_EXPIRATION_AHEAD)
+        .saturating_add(Duration::from_secs(120));
+    let keypair = Keypair::generate_ed25519();
+    let signed = DhtValue::owned(KEY, &keypair, b("mine"), t(10_030.0)).unwrap();
+    let answer = merge(
+        signed.clone(),
+        DhtValue::from_parts(
+            None,
+            [
+                (b("late"), Entry::new(b("a"), ahead)),
+                (b("skewed"), Entry::new(b("b"), within_skew)),
+                (b("now"), Entry::new(b("c"), t(10_010.0))),
+            ],
+        )
+        .unwrap(),
+    );
+    // As a replica would: its clock is 10 minutes ahead of the reader's.
+    let replica_now = reader_now.saturating_add(Duration::from_secs(600));
+    assert_eq!(answer.validate(KEY, replica_now, &limits), Ok(()));
+    assert!(matches!(
+        answer.validate(KEY, reader_now, &limits),
+        Err(DhtValueError::ExpirationTooFar { .. })
+    ));
+
+    let read = client::read_answer(KEY, &answer.to_bytes(), reader_now, &limits, None)
+        .unwrap()
+        .expect("the answer's other writes are kept");
+    let DhtView::Dictionary(entries) = read.view() else {
+        panic!("a dictionary")
+    };
+    let kept: Vec<&[u8]> = entries.keys().map(|k| k.as_ref()).collect();
+    let owner = signed.view();
+    let DhtView::Dictionary(owner) = owner else {
+        panic!("a dictionary")
+    };
+    let mut expected: Vec<&[u8]> = vec![b"now", b"skewed"];
+    expected.extend(owner.keys().map(|k| k.as_ref()));
+    expected.sort();
+    assert_eq!(kept, expected);
+
+    // Only writes past the horizon: nothing usable, and not an error.
+    let only_late = DhtValue::subkey(b("late"), b("a"), ahead);
+    assert_eq!(
+        client::read_answer(KEY, &only_late.to_bytes(), reader_now, &limits, None),
+        Ok(None)
+    );
+    // A forged signed write still gets the whole answer refused.
+    let (subkey, entry) = owner.iter().next().unwrap();
+    let mut tampered = entry.clone();
+    tampered.value = b("not mine");
+    let forged = DhtValue::from_parts(
+        None,
+        [
+            (subkey.clone(), tampered),
+            (b("now"), Entry::new(b("c"), t(10_010.0))),
+        ],
+    )
+    .unwrap();
+    assert!(client::read_answer(KEY, &forged.to_bytes(), reader_now, &limits, None).is_err());
 }

@@ -223,8 +223,20 @@ impl DhtValue {
         (self.plain.is_some() || !self.subkeys.is_empty()).then_some(self)
     }
 
+    /// The value without the writes that expire after `horizon`, and how many were dropped;
+    /// `None` if nothing is left. A reader applies it to each replica's answer: a write that a
+    /// replica whose clock runs ahead accepted is dropped, and the rest of the answer kept.
+    pub fn without_past(mut self, horizon: DhtTime) -> (Option<Self>, usize) {
+        let before = self.subkeys.len() + usize::from(self.plain.is_some());
+        self.plain = self.plain.filter(|p| p.expiration <= horizon);
+        self.subkeys.retain(|_, e| e.expiration <= horizon);
+        let dropped = before - self.subkeys.len() - usize::from(self.plain.is_some());
+        let left = (self.plain.is_some() || !self.subkeys.is_empty()).then_some(self);
+        (left, dropped)
+    }
+
     /// Checks the value stored under `key` against `limits` at `now`: at most `max_subkeys`
-    /// subkeys, none empty, no expiration past `now + max_expiration_ahead`, at most
+    /// subkeys, none empty, no expiration past [`ValidationLimits::horizon`], at most
     /// `max_value_bytes` encoded; and the ownership rule: every subkey starting with
     /// [`OWNER_SUBKEY_PREFIX`](super::OWNER_SUBKEY_PREFIX) names a peer and its entry carries
     /// a valid signature by that peer over `key`, the subkey, the value and the expiration,
@@ -279,7 +291,7 @@ impl DhtValue {
         if self.subkeys.contains_key(&b""[..]) {
             return Err(DhtValueError::EmptySubkey);
         }
-        let horizon = now.saturating_add(limits.max_expiration_ahead);
+        let horizon = limits.horizon(now);
         if let Some(e) = self
             .plain
             .iter()

@@ -11,6 +11,7 @@ use prost::Message as _;
 
 use super::value::{DhtTime, DhtValue, Entry, insert_newer};
 use super::{DhtValueError, ValidationLimits};
+use crate::proto_guard::{self, Field, GuardError, Kind};
 
 /// Generated prost types (do not use outside this boundary).
 #[allow(missing_docs, clippy::all)]
@@ -91,14 +92,34 @@ impl DhtValue {
                 max: limits.max_value_bytes,
             });
         }
+        // Counted before decoding, so that a value of small entries cannot make prost build
+        // more of them than the limit (`crate::proto_guard`).
+        let shape = [
+            Field {
+                number: 1,
+                max: 1,
+                slot: 0,
+                kind: Kind::Opaque,
+            },
+            Field {
+                number: 2,
+                max: limits.max_subkeys,
+                slot: 1,
+                kind: Kind::Opaque,
+            },
+        ];
+        match proto_guard::check(bytes, &shape) {
+            Ok(()) => {}
+            Err(GuardError::TooMany { field: 2, .. }) => {
+                return Err(DhtValueError::TooManySubkeys {
+                    count: limits.max_subkeys + 1,
+                    max: limits.max_subkeys,
+                });
+            }
+            Err(e) => return Err(DhtValueError::Malformed(e.to_string())),
+        }
         let msg =
             proto::DhtValue::decode(bytes).map_err(|e| DhtValueError::Malformed(e.to_string()))?;
-        if msg.entries.len() > limits.max_subkeys {
-            return Err(DhtValueError::TooManySubkeys {
-                count: msg.entries.len(),
-                max: limits.max_subkeys,
-            });
-        }
         Self::try_from(msg)
     }
 }

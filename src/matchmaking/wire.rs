@@ -15,6 +15,7 @@ use super::{
     MAX_GATHERED_BYTES, MAX_GROUP_SIZE, MAX_SCHEMA_HASH_BYTES, MemberInfo, Message, Mode, PeerId,
     RejectReason, Reply, ReplyBody,
 };
+use crate::proto_guard::{self, Field, Kind};
 use crate::reach::Reach;
 use crate::wire::MAX_GROUP_ID_BYTES;
 
@@ -322,11 +323,63 @@ pub fn encode(message: &Message) -> Vec<u8> {
     proto::MatchmakingFrame::from(message).encode_to_vec()
 }
 
-/// Decodes one message body (without a length prefix), checking its size first.
+/// What a frame may hold, counted before decoding (`crate::proto_guard`): one body; a reply
+/// with at most [`MAX_GROUP_SIZE`] members, each with one `MemberData`; at most
+/// [`MAX_ADDRS`] addresses per member, summed over the frame.
+const FRAME_SHAPE: [Field<'static>; 3] = {
+    const MEMBER_DATA: [Field<'static>; 1] = [Field {
+        number: 3,
+        max: MAX_GROUP_SIZE * MAX_ADDRS,
+        slot: 1,
+        kind: Kind::Opaque,
+    }];
+    const MEMBER: [Field<'static>; 1] = [Field {
+        number: 2,
+        max: MAX_GROUP_SIZE,
+        slot: 2,
+        kind: Kind::Message(&MEMBER_DATA),
+    }];
+    const JOIN: [Field<'static>; 1] = [Field {
+        number: 5,
+        max: 1,
+        slot: 3,
+        kind: Kind::Message(&MEMBER_DATA),
+    }];
+    const LEADER: [Field<'static>; 1] = [Field {
+        number: 5,
+        max: MAX_GROUP_SIZE,
+        slot: 4,
+        kind: Kind::Message(&MEMBER),
+    }];
+    [
+        Field {
+            number: 1,
+            max: 1,
+            slot: 0,
+            kind: Kind::Message(&JOIN),
+        },
+        Field {
+            number: 2,
+            max: 1,
+            slot: 0,
+            kind: Kind::Message(&LEADER),
+        },
+        Field {
+            number: 3,
+            max: 1,
+            slot: 0,
+            kind: Kind::Opaque,
+        },
+    ]
+};
+
+/// Decodes one message body (without a length prefix), checking its size first and its
+/// counts of members and addresses before anything is built.
 pub fn decode(body: &[u8]) -> Result<Message, WireError> {
     if body.len() > MAX_MESSAGE_BYTES {
         return Err(WireError::TooLarge(body.len()));
     }
+    proto_guard::check(body, &FRAME_SHAPE).map_err(|e| WireError::Decode(e.to_string()))?;
     let frame = proto::MatchmakingFrame::decode(Bytes::copy_from_slice(body))
         .map_err(|e| WireError::Decode(e.to_string()))?;
     Message::try_from(frame)

@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
-use libp2p::kad::{self, store::MemoryStore, store::RecordStore};
+use libp2p::kad::{self, store::RecordStore};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
@@ -26,6 +26,7 @@ use libp2p::{autonat, dcutr, relay, tcp, yamux};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::nat::Nat;
+use super::store::{BoundedStore, StoreUsage};
 use super::{
     ConnPath, IDENTIFY_PROTOCOL, KAD_PROTOCOL, NatStats, P2pConfig, P2pError, Reachability,
     RecordPolicy,
@@ -33,7 +34,7 @@ use super::{
 
 #[derive(NetworkBehaviour)]
 pub(super) struct Behaviour {
-    pub(super) kad: kad::Behaviour<MemoryStore>,
+    pub(super) kad: kad::Behaviour<BoundedStore>,
     pub(super) identify: identify::Behaviour,
     ping: ping::Behaviour,
     pub(super) stream: libp2p_stream::Behaviour,
@@ -42,6 +43,7 @@ pub(super) struct Behaviour {
     dcutr: Toggle<dcutr::Behaviour>,
     autonat_client: Toggle<autonat::v2::client::Behaviour>,
     autonat_server: Toggle<autonat::v2::server::Behaviour>,
+    limits: libp2p::connection_limits::Behaviour,
 }
 
 /// Requests from handles to the event loop.
@@ -90,6 +92,9 @@ pub(super) enum Command {
         addrs: Vec<Multiaddr>,
         reply: oneshot::Sender<()>,
     },
+    StoreUsage {
+        reply: oneshot::Sender<StoreUsage>,
+    },
     Shutdown {
         reply: oneshot::Sender<()>,
     },
@@ -137,6 +142,8 @@ impl EventLoop {
     ) -> Result<Self, P2pError> {
         let build = |e: &dyn std::fmt::Display| P2pError::Build(e.to_string());
         let max_record = config.max_record_bytes;
+        let store_limits = config.store.clone();
+        let conn_limits = config.connections.clone();
         let request_timeout = config.request_timeout;
         let client_mode = config.client_mode;
         let nat = config.nat.clone();
@@ -163,14 +170,7 @@ impl EventLoop {
                     .set_publication_interval(None)
                     .set_record_ttl(Some(Duration::from_secs(3600)))
                     .set_periodic_bootstrap_interval(Some(Duration::from_secs(60)));
-                let store = MemoryStore::with_config(
-                    peer_id,
-                    kad::store::MemoryStoreConfig {
-                        max_records: 1 << 16,
-                        max_value_bytes: max_record,
-                        ..Default::default()
-                    },
-                );
+                let store = BoundedStore::new(peer_id, store_limits, max_record);
                 let mut kad = kad::Behaviour::with_config(peer_id, store, kcfg);
                 // Server only where others can dial us. A node joining through initial peers
                 // starts as a client and becomes a server once it knows it is public (its first
@@ -217,6 +217,14 @@ impl EventLoop {
                         .autonat_server
                         .then(autonat::v2::server::Behaviour::default)
                         .into(),
+                    limits: libp2p::connection_limits::Behaviour::new(
+                        libp2p::connection_limits::ConnectionLimits::default()
+                            .with_max_pending_incoming(Some(conn_limits.max_pending_incoming))
+                            .with_max_established_incoming(Some(
+                                conn_limits.max_established_incoming,
+                            ))
+                            .with_max_established_per_peer(Some(conn_limits.max_per_peer)),
+                    ),
                 }
             })
             .map_err(|e| build(&e))?
@@ -393,6 +401,9 @@ impl EventLoop {
                 self.nat.add_relay_candidates(addrs);
                 let _ = reply.send(());
             }
+            Command::StoreUsage { reply } => {
+                let _ = reply.send(self.swarm.behaviour_mut().kad.store_mut().usage());
+            }
             Command::Shutdown { .. } => unreachable!("handled in run()"),
         }
     }
@@ -525,12 +536,13 @@ impl EventLoop {
         let ttl = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
         let mut record = kad::Record::new(rkey, merged);
         record.expires = Some(Instant::now() + ttl);
-        record.publisher = Some(*self.swarm.local_peer_id());
+        // The store charges the record to whoever wrote the value it now holds (`store.rs`).
+        record.publisher = Some(source.unwrap_or(*self.swarm.local_peer_id()));
         self.swarm
             .behaviour_mut()
             .kad
             .store_mut()
-            .put(record.clone())
+            .try_put(record.clone())
             .map_err(|e| e.to_string())?;
         Ok(record)
     }

@@ -17,6 +17,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::allreduce::TensorDescriptor;
+use crate::proto_guard::{self, Field, Kind};
 use crate::tensor::DType;
 use crate::wire::FrameDecoder;
 
@@ -329,6 +330,43 @@ pub fn encode_response(response: &Response) -> Vec<u8> {
     proto::StateResponse { kind: Some(kind) }.encode_to_vec()
 }
 
+/// What a response may hold, counted before decoding (`crate::proto_guard`): one kind; at
+/// most [`MAX_TENSORS`] tensors with [`MAX_DIMS`] dimensions each, summed over the response.
+const RESPONSE_SHAPE: [Field<'static>; 3] = {
+    const TENSOR: [Field<'static>; 1] = [Field {
+        number: 1,
+        max: MAX_TENSORS * MAX_DIMS,
+        slot: 2,
+        kind: Kind::Varints,
+    }];
+    const METADATA: [Field<'static>; 1] = [Field {
+        number: 3,
+        max: MAX_TENSORS,
+        slot: 1,
+        kind: Kind::Message(&TENSOR),
+    }];
+    [
+        Field {
+            number: 1,
+            max: 1,
+            slot: 0,
+            kind: Kind::Message(&METADATA),
+        },
+        Field {
+            number: 2,
+            max: 1,
+            slot: 0,
+            kind: Kind::Opaque,
+        },
+        Field {
+            number: 3,
+            max: 1,
+            slot: 0,
+            kind: Kind::Opaque,
+        },
+    ]
+};
+
 /// Decodes and checks a response body (see the module docs for the checks).
 pub fn decode_response(body: Bytes) -> Result<Response, WireError> {
     use proto::state_response::Kind;
@@ -338,6 +376,7 @@ pub fn decode_response(body: Bytes) -> Result<Response, WireError> {
             max: MAX_RESPONSE_BYTES,
         });
     }
+    proto_guard::check(&body, &RESPONSE_SHAPE).map_err(|e| WireError::Decode(e.to_string()))?;
     let message =
         proto::StateResponse::decode(body).map_err(|e| WireError::Decode(e.to_string()))?;
     match message.kind.ok_or(WireError::Missing("response kind"))? {

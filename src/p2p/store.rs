@@ -1,0 +1,479 @@
+//! The Kademlia record store, bounded in bytes and records, with a share per source.
+//!
+//! libp2p-kad's `MemoryStore` bounds the number of records (and each value's size) but not what
+//! one peer may hold, and once full it refuses every write, the node's own included: one peer
+//! PUTting 65,536 keys of 768 KiB could make a node hold 48 GiB and then lock it out of its own
+//! DHT. [`BoundedStore`] wraps a `MemoryStore` and keeps its own books:
+//!
+//! * **Who holds a record.** The peer whose write put the current value there: the event loop
+//!   sets a merged record's `publisher` to the PUT's source, or to this node for its own writes
+//!   (a `None` publisher counts as this node). A key that this node writes to becomes its own.
+//! * **A share per source.** A remote peer may hold at most [`StoreLimits::max_bytes_per_peer`]
+//!   bytes (key plus value) in at most [`StoreLimits::max_records_per_peer`] records; a write
+//!   beyond that is refused ([`StoreRefusal::PeerShare`]).
+//! * **Totals and eviction.** When a write would take the store past [`StoreLimits::max_bytes`]
+//!   or [`StoreLimits::max_records`], expired records go first; then the largest record of the
+//!   remote peer holding the most bytes, repeatedly. A remote write that would have to evict its
+//!   own writer's records (it is the largest holder) is refused instead
+//!   ([`StoreRefusal::Full`]).
+//! * **Local records are never evicted** and this node's writes are never refused for space:
+//!   remote records cannot crowd them out. They count towards the totals, so remote ones make
+//!   room for them.
+//!
+//! Provider records are passed through to the inner store (hivemesh does not use them;
+//! `MemoryStore` bounds them).
+
+use std::borrow::Cow;
+use std::collections::{BTreeSet, HashMap};
+use std::time::Instant;
+
+use libp2p::PeerId;
+use libp2p::kad::store::{self, MemoryStore, MemoryStoreConfig, RecordStore};
+use libp2p::kad::{ProviderRecord, Record, RecordKey};
+
+/// Bounds on the records a node keeps for others ([`crate::p2p::P2pConfig::store`]).
+///
+/// The defaults: **256 MiB and 65,536 records** in all, about a quarter of this 2-core test
+/// machine's memory for a bootstrap node, and far above what averaging needs (a matchmaking key
+/// holds one small signed entry per peer looking for a group: 4,096 peers fit in 520 KiB). **4 MiB
+/// and 256 records per peer**: more than any honest peer writes (an averager declares itself
+/// under a few keys at a time), so that 64 distinct peers are needed to fill the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreLimits {
+    /// Bytes (keys plus values) of every record together.
+    pub max_bytes: usize,
+    /// Records together.
+    pub max_records: usize,
+    /// Bytes the records one remote peer holds may take.
+    pub max_bytes_per_peer: usize,
+    /// Records one remote peer may hold.
+    pub max_records_per_peer: usize,
+}
+
+impl Default for StoreLimits {
+    fn default() -> Self {
+        Self {
+            max_bytes: 256 << 20,
+            max_records: 1 << 16,
+            max_bytes_per_peer: 4 << 20,
+            max_records_per_peer: 256,
+        }
+    }
+}
+
+/// Why the store refused a record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreRefusal {
+    /// The writing peer's share is used up.
+    #[error(
+        "{peer} would hold {bytes} bytes in {records} records, over its share ({max_bytes} bytes, {max_records} records)"
+    )]
+    PeerShare {
+        /// The writer.
+        peer: PeerId,
+        /// What it would hold, in bytes.
+        bytes: usize,
+        /// What it would hold, in records.
+        records: usize,
+        /// Its byte share.
+        max_bytes: usize,
+        /// Its record share.
+        max_records: usize,
+    },
+    /// The store is full and the writer holds the most of it.
+    #[error("the record store is full ({bytes} bytes in {records} records)")]
+    Full {
+        /// Bytes held.
+        bytes: usize,
+        /// Records held.
+        records: usize,
+    },
+    /// A value over the inner store's size bound.
+    #[error("record value of {0} bytes is too large")]
+    TooLarge(usize),
+}
+
+/// What a store holds (see [`crate::p2p::P2p::store_usage`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreUsage {
+    /// Records held.
+    pub records: usize,
+    /// Bytes (keys plus values) held.
+    pub bytes: usize,
+    /// Of those, the records this node holds for itself.
+    pub local_records: usize,
+    /// Of those, the bytes this node holds for itself.
+    pub local_bytes: usize,
+    /// Records evicted since the start.
+    pub evicted: u64,
+    /// Records refused since the start (share used up or store full).
+    pub refused: u64,
+}
+
+/// One holder's records, smallest first: `(size, key)`.
+type BySize = BTreeSet<(usize, Vec<u8>)>;
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Held {
+    bytes: usize,
+    records: usize,
+}
+
+/// A `MemoryStore` with the bounds of the module docs.
+pub(crate) struct BoundedStore {
+    local: PeerId,
+    limits: StoreLimits,
+    inner: MemoryStore,
+    /// Every stored key: who holds it and its size.
+    held: HashMap<RecordKey, (PeerId, usize)>,
+    /// Per holder: its records, by size, for eviction.
+    by_peer: HashMap<PeerId, (Held, BySize)>,
+    total: Held,
+    evicted: u64,
+    refused: u64,
+}
+
+fn size_of(r: &Record) -> usize {
+    r.key.as_ref().len() + r.value.len()
+}
+
+impl BoundedStore {
+    pub(crate) fn new(local: PeerId, limits: StoreLimits, max_value_bytes: usize) -> Self {
+        let inner = MemoryStore::with_config(
+            local,
+            MemoryStoreConfig {
+                // Ours are the binding limits; the inner store's only have to stay out of the way.
+                max_records: limits.max_records.saturating_add(1),
+                max_value_bytes,
+                ..Default::default()
+            },
+        );
+        Self {
+            local,
+            limits,
+            inner,
+            held: HashMap::new(),
+            by_peer: HashMap::new(),
+            total: Held::default(),
+            evicted: 0,
+            refused: 0,
+        }
+    }
+
+    pub(crate) fn usage(&self) -> StoreUsage {
+        let local = self
+            .by_peer
+            .get(&self.local)
+            .map(|(h, _)| *h)
+            .unwrap_or_default();
+        StoreUsage {
+            records: self.total.records,
+            bytes: self.total.bytes,
+            local_records: local.records,
+            local_bytes: local.bytes,
+            evicted: self.evicted,
+            refused: self.refused,
+        }
+    }
+
+    fn holder_of(&self, r: &Record) -> PeerId {
+        r.publisher.unwrap_or(self.local)
+    }
+
+    /// Checks a write of `size` bytes under `key` by `holder`, making room by eviction.
+    fn admit(&mut self, key: &RecordKey, holder: PeerId, size: usize) -> Result<(), StoreRefusal> {
+        let old = self.held.get(key).copied();
+        let freed = old.map_or(0, |(_, s)| s);
+        let replaced = usize::from(old.is_some());
+        if holder != self.local {
+            let mine = self
+                .by_peer
+                .get(&holder)
+                .map(|(h, _)| *h)
+                .unwrap_or_default();
+            let (own_bytes, own_records) = match old {
+                Some((h, s)) if h == holder => (s, 1),
+                _ => (0, 0),
+            };
+            let bytes = mine.bytes - own_bytes + size;
+            let records = mine.records - own_records + 1;
+            if bytes > self.limits.max_bytes_per_peer || records > self.limits.max_records_per_peer
+            {
+                return Err(StoreRefusal::PeerShare {
+                    peer: holder,
+                    bytes,
+                    records,
+                    max_bytes: self.limits.max_bytes_per_peer,
+                    max_records: self.limits.max_records_per_peer,
+                });
+            }
+        }
+        let over = |s: &Self| {
+            s.total.bytes - freed + size > s.limits.max_bytes
+                || s.total.records - replaced + 1 > s.limits.max_records
+        };
+        if over(self) {
+            self.drop_expired(key);
+        }
+        while over(self) {
+            let victim = self
+                .by_peer
+                .iter()
+                .filter(|(p, (h, _))| **p != self.local && h.records > 0)
+                .max_by_key(|(p, (h, _))| (h.bytes, **p))
+                .map(|(p, _)| *p);
+            let Some(victim) = victim else {
+                if holder == self.local {
+                    // Only local records left: this node's own writes are never refused.
+                    return Ok(());
+                }
+                return Err(self.full());
+            };
+            if victim == holder {
+                return Err(self.full());
+            }
+            let Some((_, largest)) = self.by_peer[&victim]
+                .1
+                .iter()
+                .rev()
+                .find(|(_, k)| k.as_slice() != key.as_ref())
+                .map(|(s, k)| (*s, RecordKey::from(k.clone())))
+            else {
+                return Err(self.full());
+            };
+            tracing::debug!(%victim, "record store full: evicting a record");
+            self.evicted += 1;
+            self.remove(&largest);
+        }
+        Ok(())
+    }
+
+    fn full(&self) -> StoreRefusal {
+        StoreRefusal::Full {
+            bytes: self.total.bytes,
+            records: self.total.records,
+        }
+    }
+
+    fn drop_expired(&mut self, keep: &RecordKey) {
+        let now = Instant::now();
+        let expired: Vec<RecordKey> = self
+            .inner
+            .records()
+            .filter(|r| r.is_expired(now) && &r.key != keep)
+            .map(|r| r.key.clone())
+            .collect();
+        for k in expired {
+            self.remove(&k);
+        }
+    }
+
+    /// Stores `r` if the bounds allow; the typed form of [`RecordStore::put`].
+    pub(crate) fn try_put(&mut self, r: Record) -> Result<(), StoreRefusal> {
+        let holder = self.holder_of(&r);
+        let size = size_of(&r);
+        if let Err(e) = self.admit(&r.key, holder, size) {
+            self.refused += 1;
+            return Err(e);
+        }
+        let key = r.key.clone();
+        let len = r.value.len();
+        self.inner.put(r).map_err(|e| match e {
+            store::Error::ValueTooLarge => StoreRefusal::TooLarge(len),
+            _ => self.full(),
+        })?;
+        self.forget(&key);
+        self.held.insert(key.clone(), (holder, size));
+        let (h, set) = self.by_peer.entry(holder).or_default();
+        h.bytes += size;
+        h.records += 1;
+        set.insert((size, key.to_vec()));
+        self.total.bytes += size;
+        self.total.records += 1;
+        Ok(())
+    }
+
+    /// Drops the books of `key` (not the record).
+    fn forget(&mut self, key: &RecordKey) {
+        let Some((holder, size)) = self.held.remove(key) else {
+            return;
+        };
+        if let Some((h, set)) = self.by_peer.get_mut(&holder) {
+            h.bytes -= size;
+            h.records -= 1;
+            set.remove(&(size, key.to_vec()));
+            if h.records == 0 {
+                self.by_peer.remove(&holder);
+            }
+        }
+        self.total.bytes -= size;
+        self.total.records -= 1;
+    }
+}
+
+impl RecordStore for BoundedStore {
+    type RecordsIter<'a> = <MemoryStore as RecordStore>::RecordsIter<'a>;
+    type ProvidedIter<'a> = <MemoryStore as RecordStore>::ProvidedIter<'a>;
+
+    fn get(&self, k: &RecordKey) -> Option<Cow<'_, Record>> {
+        self.inner.get(k)
+    }
+
+    fn put(&mut self, r: Record) -> store::Result<()> {
+        self.try_put(r).map_err(|e| match e {
+            StoreRefusal::TooLarge(_) => store::Error::ValueTooLarge,
+            _ => store::Error::MaxRecords,
+        })
+    }
+
+    fn remove(&mut self, k: &RecordKey) {
+        self.inner.remove(k);
+        self.forget(k);
+    }
+
+    fn records(&self) -> Self::RecordsIter<'_> {
+        self.inner.records()
+    }
+
+    fn add_provider(&mut self, record: ProviderRecord) -> store::Result<()> {
+        self.inner.add_provider(record)
+    }
+
+    fn providers(&self, key: &RecordKey) -> Vec<ProviderRecord> {
+        self.inner.providers(key)
+    }
+
+    fn provided(&self) -> Self::ProvidedIter<'_> {
+        self.inner.provided()
+    }
+
+    fn remove_provider(&mut self, k: &RecordKey, p: &PeerId) {
+        self.inner.remove_provider(k, p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(key: &str, len: usize, holder: PeerId) -> Record {
+        let mut r = Record::new(RecordKey::new(&key), vec![7u8; len]);
+        r.publisher = Some(holder);
+        r
+    }
+
+    fn limits() -> StoreLimits {
+        StoreLimits {
+            max_bytes: 10_000,
+            max_records: 20,
+            max_bytes_per_peer: 4_000,
+            max_records_per_peer: 8,
+        }
+    }
+
+    fn check_books(s: &BoundedStore) {
+        let (bytes, records) = s
+            .inner
+            .records()
+            .fold((0, 0), |(b, n), r| (b + size_of(&r), n + 1));
+        let u = s.usage();
+        assert_eq!((u.bytes, u.records), (bytes, records));
+        assert!(u.records == s.held.len());
+    }
+
+    #[test]
+    fn a_peer_cannot_hold_more_than_its_share() {
+        let local = PeerId::random();
+        let hostile = PeerId::random();
+        let mut s = BoundedStore::new(local, limits(), 1 << 20);
+        let mut refused = 0;
+        for i in 0..100 {
+            if s.try_put(record(&format!("k{i}"), 999, hostile)).is_err() {
+                refused += 1;
+            }
+        }
+        // 4 records of 1001 bytes would be 4004 > 4000: three fit.
+        assert_eq!(s.usage().records, 3);
+        assert_eq!(refused, 97);
+        assert!(matches!(s.try_put(record("more", 10, hostile)), Ok(())));
+        assert!(matches!(
+            s.try_put(record("most", 999, hostile)),
+            Err(StoreRefusal::PeerShare { .. })
+        ));
+        // Replacing one of its own records within its share works.
+        s.try_put(record("k0", 500, hostile)).unwrap();
+        check_books(&s);
+    }
+
+    #[test]
+    fn remote_records_never_crowd_out_local_ones() {
+        let local = PeerId::random();
+        let mut s = BoundedStore::new(local, limits(), 1 << 20);
+        // Sybils fill the store to its byte bound.
+        let sybils: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
+        for (n, p) in sybils.iter().enumerate() {
+            for i in 0..3 {
+                let _ = s.try_put(record(&format!("s{n}-{i}"), 900, *p));
+            }
+        }
+        assert!(s.usage().bytes <= 10_000);
+        assert!(s.usage().bytes + 1_000 > 10_000, "the store is full");
+        // A newcomer's write still goes in: the largest holder's records make room.
+        let honest = PeerId::random();
+        let evicted = s.usage().evicted;
+        s.try_put(record("honest", 900, honest)).unwrap();
+        assert!(s.usage().evicted > evicted);
+        // This node's own writes always go in, and remote ones never push them out.
+        for i in 0..10 {
+            s.try_put(record(&format!("mine{i}"), 900, local)).unwrap();
+        }
+        assert_eq!(s.usage().local_records, 10);
+        for (n, p) in sybils.iter().enumerate() {
+            let _ = s.try_put(record(&format!("again{n}"), 900, *p));
+        }
+        assert_eq!(s.usage().local_records, 10);
+        assert!(s.usage().bytes <= 10_000);
+        check_books(&s);
+    }
+
+    #[test]
+    fn the_largest_holder_cannot_evict_others_to_grow() {
+        let local = PeerId::random();
+        let lim = StoreLimits {
+            max_bytes: 5_000,
+            max_bytes_per_peer: 10_000,
+            ..limits()
+        };
+        let mut s = BoundedStore::new(local, lim, 1 << 20);
+        let big = PeerId::random();
+        let small = PeerId::random();
+        s.try_put(record("small", 900, small)).unwrap();
+        for i in 0..4 {
+            s.try_put(record(&format!("b{i}"), 999, big)).unwrap();
+        }
+        // 4,909 bytes held. One more from the largest holder would need an eviction.
+        assert!(matches!(
+            s.try_put(record("b4", 999, big)),
+            Err(StoreRefusal::Full { .. })
+        ));
+        assert!(s.get(&RecordKey::new(&"small")).is_some());
+        check_books(&s);
+    }
+
+    #[test]
+    fn removal_and_replacement_keep_the_books() {
+        let local = PeerId::random();
+        let a = PeerId::random();
+        let b = PeerId::random();
+        let mut s = BoundedStore::new(local, limits(), 1 << 20);
+        s.try_put(record("k", 100, a)).unwrap();
+        // b's merge replaces the value: the record is now b's.
+        s.try_put(record("k", 300, b)).unwrap();
+        assert_eq!(s.by_peer.get(&a).map(|(h, _)| h.records), None);
+        assert_eq!(s.by_peer[&b].0.bytes, 301);
+        s.remove(&RecordKey::new(&"k"));
+        assert_eq!(s.usage(), StoreUsage::default());
+        check_books(&s);
+    }
+}
