@@ -113,6 +113,8 @@ class Averager:
         state_priority: float = ...,
         allow_relayed_data: bool = ...,
         bandwidth: Optional[float] = ...,
+        state_trusted_peers: Optional[List[str]] = ...,
+        state_min_agreeing: int = ...,
     ) -> None: ...
     @property
     def mode(self) -> str:
@@ -131,9 +133,9 @@ class Averager:
     def lock(self) -> TensorLock:
         """Takes the tensor lock."""
     def download_state(
-        self,
+        self, timeout: Optional[float] = ...
     ) -> Optional[Tuple[bytes, List[Tuple[str, List[int], bytes]]]]:
-        """Downloads the state without installing it."""
+        """Downloads the state without installing it (``None``: no donor, or ``timeout`` passed)."""
     state_metadata: bytes
     def allow_state_sharing(self) -> bool: ...
     def set_allow_state_sharing(self, allow: bool) -> None: ...

@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import enum
 import json
+import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hivemesh import _hivemesh
@@ -30,25 +31,28 @@ __all__ = ["DecentralizedAverager", "StepControl", "AveragingMode", "AveragingSt
 
 GatheredData = Any
 
-# A gathered value travels as one tag byte and its encoding: raw bytes, or JSON for anything
-# JSON can carry (dicts, lists, numbers, strings). Nothing from the network is unpickled.
+# A gathered value (and the state metadata) travels as one tag byte and its encoding: raw
+# bytes, or JSON for anything JSON can carry (dicts, lists, numbers, strings). Nothing from the
+# network is unpickled.
 _RAW, _JSON = b"\x00", b"\x01"
 
 
-def _encode_gather(gather: Any) -> bytes:
-    if gather is None:
+def _encode_value(value: Any, what: str = "gather") -> bytes:
+    if value is None:
         return b""
-    if isinstance(gather, (bytes, bytearray, memoryview)):
-        return _RAW + bytes(gather)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _RAW + bytes(value)
     try:
-        return _JSON + json.dumps(gather, separators=(",", ":"), allow_nan=False).encode()
+        return _JSON + json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise TypeError(
-            f"gather must be bytes or JSON-serializable (dicts, lists, str, numbers): {e}"
+            f"{what} must be bytes or JSON-serializable (dicts, lists, str, numbers): {e}"
         ) from None
 
 
-def _decode_gather(data: bytes) -> Any:
+def _decode_value(data: bytes, untagged: Any = None) -> Any:
+    """The value ``data`` carries; ``untagged`` for bytes that are not one of ours (a peer
+    that sent something else, or a Rust peer's raw metadata)."""
     if not data:
         return None
     tag, body = data[:1], data[1:]
@@ -58,8 +62,8 @@ def _decode_gather(data: bytes) -> Any:
         try:
             return json.loads(body)
         except ValueError:
-            return None
-    return None
+            return untagged
+    return untagged
 
 
 class AveragingMode(enum.Enum):
@@ -157,7 +161,7 @@ class StepControl:
             return None
         self.outcome = outcome
         return {
-            PeerID(peer): _decode_gather(g)
+            PeerID(peer): _decode_value(g)
             for peer, g in zip(outcome["members"], outcome["gathered"])
         }
 
@@ -182,7 +186,11 @@ class DecentralizedAverager:
     shared.
 
     hivemesh's own arguments: ``allow_relayed_data`` lets tensor data go through relays when
-    no direct connection can be made; ``bandwidth`` is this peer's share of reduction work.
+    no direct connection can be made; ``bandwidth`` is this peer's share of reduction work;
+    ``state_trusted_peers`` (peer ids) are the only peers :meth:`load_state_from_peers` asks,
+    and ``state_min_agreeing`` donors must serve byte-identical states before one is
+    downloaded (a donor's ``state_sharing_priority`` is its own claim: with the default, 1, a
+    peer announcing a huge priority wins). A state holding NaN or infinity is never loaded.
     """
 
     def __init__(
@@ -216,6 +224,8 @@ class DecentralizedAverager:
         daemon: bool = True,
         shutdown_timeout: float = 5.0,
         allow_relayed_data: bool = False,
+        state_trusted_peers: Optional[Sequence[Any]] = None,
+        state_min_agreeing: int = 1,
     ):
         if not isinstance(dht, DHT):
             raise TypeError(f"dht must be a hivemesh.DHT, not {type(dht).__name__}")
@@ -269,6 +279,9 @@ class DecentralizedAverager:
             state_priority=float(state_sharing_priority),
             allow_relayed_data=bool(allow_relayed_data),
             bandwidth=bandwidth,
+            state_trusted_peers=(None if state_trusted_peers is None
+                                 else [str(p) for p in state_trusted_peers]),
+            state_min_agreeing=int(state_min_agreeing),
         )
         self._native: Optional[_hivemesh.Averager] = None
         if start:
@@ -321,7 +334,7 @@ class DecentralizedAverager:
             scheduled_in = max(0.0, float(scheduled_time) - get_dht_time())
         native = self._averager.schedule_step(
             weight=float(weight),
-            gather=_encode_gather(gather),
+            gather=_encode_value(gather),
             timeout=None if timeout is None else float(timeout),
             allow_retries=allow_retries,
             require_trigger=require_trigger,
@@ -353,29 +366,51 @@ class DecentralizedAverager:
         # A bytearray is writable, so the tensor may own it without a copy or a warning.
         return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(shape)
 
-    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None
-                              ) -> Optional[Tuple[bytes, List[Any]]]:
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None) -> Any:
         """Downloads the averaged tensors from a peer that shares them (the one with the
         highest ``state_sharing_priority``): ``(metadata, tensors)`` as new tensors of the
-        same kind as this averager's, or ``None`` if no peer shares. The local tensors are
-        left as they are. ``metadata`` is the donor's :attr:`state_metadata` (bytes)."""
+        same kind as this averager's, or ``None`` if no peer shares or ``timeout`` seconds
+        pass first. The local tensors are left as they are. ``metadata`` is the donor's
+        :attr:`state_metadata`. With ``wait=False`` returns a
+        ``concurrent.futures.Future`` of that result at once (the download runs on a thread
+        of its own, with the GIL released)."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be positive, not {timeout!r}")
+        native = self._averager
         if not wait:
-            raise ValueError("wait=False is not supported; call it in a thread")
-        got = self._averager.download_state()
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()
+
+            def download() -> None:
+                try:
+                    future.set_result(self._load_state(native, timeout))
+                except BaseException as e:  # noqa: BLE001 - handed to the future's owner
+                    future.set_exception(e)
+
+            threading.Thread(target=download, name="hivemesh-load-state", daemon=True).start()
+            return future
+        return self._load_state(native, timeout)
+
+    def _load_state(self, native: _hivemesh.Averager, timeout: Optional[float]
+                    ) -> Optional[Tuple[Any, List[Any]]]:
+        got = native.download_state(timeout)
         if got is None:
             return None
         metadata, tensors = got
-        return metadata, [self._new_tensor(d, s, b) for d, s, b in tensors]
+        return (_decode_value(metadata, untagged=metadata),
+                [self._new_tensor(d, s, b) for d, s, b in tensors])
 
     @property
-    def state_metadata(self) -> bytes:
-        """Bytes served to newcomers with the tensors (hivemind's ``metadata`` of
-        ``get_current_state``)."""
-        return self._averager.state_metadata
+    def state_metadata(self) -> Any:
+        """What newcomers get with the tensors (hivemind's ``metadata`` of
+        ``get_current_state``): bytes or JSON-serializable data (a dict of the epoch, the
+        learning rate, ...), at most about 1 MiB encoded; ``None`` when unset."""
+        raw = self._averager.state_metadata
+        return _decode_value(raw, untagged=raw)
 
     @state_metadata.setter
-    def state_metadata(self, value: bytes) -> None:
-        self._averager.state_metadata = bytes(value)
+    def state_metadata(self, value: Any) -> None:
+        self._averager.state_metadata = _encode_value(value, "state_metadata")
 
     @property
     def allow_state_sharing(self) -> bool:

@@ -207,7 +207,7 @@ impl Averager {
     /// when `threshold` is 0, else hivemind's size-adaptive choice. `mode`: `"node"`,
     /// `"client"`, `"aux"` or `None` (a client behind a NAT nobody can reach, else a node).
     #[new]
-    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=(0, 0, 0), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None))]
+    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=(0, 0, 0), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         node: &Node,
@@ -228,6 +228,8 @@ impl Averager {
         state_priority: f64,
         allow_relayed_data: bool,
         bandwidth: Option<f64>,
+        state_trusted_peers: Option<Vec<String>>,
+        state_min_agreeing: usize,
     ) -> PyResult<Self> {
         let parts = node.parts()?;
         let shared: Vec<Tensor> = tensors
@@ -280,6 +282,24 @@ impl Averager {
         config.state_priority = state_priority;
         config.allow_relayed_data = allow_relayed_data;
         config.bandwidth = bandwidth;
+        if state_min_agreeing == 0 {
+            return Err(PyValueError::new_err(
+                "state_min_agreeing must be at least 1",
+            ));
+        }
+        config.state.trust.min_agreeing = state_min_agreeing;
+        config.state.trust.allow = state_trusted_peers
+            .map(|peers| {
+                peers
+                    .iter()
+                    .map(|p| {
+                        p.parse::<libp2p::PeerId>().map_err(|e| {
+                            PyValueError::new_err(format!("state_trusted_peers: {p:?}: {e}"))
+                        })
+                    })
+                    .collect::<PyResult<_>>()
+            })
+            .transpose()?;
         let dht = parts.dht.clone();
         let cfg = config.clone();
         // `start` spawns the averager's tasks: it runs on the runtime.
@@ -378,9 +398,11 @@ impl Averager {
     /// Downloads the state from peers without installing it: `None` when no donor is
     /// available, else `(metadata, [(dtype, shape, raw little-endian bytes)])`.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (timeout=None))]
     fn download_state<'py>(
         &self,
         py: Python<'py>,
+        timeout: Option<f64>,
     ) -> PyResult<
         Option<(
             Bound<'py, PyBytes>,
@@ -388,11 +410,20 @@ impl Averager {
         )>,
     > {
         let averager = self.get()?;
-        let got = runtime::block_on(
-            py,
-            async move { averager.download_state_from_peers().await },
-        )?
-        .map_err(|e| StateError::new_err(e.to_string()))?;
+        let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        // The download is dropped when `timeout` passes (or on Ctrl-C), which closes its
+        // streams and frees the donors' sessions.
+        let got = runtime::block_on(py, async move {
+            let download = averager.download_state_from_peers();
+            match timeout {
+                Some(t) => tokio::time::timeout(t, download).await.ok(),
+                None => Some(download.await),
+            }
+        })?;
+        let Some(got) = got else {
+            return Ok(None);
+        };
+        let got = got.map_err(|e| StateError::new_err(e.to_string()))?;
         Ok(got.map(|(state, tensors)| {
             let tensors = tensors
                 .iter()

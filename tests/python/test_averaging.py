@@ -216,20 +216,62 @@ def test_load_state_from_peers(make_dht):
     donor, newcomer = averagers_for(make_dht, [donor_tensors, newcomer_tensors],
                                     prefix="demo-run")
     try:
-        donor.state_metadata = b"epoch=7"
-        got = newcomer.load_state_from_peers(timeout=STEP_TIMEOUT)
+        assert donor.state_metadata is None
+        donor.state_metadata = {"epoch": 7, "lr": 0.25, "tags": ["a", "b"]}
+        future = newcomer.load_state_from_peers(wait=False, timeout=STEP_TIMEOUT)
+        assert isinstance(future, concurrent.futures.Future)
+        got = future.result(timeout=STEP_TIMEOUT)
         assert got is not None
         metadata, tensors = got
-        assert metadata == b"epoch=7"
+        assert metadata == {"epoch": 7, "lr": 0.25, "tags": ["a", "b"]}
         assert [t.dtype for t in tensors] == [t.dtype for t in donor_tensors]
         assert all(torch.equal(a, b) for a, b in zip(tensors, donor_tensors))
         assert all(torch.equal(t, torch.zeros_like(t)) for t in newcomer_tensors), \
             "load_state_from_peers returns the state; it does not overwrite the tensors"
+        donor.state_metadata = b"epoch=7"
+        assert donor.state_metadata == b"epoch=7"
+        metadata, _ = newcomer.load_state_from_peers(timeout=STEP_TIMEOUT)
+        assert metadata == b"epoch=7"
+        with pytest.raises(ValueError, match="timeout"):
+            newcomer.load_state_from_peers(timeout=0)
+        with pytest.raises(TypeError, match="state_metadata"):
+            donor.state_metadata = {"not json": object()}
         donor.allow_state_sharing = False
         newcomer.allow_state_sharing = False
         assert newcomer.load_state_from_peers() is None
     finally:
         shutdown([donor, newcomer])
+
+
+def test_load_state_trusts_what_the_caller_says(make_dht):
+    donor_tensors = [torch.randn(4)]
+    donor = hivemesh.DecentralizedAverager(donor_tensors, make_dht(), prefix="trust-run",
+                                           start=True)
+    stranger = make_dht().peer_id
+    newcomers = []
+    try:
+        def newcomer(**kwargs):
+            a = hivemesh.DecentralizedAverager(
+                [torch.zeros(4)], make_dht(), prefix="trust-run", start=True,
+                allow_state_sharing=False, **kwargs)
+            newcomers.append(a)
+            return a
+
+        trusting = newcomer(state_trusted_peers=[donor.peer_id])
+        metadata, tensors = trusting.load_state_from_peers(timeout=STEP_TIMEOUT)
+        assert torch.equal(tensors[0], donor_tensors[0])
+        # A donor outside the allowlist is never asked.
+        assert newcomer(state_trusted_peers=[stranger]).load_state_from_peers(
+            timeout=STEP_TIMEOUT) is None
+        # One donor cannot confirm its own state.
+        with pytest.raises(hivemesh.StateError, match="1 donor.*2 required"):
+            newcomer(state_min_agreeing=2).load_state_from_peers(timeout=STEP_TIMEOUT)
+        with pytest.raises(ValueError, match="state_trusted_peers"):
+            newcomer(state_trusted_peers=["not a peer id"])
+        with pytest.raises(ValueError, match="state_min_agreeing"):
+            newcomer(state_min_agreeing=0)
+    finally:
+        shutdown(newcomers + [donor])
 
 
 @pytest.mark.parametrize(
