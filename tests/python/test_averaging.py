@@ -324,8 +324,9 @@ CTRL_C_CHILD = textwrap.dedent(
     t = torch.arange(4, dtype=torch.float32)
     averager = hivemesh.DecentralizedAverager([t], dht, prefix="alone", min_group_size=2,
                                               target_group_size=2, start=True)
-    print("stepping", flush=True)
     try:
+        # Inside the try: the parent's SIGINT may land as soon as this line is out.
+        print("stepping", flush=True)
         averager.step()  # nobody else: waits until interrupted
         print("step returned", flush=True)
     except KeyboardInterrupt:
