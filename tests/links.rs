@@ -230,6 +230,7 @@ async fn exact_round(
         );
         let err = max_err(me, outcome, &start, &weights);
         assert!(err < 1e-5, "member {me}: {err}");
+        common::assert_full_mean(me, outcome, &start, &weights);
     }
 }
 

@@ -237,6 +237,7 @@ async fn four_nodes_average_exactly() {
         assert!(outcome.report.banned.is_empty() && outcome.report.failed_reducers.is_empty());
         let err = max_err(p, outcome, &start, &weights, &config(&modes, p, weights[p]));
         assert!(err < 1e-5, "peer {p}: {err}");
+        common::assert_full_mean(p, outcome, &start, &weights);
     }
 }
 
@@ -261,6 +262,7 @@ async fn full_link_queues_do_not_stall_the_round() {
             assert!(outcome.report.local_parts().next().is_none(), "peer {p}");
             let err = max_err(p, outcome, &start, &weights, &config(&modes, p, 1.0));
             assert!(err < 1e-5, "queue {queue}, peer {p}: {err}");
+            common::assert_full_mean(p, outcome, &start, &weights);
         }
     }
 }

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hivemesh::allreduce::{Butterfly, Member, Message, Mode, PartMessage, RoundConfig};
+use hivemesh::allreduce::{Butterfly, Member, Message, Mode, Outcome, PartMessage, RoundConfig};
 use hivemesh::compression::CompressionType;
 use hivemesh::tensor::{DType, Tensor};
 
@@ -83,6 +83,44 @@ pub async fn introduce_all(nodes: &[&hivemesh::p2p::P2p]) {
                     .await
                     .expect("add addresses");
             }
+        }
+    }
+}
+
+/// A fault-free round, checked without trusting its report: every segment of every span lists
+/// every member as a contributor, and every part's result is the weighted mean of all members'
+/// start values, computed here (in f64) from the inputs alone.
+pub fn assert_full_mean(me: usize, outcome: &Outcome, start: &[Vec<Tensor>], weights: &[f64]) {
+    let n = start.len();
+    for span in &outcome.report.spans {
+        for seg in &span.segments {
+            let c = seg
+                .contributors
+                .as_ref()
+                .unwrap_or_else(|| panic!("peer {me}: parts {:?} kept local values", seg.parts));
+            assert_eq!(c.iter().collect::<Vec<_>>(), (0..n).collect::<Vec<_>>());
+        }
+    }
+    let values: Vec<Vec<Vec<f32>>> = start
+        .iter()
+        .map(|ts| ts.iter().map(Tensor::to_f32_vec).collect())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut got = Vec::new();
+    for (g, spec) in outcome.parts.iter().enumerate() {
+        got.resize(spec.len, 0.0);
+        outcome
+            .result_into(g, &start[me], &mut got)
+            .unwrap_or_else(|| panic!("peer {me}: no result for part {g}"));
+        for (k, &v) in spec.range().zip(&got) {
+            let want = (0..n)
+                .map(|i| weights[i] * f64::from(values[i][spec.tensor][k]))
+                .sum::<f64>()
+                / total;
+            assert!(
+                (f64::from(v) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "peer {me}, part {g}, element {k}: {v} != {want}"
+            );
         }
     }
 }
