@@ -575,6 +575,13 @@ impl P2p {
             .await
     }
 
+    /// The addresses of `peer` in the Kademlia routing table (empty if it is not there). At
+    /// most 8 of them come from what the peer itself announces (identify).
+    pub async fn routing_addresses(&self, peer: PeerId) -> Result<Vec<Multiaddr>, P2pError> {
+        self.call(|reply| swarm::Command::RoutingAddresses { peer, reply })
+            .await
+    }
+
     /// How we are connected to `peer` now, one entry per connection (empty: not connected).
     pub async fn connection_paths(&self, peer: PeerId) -> Result<Vec<ConnPath>, P2pError> {
         self.call(|reply| swarm::Command::ConnectionPaths { peer, reply })

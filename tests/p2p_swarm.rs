@@ -408,3 +408,36 @@ async fn inbound_connections_beyond_the_limit_are_dropped() {
     first.shutdown().await.unwrap();
     guarded.shutdown().await.unwrap();
 }
+
+/// A peer announces whatever listen addresses it likes, and identify pushes every change:
+/// only 8 of them reach a node's routing table (Kademlia keeps every address it is given).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_cannot_fill_the_routing_table_with_its_addresses() {
+    let boot = node(vec![], false).await;
+    let mut cfg = P2pConfig {
+        initial_peers: boot.listen_addrs().await.unwrap(),
+        listen: (0..12)
+            .map(|_| "/ip4/127.0.0.1/tcp/0".parse().unwrap())
+            .collect(),
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    };
+    cfg.nat.assume = Some(Reach::Public);
+    let many = spawn(cfg).await;
+    assert_eq!(many.listen_addrs().await.unwrap().len(), 12);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let known = loop {
+        let known = boot.routing_addresses(many.peer_id()).await.unwrap();
+        if !known.is_empty() {
+            break known;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the peer never reached the routing table"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(known.len(), 8, "{known:?}");
+    many.shutdown().await.unwrap();
+    boot.shutdown().await.unwrap();
+}

@@ -95,6 +95,10 @@ pub(super) enum Command {
     StoreUsage {
         reply: oneshot::Sender<StoreUsage>,
     },
+    RoutingAddresses {
+        peer: PeerId,
+        reply: oneshot::Sender<Vec<Multiaddr>>,
+    },
     Shutdown {
         reply: oneshot::Sender<()>,
     },
@@ -127,6 +131,9 @@ pub(super) struct EventLoop {
     /// Kademlia's mode is forced to client ([`P2pConfig::client_mode`]).
     forced_client: bool,
 }
+
+/// Most addresses of one peer that identify adds to the routing table.
+const MAX_ROUTING_ADDRS: usize = 8;
 
 fn kad_protocol() -> StreamProtocol {
     StreamProtocol::new(KAD_PROTOCOL)
@@ -401,6 +408,9 @@ impl EventLoop {
                 self.nat.add_relay_candidates(addrs);
                 let _ = reply.send(());
             }
+            Command::RoutingAddresses { peer, reply } => {
+                let _ = reply.send(self.routing_addresses(&peer));
+            }
             Command::StoreUsage { reply } => {
                 let _ = reply.send(self.swarm.behaviour_mut().kad.store_mut().usage());
             }
@@ -547,6 +557,21 @@ impl EventLoop {
         Ok(record)
     }
 
+    /// The addresses of `peer` in the routing table (empty if it is not there).
+    fn routing_addresses(&mut self, peer: &PeerId) -> Vec<Multiaddr> {
+        self.swarm
+            .behaviour_mut()
+            .kad
+            .kbucket(*peer)
+            .and_then(|bucket| {
+                bucket
+                    .iter()
+                    .find(|e| e.node.key.preimage() == peer)
+                    .map(|e| e.node.value.iter().cloned().collect())
+            })
+            .unwrap_or_default()
+    }
+
     fn on_event(&mut self, event: SwarmEvent<BehaviourEvent>) {
         match event {
             SwarmEvent::NewListenAddr {
@@ -627,9 +652,17 @@ impl EventLoop {
             })) => {
                 self.on_identify(peer_id, connection_id, &info);
                 if info.protocols.contains(&kad_protocol()) {
+                    // A peer chooses its listen addresses and may push new ones at will: only
+                    // up to MAX_ROUTING_ADDRS of them go into the routing table (Kademlia's own
+                    // per-peer lists have no bound).
+                    let mut known = self.routing_addresses(&peer_id);
                     for addr in info.listen_addrs {
+                        if known.len() >= MAX_ROUTING_ADDRS {
+                            break;
+                        }
                         // Circuit addresses do not belong in the routing table.
-                        if !super::nat::is_relayed(&addr) {
+                        if !super::nat::is_relayed(&addr) && !known.contains(&addr) {
+                            known.push(addr.clone());
                             self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                         }
                     }
