@@ -116,9 +116,17 @@ pub enum LinkError {
 }
 
 enum Inbound {
-    Message { from: usize, message: Message },
-    Failed { from: usize, error: LinkError },
+    Message {
+        from: usize,
+        message: Message,
+    },
+    Failed {
+        from: usize,
+        error: LinkError,
+    },
     Writable,
+    /// The round's future was dropped (only the compute loop makes this one).
+    Abandoned,
 }
 
 /// Runs one round: `links[i]` connects to member `i` (`None` for ourselves; `None` for another
@@ -287,7 +295,9 @@ fn compute_loop(
                 }
             };
             tokio::select! {
-                _ = &mut *abandoned => None,
+                // Nobody waits for this round any more (the receiver is polled only here, and
+                // the round ends right after it completes).
+                _ = &mut *abandoned => Some(Some(Inbound::Abandoned)),
                 ev = inbound.recv(), if inbound_open => Some(ev),
                 changed = cancel.changed(), if cancel_open => {
                     if changed.is_err() {
@@ -301,10 +311,6 @@ fn compute_loop(
         });
         let now = Instant::now();
         match event {
-            None if abandoned.try_recv() != Err(oneshot::error::TryRecvError::Empty) => {
-                // Nobody waits for this round any more.
-                return Err(RunnerError::Round(RoundError::Cancelled));
-            }
             None => {
                 if *cancel.borrow() {
                     machine.cancel(now);
@@ -319,6 +325,9 @@ fn compute_loop(
                 machine.handle_link_failed(now, from, None);
             }
             Some(Some(Inbound::Writable)) => {}
+            Some(Some(Inbound::Abandoned)) => {
+                return Err(RunnerError::Round(RoundError::Cancelled));
+            }
         }
         machine.handle_timeout(Instant::now());
     }

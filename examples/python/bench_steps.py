@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import queue
 import sys
 import threading
 import time
@@ -65,7 +64,7 @@ import torch
 
 import hivemesh
 
-from _harness import Failure, stop_processes
+from _harness import Failure, next_message, stop_processes
 
 #: Where every node listens: loopback, TCP, a port of the system's choice.
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
@@ -158,25 +157,6 @@ def worker_main(index: int, args: argparse.Namespace, initial_peers: List[str], 
             averager.shutdown()
         if dht is not None:
             dht.shutdown()
-
-
-def next_message(results: Any, procs: List[Any], timeout: float, waiting_for: str) -> tuple:
-    """The next message from a worker; fails if ``timeout`` seconds pass first, if a worker
-    exits meanwhile, or on a worker's fatal error."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            msg = results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-        except queue.Empty:
-            for i, proc in enumerate(procs):
-                if proc.exitcode is not None:
-                    raise Failure(f"worker {i} exited (status {proc.exitcode}) {waiting_for}")
-            if time.monotonic() >= deadline:
-                raise Failure(f"timed out after {timeout:.0f} s {waiting_for}")
-            continue
-        if msg[0] == "fatal":
-            raise Failure(f"worker {msg[1]} failed:\n{msg[2]}")
-        return msg
 
 
 def run(args: argparse.Namespace) -> List[float]:

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import queue
 import sys
 import time
 import traceback
@@ -63,7 +62,7 @@ from torch import nn
 
 import hivemesh
 
-from _harness import Failure, stop_processes
+from _harness import Failure, next_message, stop_processes
 
 #: Where every node listens: loopback, TCP, a port of the system's choice.
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
@@ -195,7 +194,7 @@ def peer_main(p: int, args: argparse.Namespace, initial_peers: List[str], result
     """Peer ``p``: joins the swarm, trains on its shard, averages on schedule, and reports to
     the parent through ``results``: ``("ready", p)``, ``("round", p, round, steps, loss,
     group_size, seconds, error)`` after every averaging step (``error`` is ``None`` if it
-    succeeded), ``("final", p, parameters)``, or ``("error", p, traceback)``. ``start`` and
+    succeeded), ``("final", p, parameters)``, or ``("fatal", p, traceback)``. ``start`` and
     ``finish`` are barriers of all peers: training starts once every peer is ready (so the
     first round does not wait for the slowest start), and nobody leaves the swarm before every
     peer has finished."""
@@ -252,7 +251,7 @@ def peer_main(p: int, args: argparse.Namespace, initial_peers: List[str], result
         results.put(("final", p, final.tolist()))
         finish.wait(timeout=args.setup_timeout + args.step_timeout)
     except BaseException:
-        results.put(("error", p, traceback.format_exc()))
+        results.put(("fatal", p, traceback.format_exc()))
         sys.exit(1)
     finally:
         if averager is not None:
@@ -288,21 +287,10 @@ def run_peers(args: argparse.Namespace, baseline_losses: List[float], n_rounds: 
         ready = 0
         # Nothing may be silent for longer than this (a step, or the setup).
         quiet_limit = args.setup_timeout + args.step_timeout
-        last_news = time.monotonic()
         while len(finals) < args.peers:
-            try:
-                msg = results.get(timeout=1.0)
-            except queue.Empty:
-                for p, proc in enumerate(procs):
-                    if proc.exitcode is not None and p not in finals:
-                        raise Failure(f"peer {p} exited (status {proc.exitcode}) before "
-                                      f"finishing")
-                if time.monotonic() - last_news > quiet_limit:
-                    stage = "starting" if ready < args.peers else "training"
-                    raise Failure(f"no word from the peers for {quiet_limit:.0f} s ({stage}; "
-                                  f"{ready}/{args.peers} ready)")
-                continue
-            last_news = time.monotonic()
+            stage = "starting" if ready < args.peers else "training"
+            msg = next_message(results, procs, quiet_limit,
+                               f"({stage}; {ready}/{args.peers} ready)", done=finals)
             kind, p = msg[0], msg[1]
             if kind == "ready":
                 ready += 1
@@ -320,8 +308,6 @@ def run_peers(args: argparse.Namespace, baseline_losses: List[float], n_rounds: 
                           f"({status}, {seconds * 1e3:.1f} ms)", flush=True)
             elif kind == "final":
                 finals[p] = torch.tensor(msg[2])
-            elif kind == "error":
-                raise Failure(f"peer {p} failed:\n{msg[2]}")
             else:
                 raise Failure(f"peer {p}: unexpected message {msg!r}")
         ok = True

@@ -12,7 +12,8 @@
 //!   bytes (key plus value) in at most [`StoreLimits::max_records_per_peer`] records; a write
 //!   beyond that is refused ([`StoreRefusal::PeerShare`]).
 //! * **Totals and eviction.** When a write would take the store past [`StoreLimits::max_bytes`]
-//!   or [`StoreLimits::max_records`], expired records go first; then the largest record of the
+//!   or [`StoreLimits::max_records`], expired records go first (looked for at most once a
+//!   second: the scan reads every record); then the largest record of the
 //!   remote peer holding the most bytes, repeatedly. A remote write that would have to evict its
 //!   own writer's records (it is the largest holder) is refused instead
 //!   ([`StoreRefusal::Full`]).
@@ -25,7 +26,7 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use libp2p::PeerId;
 use libp2p::kad::store::{self, MemoryStore, MemoryStoreConfig, RecordStore};
@@ -132,7 +133,13 @@ pub(crate) struct BoundedStore {
     total: Held,
     evicted: u64,
     refused: u64,
+    /// When expired records may next be looked for: a scan reads every record, so a full
+    /// store under a stream of PUTs scans at most once per [`EXPIRY_SCAN_INTERVAL`].
+    next_expiry_scan: Instant,
 }
+
+/// Least time between two scans for expired records.
+const EXPIRY_SCAN_INTERVAL: Duration = Duration::from_secs(1);
 
 fn size_of(r: &Record) -> usize {
     r.key.as_ref().len() + r.value.len()
@@ -158,6 +165,7 @@ impl BoundedStore {
             total: Held::default(),
             evicted: 0,
             refused: 0,
+            next_expiry_scan: Instant::now(),
         }
     }
 
@@ -258,6 +266,10 @@ impl BoundedStore {
 
     fn drop_expired(&mut self, keep: &RecordKey) {
         let now = Instant::now();
+        if now < self.next_expiry_scan {
+            return;
+        }
+        self.next_expiry_scan = now + EXPIRY_SCAN_INTERVAL;
         let expired: Vec<RecordKey> = self
             .inner
             .records()
