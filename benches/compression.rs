@@ -40,14 +40,7 @@ fn codecs(c: &mut Criterion) {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .throughput(Throughput::Bytes((N * 4) as u64));
-    for kind in [
-        CompressionType::None,
-        CompressionType::Float16,
-        CompressionType::BFloat16,
-        CompressionType::Uniform8Bit,
-        CompressionType::Quantile8Bit,
-        CompressionType::Blockwise8Bit,
-    ] {
+    for kind in CompressionType::ALL {
         let codec = kind.codec();
         let name = format!("{kind:?}");
         let mut payload = Vec::with_capacity(N * 4 + 4096);

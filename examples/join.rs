@@ -25,6 +25,10 @@
 //! through. `--allow-relayed-data` lets its tensor data go through the relay when no direct
 //! connection can be made.
 //!
+//! A private swarm: make a key with `hivemesh swarm-key swarm.key`, start the DHT node with
+//! `--swarm-key swarm.key` and every peer with the same flag; peers without the key cannot
+//! connect.
+//!
 //! After every round a second line goes to stderr, for tests and the curious:
 //! `round R: mode=M reach=C links=L contributors=MIN..MAX local_parts=N` (L: how the link to
 //! each member was carried, in member order; MIN..MAX: fewest and most members averaged into
@@ -90,6 +94,10 @@ struct Args {
     /// steps); 0: back to back.
     #[arg(long, default_value_t = 0.0)]
     interval: f64,
+    /// Join a private swarm: the key file its peers share (`hivemesh swarm-key FILE`; the
+    /// DHT node runs with `--swarm-key FILE` too). TCP only.
+    #[arg(long, value_name = "FILE")]
+    swarm_key: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -135,6 +143,11 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let swarm_key = args
+        .swarm_key
+        .as_deref()
+        .map(hivemesh::p2p::SwarmKey::read)
+        .transpose()?;
     let node = Node::start(
         NodeConfig {
             p2p: P2pConfig {
@@ -145,6 +158,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                         .with(Protocol::QuicV1),
                 ],
                 initial_peers: args.initial_peers.clone(),
+                swarm_key,
                 ..P2pConfig::loopback()
             },
             data_listen: Some(SocketAddr::new(args.host, 0)),

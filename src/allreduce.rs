@@ -49,6 +49,7 @@ mod butterfly;
 pub mod partition;
 mod peer_set;
 mod reducer;
+mod robust;
 
 use std::ops::Range;
 use std::time::Duration;
@@ -66,6 +67,7 @@ pub use peer_set::PeerSet;
 pub use reducer::{
     CompletedPart, Input, LocalValues, MAX_WEIGHT, ReduceError, Reducer, valid_weight,
 };
+pub use robust::{Aggregator, CenteredClip};
 
 /// Default `sender_timeout`.
 pub const DEFAULT_SENDER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -153,6 +155,9 @@ pub struct RoundConfig {
     /// every reducer still owing replies is failed, and the round ends with what it has.
     /// `None` (the default) leaves the bound to the caller (e.g. the averager's step timeout).
     pub round_timeout: Option<Duration>,
+    /// How this peer's reducer combines the contributions to its parts: the weighted mean
+    /// (default) or the robust [`CenteredClip`] ([`Aggregator`]).
+    pub aggregator: Aggregator,
 }
 
 impl RoundConfig {
@@ -168,6 +173,7 @@ impl RoundConfig {
             reducer_timeout: DEFAULT_REDUCER_TIMEOUT,
             max_in_flight_parts: DEFAULT_MAX_IN_FLIGHT_PARTS,
             round_timeout: None,
+            aggregator: Aggregator::Mean,
         }
     }
 
@@ -377,6 +383,15 @@ pub enum RoundError {
     /// `max_in_flight_parts` is zero.
     #[error("max_in_flight_parts must be at least 1")]
     ZeroWindow,
+    /// [`CenteredClip`] parameters out of range (`tau` must be positive, `tolerance` not
+    /// negative).
+    #[error("CenteredClip needs tau > 0 and tolerance >= 0, got tau {tau}, tolerance {tolerance}")]
+    BadAggregator {
+        /// The radius given.
+        tau: f64,
+        /// The tolerance given.
+        tolerance: f64,
+    },
     /// A message named a peer index outside the group.
     #[error("peer index {0} is outside the group")]
     UnknownPeer(usize),

@@ -105,6 +105,11 @@ pub struct AveragerConfig {
     pub part_size_bytes: usize,
     /// Codec for parts.
     pub compression: Compression,
+    /// How this peer combines the contributions to the parts it reduces: the weighted mean
+    /// (default) or the robust [`CenteredClip`](crate::allreduce::CenteredClip), which a
+    /// minority of members sending huge values cannot drag far. Set the same on every peer
+    /// of a swarm: each part's reducer decides for that part.
+    pub aggregator: crate::allreduce::Aggregator,
     /// Node (sends and reduces), client (sends only; cannot be dialled) or aux (reduces only);
     /// `None` (the default, hivemind's `client_mode=None`): a node, or a client when this
     /// node is behind a NAT that nobody can dial or punch through ([`Reach::Private`]), so
@@ -142,6 +147,7 @@ impl AveragerConfig {
             link_timeout: Duration::from_secs(10),
             part_size_bytes: crate::allreduce::DEFAULT_PART_SIZE_BYTES,
             compression: Compression::default(),
+            aggregator: crate::allreduce::Aggregator::Mean,
             mode: None,
             allow_relayed_data: false,
             bandwidth: None,
@@ -374,6 +380,13 @@ impl Averager {
         };
         if tensors.is_empty() {
             return Err(AveragerError::Config("no tensors".into()));
+        }
+        if let crate::allreduce::Aggregator::CenteredClip(clip) = config.aggregator
+            && !clip.is_valid()
+        {
+            return Err(AveragerError::Config(format!(
+                "CenteredClip needs tau > 0 and tolerance >= 0 (got {clip:?})"
+            )));
         }
         let inbound = dht
             .p2p()
@@ -1098,6 +1111,7 @@ impl Actor {
         cfg.sender_timeout = self.config.sender_timeout;
         cfg.reducer_timeout = self.config.reducer_timeout;
         cfg.round_timeout = Some(self.config.round_timeout);
+        cfg.aggregator = self.config.aggregator;
 
         let link_timeout = self.config.link_timeout;
         let established = self

@@ -52,6 +52,16 @@ pub enum CompressionType {
 }
 
 impl CompressionType {
+    /// Every codec.
+    pub const ALL: [Self; 6] = [
+        Self::None,
+        Self::Float16,
+        Self::BFloat16,
+        Self::Uniform8Bit,
+        Self::Quantile8Bit,
+        Self::Blockwise8Bit,
+    ];
+
     /// Parses the wire value.
     pub fn from_code(code: u32) -> Option<Self> {
         Some(match code {

@@ -140,6 +140,7 @@ use std::time::Duration;
 use libp2p::PeerId;
 
 pub use addrs::{MAX_ADDR_BYTES, MAX_ADDRS, decode_addrs, encode_addrs};
+pub(crate) use client::read_answer;
 pub use client::{Dht, DhtError, DhtPolicy, StoreRequest};
 pub use owner::{
     OWNER_SUBKEY_PREFIX, SIGNING_DOMAIN, SignError, owner_subkey, signing_payload, subkey_owner,

@@ -33,6 +33,8 @@ pub mod averager;
 pub mod buffers;
 pub mod compression;
 pub mod dht;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod links;
 pub mod matchmaking;
 pub mod p2p;

@@ -449,6 +449,9 @@ pub struct HubStats {
     pub dropped: u64,
     /// TLS connections that failed their handshake.
     pub tls_failed: u64,
+    /// TLS connections refused after their handshake because this node runs a private swarm
+    /// and does not know the peer as a member ([`crate::wire::RejectReason::NotInSwarm`]).
+    pub not_in_swarm: u64,
 }
 
 /// The links of one round, as [`crate::runner::run_round`] takes them, and how they were made.

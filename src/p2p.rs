@@ -71,6 +71,7 @@
 
 mod identity;
 mod nat;
+mod private;
 mod store;
 mod swarm;
 
@@ -88,6 +89,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt as _};
 
 pub use identity::load_or_create as load_or_create_identity;
+pub use private::{SwarmKey, SwarmKeyError, SwarmPeers};
 pub use store::{StoreLimits, StoreRefusal, StoreUsage};
 
 /// Whether `addr` names a specific IP and port (not `0.0.0.0`, `::` or port 0): where an
@@ -243,6 +245,9 @@ pub struct P2pConfig {
     pub store: StoreLimits,
     /// Bounds on the swarm's connections.
     pub connections: ConnectionLimits,
+    /// A private swarm's key: only peers holding it connect (`private.rs`: TCP only, QUIC
+    /// listen addresses are left out). `None` (the default): an open swarm.
+    pub swarm_key: Option<SwarmKey>,
 }
 
 /// Bounds on the swarm's connections (libp2p's `connection_limits`): connections beyond them
@@ -444,6 +449,7 @@ impl Default for P2pConfig {
             nat: NatConfig::default(),
             store: StoreLimits::default(),
             connections: ConnectionLimits::default(),
+            swarm_key: None,
         }
     }
 }
@@ -468,6 +474,7 @@ pub struct P2p {
     streams: libp2p_stream::Control,
     reach: watch::Receiver<Reachability>,
     nat_stats: watch::Receiver<NatStats>,
+    swarm_peers: Option<SwarmPeers>,
 }
 
 impl std::fmt::Debug for P2p {
@@ -504,6 +511,7 @@ impl P2p {
         let event_loop = swarm::EventLoop::new(&config, keypair, policy, rx, &initial)?;
         let streams = event_loop.stream_control();
         let (reach, nat_stats) = event_loop.nat_watches();
+        let swarm_peers = event_loop.swarm_peers();
         let task = tokio::spawn(event_loop.run());
         let p2p = Self {
             commands: tx,
@@ -512,6 +520,7 @@ impl P2p {
             streams,
             reach,
             nat_stats,
+            swarm_peers,
         };
         if !initial.is_empty() {
             let connected = tokio::time::timeout(
@@ -533,6 +542,18 @@ impl P2p {
     /// This node's peer id.
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
+    }
+
+    /// Whether this node runs a private swarm ([`P2pConfig::swarm_key`]).
+    pub fn is_private(&self) -> bool {
+        self.swarm_peers.is_some()
+    }
+
+    /// Whether `peer` is known to hold the swarm key: in a private swarm, whether it has had
+    /// a libp2p connection with this node (every such connection went through the key); in
+    /// an open swarm, always.
+    pub fn knows_swarm_member(&self, peer: &PeerId) -> bool {
+        self.swarm_peers.as_ref().is_none_or(|p| p.contains(peer))
     }
 
     /// The addresses others can dial, each ending with `/p2p/<peer id>` (waits until every

@@ -30,8 +30,8 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use crate::allreduce::{
-    Butterfly, Member, Message, Mode, Outcome, Partition, PeerSet, Role, RoundConfig, RoundError,
-    RoundEvent, TensorDescriptor, Transmit,
+    Aggregator, Butterfly, Member, Message, Mode, Outcome, Partition, PeerSet, Role, RoundConfig,
+    RoundError, RoundEvent, TensorDescriptor, Transmit,
 };
 use crate::tensor::{Tensor, TensorError};
 
@@ -214,6 +214,8 @@ pub struct SimResult {
     pub weights: Vec<f64>,
     /// The partition every peer used.
     pub partition: Partition,
+    /// How reducers combined contributions (what [`SimResult::check`] expects).
+    pub aggregator: Aggregator,
 }
 
 /// Deviation of one peer from what its report promises.
@@ -278,7 +280,7 @@ impl SimResult {
                                 }
                                 let key = (g, c.words().to_vec());
                                 if !cache.contains_key(&key) {
-                                    let v = self.weighted_mean(g, c);
+                                    let v = self.expected(g, c);
                                     cache.insert(key.clone(), v);
                                 }
                                 cache.get(&key)
@@ -327,22 +329,34 @@ impl SimResult {
             .fold(0.0, f32::max)
     }
 
-    fn weighted_mean(&self, g: usize, contributors: &PeerSet) -> Vec<f32> {
+    /// What part `g` averaged over `contributors` must be: the weighted mean in f64, or
+    /// CenteredClip over the contributors' values when the run used it.
+    fn expected(&self, g: usize, contributors: &PeerSet) -> Vec<f32> {
         let spec = *self.partition.part(g);
+        let values: Vec<(Vec<f32>, f64)> = contributors
+            .iter()
+            .map(|c| {
+                let mut v = vec![0.0f32; spec.len];
+                self.peers[c].tensors[spec.tensor]
+                    .part(spec.range())
+                    .copy_to_f32(&mut v);
+                (v, self.weights[c])
+            })
+            .collect();
+        if let Aggregator::CenteredClip(clip) = self.aggregator {
+            let inputs: Vec<(&[f32], f64)> = values
+                .iter()
+                .filter(|(_, w)| *w > 0.0)
+                .map(|(v, w)| (&v[..], *w))
+                .collect();
+            let mut out = vec![0.0f32; spec.len];
+            clip.aggregate(&inputs, &mut out);
+            return out;
+        }
         let mut acc = vec![0.0f64; spec.len];
         let mut den = 0.0f64;
-        let mut scratch = vec![0.0f32; spec.len];
-        for c in contributors.iter() {
-            let w = self.weights[c];
+        for (x, w) in &values {
             den += w;
-            let x = self.peers[c].tensors[spec.tensor].part(spec.range());
-            let x: &[f32] = match x {
-                crate::tensor::PartView::F32(x) => x,
-                other => {
-                    other.copy_to_f32(&mut scratch);
-                    &scratch
-                }
-            };
             for (a, &v) in acc.iter_mut().zip(x) {
                 *a += w * v as f64;
             }
@@ -890,6 +904,7 @@ pub fn run_with_tensors(
         elapsed,
         weights,
         partition,
+        aggregator: cfg.round.aggregator,
     })
 }
 

@@ -67,6 +67,7 @@ mod record;
 mod tls;
 
 pub use punch::PunchSocket;
+pub(crate) use record::fuzz_record_layer;
 pub use tls::{
     ALPN, DataIdentity, DataListener, DataStream, Handshake, PeerMismatch, READ_BUFFER, TlsError,
     connect, connect_over,

@@ -293,6 +293,9 @@ pub enum RejectReason {
     RelayNotAllowed,
     /// The acceptor cannot take part in a simultaneous open ([`LinkMessage::Punch`]).
     NoPunch,
+    /// The acceptor runs a private swarm and does not know the opener as one of its members
+    /// (yet): refused right after the TLS handshake ([`crate::p2p::SwarmKey`]).
+    NotInSwarm,
 }
 
 impl std::fmt::Display for RejectReason {
@@ -305,6 +308,7 @@ impl std::fmt::Display for RejectReason {
             Self::Duplicate => "duplicate link",
             Self::RelayNotAllowed => "tensor data through a relay is not allowed",
             Self::NoPunch => "no simultaneous open here",
+            Self::NotInSwarm => "not known as a member of this private swarm",
         })
     }
 }
@@ -319,6 +323,7 @@ impl From<RejectReason> for proto::RejectReason {
             RejectReason::Duplicate => Self::RejectDuplicate,
             RejectReason::RelayNotAllowed => Self::RejectRelayNotAllowed,
             RejectReason::NoPunch => Self::RejectNoPunch,
+            RejectReason::NotInSwarm => Self::RejectNotInSwarm,
         }
     }
 }
@@ -398,6 +403,7 @@ impl TryFrom<proto::LinkFrame> for LinkMessage {
                     Ok(proto::RejectReason::RejectDuplicate) => RejectReason::Duplicate,
                     Ok(proto::RejectReason::RejectRelayNotAllowed) => RejectReason::RelayNotAllowed,
                     Ok(proto::RejectReason::RejectNoPunch) => RejectReason::NoPunch,
+                    Ok(proto::RejectReason::RejectNotInSwarm) => RejectReason::NotInSwarm,
                     Ok(proto::RejectReason::RejectUnspecified) | Err(_) => {
                         return Err(WireError::UnknownEnum {
                             field: "reject reason",

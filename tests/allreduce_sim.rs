@@ -446,3 +446,116 @@ fn a_peer_with_non_finite_values_is_left_out() {
     let deltas = nan_peer.deltas(&res.peers[0].tensors).unwrap().unwrap();
     assert!(deltas.iter().flatten().all(|&d| d == 0.0));
 }
+
+/// Byzantine senders: two of six peers send huge values (a node at +1e6 everywhere, a client
+/// alternating ±3e5) that are finite, so nothing bans them. With the weighted mean they drag
+/// every honest peer's result millions away from the honest mean; with CenteredClip
+/// (τ = 64 per 1024-element part) every part of every honest result stays within
+/// τ · B / (W − B) = 32 of the honest peers' mean, and equals CenteredClip recomputed over the
+/// contributors each report names.
+#[test]
+fn centered_clip_holds_byzantine_senders_to_a_bounded_pull() {
+    use hivemesh::allreduce::{Aggregator, CenteredClip};
+    let descs = [desc(&[4096]), desc(&[3000])];
+    let tensors = || -> Vec<Vec<hivemesh::tensor::Tensor>> {
+        let mut t: Vec<_> = (0..6)
+            .map(|p| sim::make_tensors(&descs, 5, p).unwrap())
+            .collect();
+        for (p, value) in [(4usize, None), (5, Some(3e5f32))] {
+            for x in &mut t[p] {
+                let n = x.numel();
+                let v = (0..n)
+                    .map(|i| match value {
+                        None => 1e6,
+                        Some(a) if i % 2 == 0 => a,
+                        Some(a) => -a,
+                    })
+                    .collect();
+                *x = hivemesh::tensor::Tensor::from_f32(x.shape(), v).unwrap();
+            }
+        }
+        t
+    };
+    let honest = 0..4;
+    let start = tensors();
+    let honest_mean: Vec<Vec<f64>> = (0..descs.len())
+        .map(|t| {
+            let n = start[0][t].numel();
+            let mut m = vec![0.0f64; n];
+            for p in honest.clone() {
+                for (a, x) in m.iter_mut().zip(start[p][t].to_f32_vec()) {
+                    *a += f64::from(x) / honest.len() as f64;
+                }
+            }
+            m
+        })
+        .collect();
+    let mut peers = vec![SimPeer::node(); 6];
+    peers[5].mode = Mode::Client;
+    peers[5].fraction = 0.0;
+    // The largest distance, over honest peers and parts, of a result part from the honest mean.
+    let run = |aggregator: Aggregator, tolerance: f32| {
+        let mut cfg = SimConfig::new(peers.clone(), 21);
+        cfg.round.part_size_bytes = 4096;
+        cfg.round.aggregator = aggregator;
+        let res = sim::run_with_tensors(&cfg, tensors()).unwrap();
+        assert_eq!(res.finished(), 6);
+        let checks = res.check();
+        let mut worst = 0.0f64;
+        for p in honest.clone() {
+            let check = checks[p].as_ref().unwrap();
+            assert!(check.max_abs_err < tolerance, "peer {p}: {check:?}");
+            let outcome = res.peers[p].outcome.as_ref().unwrap();
+            assert!(outcome.report.banned.is_empty(), "finite values ban no one");
+            let deltas = outcome.deltas(&res.peers[p].tensors).unwrap().unwrap();
+            for g in 0..res.partition.num_parts() {
+                assert_eq!(outcome.report.contributors(g).unwrap().len(), 6);
+                let spec = *res.partition.part(g);
+                let own = res.peers[p].tensors[spec.tensor].to_f32_vec();
+                let d: f64 = spec
+                    .range()
+                    .map(|i| {
+                        let got = f64::from(own[i]) + f64::from(deltas[spec.tensor][i]);
+                        (got - honest_mean[spec.tensor][i]).powi(2)
+                    })
+                    .sum::<f64>()
+                    .sqrt();
+                assert!(d.is_finite());
+                worst = worst.max(d);
+            }
+        }
+        worst
+    };
+    // f32 sums of values near 2e5 round by about 0.02.
+    let mean_error = run(Aggregator::Mean, 0.1);
+    assert!(
+        mean_error > 1e6,
+        "the attack works on the mean: {mean_error}"
+    );
+    let tau = 64.0;
+    let clipped_error = run(Aggregator::CenteredClip(CenteredClip::new(tau)), 1e-4);
+    assert!(
+        clipped_error <= tau * 2.0 / 4.0 * 1.01,
+        "CenteredClip let the Byzantine senders pull {clipped_error}"
+    );
+}
+
+#[test]
+fn a_bad_centered_clip_radius_is_refused() {
+    use hivemesh::allreduce::{Aggregator, CenteredClip};
+    for tau in [0.0, -1.0, f64::NAN] {
+        let mut cfg = SimConfig::new(vec![SimPeer::node(); 2], 1);
+        cfg.round.aggregator = Aggregator::CenteredClip(CenteredClip::new(tau));
+        let res = sim::run(&cfg, &[desc(&[16])]).unwrap();
+        for p in &res.peers {
+            assert!(
+                matches!(
+                    p.status,
+                    PeerStatus::Rejected(RoundError::BadAggregator { .. })
+                ),
+                "tau {tau}: {:?}",
+                p.status
+            );
+        }
+    }
+}

@@ -321,6 +321,77 @@ mod dht {
         let _ = std::fs::remove_file(&key);
     }
 
+    /// `hivemesh swarm-key` writes a key (owner-only, never over an existing file); a DHT node
+    /// run with it takes a member holding the same key and refuses one without it, which exits
+    /// with an error naming the cause; a missing key file is a clear error.
+    #[test]
+    fn private_swarm_from_the_cli() {
+        let dir = std::env::temp_dir().join(format!("hivemesh-cli-psk-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("swarm.key");
+        let key_arg = key.to_str().unwrap();
+        let (code, stdout, stderr) = procs::output(
+            Command::new(env!("CARGO_BIN_EXE_hivemesh")).args(["swarm-key", key_arg]),
+        );
+        assert_eq!(code, Some(0), "{stdout}{stderr}");
+        assert!(stdout.contains("fingerprint"), "{stdout}");
+        let text = std::fs::read_to_string(&key).unwrap();
+        assert!(
+            text.starts_with("/key/swarm/psk/1.0.0/\n/base16/\n"),
+            "{text}"
+        );
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt as _;
+            let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+        let (code, _, stderr) = procs::output(
+            Command::new(env!("CARGO_BIN_EXE_hivemesh")).args(["swarm-key", key_arg]),
+        );
+        assert_ne!(code, Some(0));
+        assert!(stderr.contains("exists"), "{stderr}");
+        assert_eq!(
+            std::fs::read_to_string(&key).unwrap(),
+            text,
+            "not overwritten"
+        );
+
+        let (mut first, addr) =
+            start(&["--listen", "/ip4/127.0.0.1/tcp/0", "--swarm-key", key_arg]);
+        let (mut member, _) = start(&[
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--initial-peer",
+            &addr,
+            "--swarm-key",
+            key_arg,
+        ]);
+        let (code, stdout, stderr) =
+            procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([
+                "dht",
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--initial-peer",
+                &addr,
+            ]));
+        assert_eq!(code, Some(1), "{stdout}{stderr}");
+        assert!(stdout.is_empty(), "an outsider prints no address: {stdout}");
+        assert!(stderr.contains("every initial peer failed"), "{stderr}");
+        assert!(interrupt(&mut member));
+        assert!(interrupt(&mut first));
+
+        let (code, _, stderr) = procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([
+            "dht",
+            "--swarm-key",
+            dir.join("missing.key").to_str().unwrap(),
+        ]));
+        assert_ne!(code, Some(0));
+        assert!(stderr.contains("swarm key file"), "{stderr}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn bad_initial_peer_is_an_error() {
         let (code, _, stderr) = procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([
@@ -596,6 +667,68 @@ mod steps {
             assert_eq!(code, Some(1), "{args:?}: {stderr}");
             assert!(stderr.contains(needle), "{args:?}: {stderr}");
         }
+    }
+}
+
+mod chaos {
+    use super::{hivemesh, hivemesh_code, key_values};
+
+    /// 4 processes step in a loop while one is SIGKILLed and replaced after every 3 finished
+    /// steps (replacements load state): every finished step matches the mean of the inputs its
+    /// report names, none hangs, and the kills did happen (stderr's summary).
+    #[test]
+    fn chaos_bench_kills_and_replaces_workers_and_every_step_checks_out() {
+        let (ok, stdout, stderr) = hivemesh(&[
+            "bench",
+            "chaos",
+            "--peers",
+            "4",
+            "--rounds",
+            "6",
+            "--kill-every",
+            "3",
+            "--size",
+            "20000",
+        ]);
+        assert!(ok, "{stdout}{stderr}");
+        let line = stdout.lines().last().expect("the summary line");
+        let fields = key_values(line, "hivemesh_chaos");
+        let keys: Vec<&str> = fields.iter().map(|(k, _)| *k).collect();
+        assert_eq!(
+            keys,
+            ["peers", "rounds", "ok", "wrong", "hung", "max_rss_mb"],
+            "{line}"
+        );
+        let value = |k: &str| -> f64 {
+            fields
+                .iter()
+                .find(|(f, _)| *f == k)
+                .unwrap()
+                .1
+                .parse()
+                .unwrap()
+        };
+        assert_eq!(value("wrong"), 0.0, "{line}");
+        assert_eq!(value("hung"), 0.0, "{line}");
+        assert!(value("ok") >= 1.0, "{line}");
+        assert!(value("max_rss_mb") > 0.0, "{line}");
+        let kills: usize = stderr
+            .lines()
+            .filter(|l| l.starts_with("chaos: "))
+            .find_map(|l| l.split(" kills").next()?.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no kill count in: {stderr}"));
+        assert!(kills >= 7, "24 steps, a kill every 3: {stderr}");
+    }
+
+    #[test]
+    fn bad_chaos_flags_fail_clearly() {
+        let (code, _, stderr) =
+            hivemesh_code(&["bench", "chaos", "--peers", "3", "--group-size", "4"]);
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(
+            stderr.contains("--group-size must be between 2 and --peers"),
+            "{stderr}"
+        );
     }
 }
 

@@ -42,6 +42,7 @@ class Node:
         external: Sequence[str] = ...,
         data_plane: bool = ...,
         start_timeout: float = ...,
+        swarm_key: Optional[str] = ...,
     ) -> None: ...
     @property
     def peer_id(self) -> str:
@@ -115,6 +116,7 @@ class Averager:
         bandwidth: Optional[float] = ...,
         state_trusted_peers: Optional[List[str]] = ...,
         state_min_agreeing: int = ...,
+        centered_clip_tau: Optional[float] = ...,
     ) -> None: ...
     @property
     def mode(self) -> str:

@@ -191,6 +191,10 @@ class DecentralizedAverager:
     and ``state_min_agreeing`` donors must serve byte-identical states before one is
     downloaded (a donor's ``state_sharing_priority`` is its own claim: with the default, 1, a
     peer announcing a huge priority wins). A state holding NaN or infinity is never loaded.
+    ``centered_clip_tau``: combine the parts this peer reduces with the robust CenteredClip
+    aggregator of this radius (L2 norm over a part, ``part_size_bytes`` long) instead of the
+    mean, so that a minority of peers sending huge values cannot drag the average far; set
+    it the same on every peer.
     """
 
     def __init__(
@@ -226,6 +230,7 @@ class DecentralizedAverager:
         allow_relayed_data: bool = False,
         state_trusted_peers: Optional[Sequence[Any]] = None,
         state_min_agreeing: int = 1,
+        centered_clip_tau: Optional[float] = None,
     ):
         if not isinstance(dht, DHT):
             raise TypeError(f"dht must be a hivemesh.DHT, not {type(dht).__name__}")
@@ -282,6 +287,7 @@ class DecentralizedAverager:
             state_trusted_peers=(None if state_trusted_peers is None
                                  else [str(p) for p in state_trusted_peers]),
             state_min_agreeing=int(state_min_agreeing),
+            centered_clip_tau=None if centered_clip_tau is None else float(centered_clip_tau),
         )
         self._native: Optional[_hivemesh.Averager] = None
         if start:

@@ -207,7 +207,7 @@ impl Averager {
     /// when `threshold` is 0, else hivemind's size-adaptive choice. `mode`: `"node"`,
     /// `"client"`, `"aux"` or `None` (a client behind a NAT nobody can reach, else a node).
     #[new]
-    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=(0, 0, 0), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1))]
+    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=(0, 0, 0), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1, centered_clip_tau=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         node: &Node,
@@ -230,6 +230,7 @@ impl Averager {
         bandwidth: Option<f64>,
         state_trusted_peers: Option<Vec<String>>,
         state_min_agreeing: usize,
+        centered_clip_tau: Option<f64>,
     ) -> PyResult<Self> {
         let parts = node.parts()?;
         let shared: Vec<Tensor> = tensors
@@ -282,6 +283,15 @@ impl Averager {
         config.state_priority = state_priority;
         config.allow_relayed_data = allow_relayed_data;
         config.bandwidth = bandwidth;
+        if let Some(tau) = centered_clip_tau {
+            let clip = hivemesh::allreduce::CenteredClip::new(tau);
+            if !clip.is_valid() {
+                return Err(PyValueError::new_err(format!(
+                    "centered_clip_tau must be positive, not {tau}"
+                )));
+            }
+            config.aggregator = hivemesh::allreduce::Aggregator::CenteredClip(clip);
+        }
         if state_min_agreeing == 0 {
             return Err(PyValueError::new_err(
                 "state_min_agreeing must be at least 1",

@@ -87,9 +87,10 @@ impl Node {
     /// `client_mode`: a DHT client (serves nothing); `identity_path`: an Ed25519 key file,
     /// created if missing; `relay`: serve as a relay for peers behind NATs; `external`:
     /// addresses others reach this node at; `data_plane`: listen for TLS data links;
-    /// `start_timeout`: seconds to wait for reachability at start.
+    /// `start_timeout`: seconds to wait for reachability at start; `swarm_key`: a private
+    /// swarm's key file (`hivemesh swarm-key FILE`): only peers holding it connect, over TCP.
     #[new]
-    #[pyo3(signature = (initial_peers=Vec::new(), listen=None, client_mode=false, identity_path=None, relay=false, external=Vec::new(), data_plane=true, start_timeout=5.0))]
+    #[pyo3(signature = (initial_peers=Vec::new(), listen=None, client_mode=false, identity_path=None, relay=false, external=Vec::new(), data_plane=true, start_timeout=5.0, swarm_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -101,15 +102,23 @@ impl Node {
         external: Vec<String>,
         data_plane: bool,
         start_timeout: f64,
+        swarm_key: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         if !(start_timeout.is_finite() && start_timeout >= 0.0) {
             return Err(PyValueError::new_err(format!(
                 "start_timeout must be a non-negative number of seconds, not {start_timeout}"
             )));
         }
+        let swarm_key = swarm_key
+            .map(|path| {
+                hivemesh::p2p::SwarmKey::read(&path)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))
+            })
+            .transpose()?;
         let mut p2p = P2pConfig {
             initial_peers: parse_addrs("initial peer", initial_peers)?,
             client_mode,
+            swarm_key,
             ..P2pConfig::default()
         };
         if let Some(listen) = listen {

@@ -160,6 +160,14 @@ impl Butterfly {
         if !super::reducer::valid_weight(cfg.weight) {
             return Err(RoundError::BadWeight(cfg.weight));
         }
+        if let super::Aggregator::CenteredClip(clip) = cfg.aggregator
+            && !clip.is_valid()
+        {
+            return Err(RoundError::BadAggregator {
+                tau: clip.tau,
+                tolerance: clip.tolerance,
+            });
+        }
         let modes: Vec<Mode> = cfg.members.iter().map(|m| m.mode).collect();
         let senders = PeerSet::from_indices((0..n).filter(|&i| modes[i].is_sender()));
         if senders.is_empty() {
@@ -209,7 +217,8 @@ impl Butterfly {
                 .iter()
                 .map(|p| p.len)
                 .collect();
-            let reducer = Reducer::with_pool(my_span.clone(), lens, senders.clone(), pool.clone());
+            let reducer = Reducer::with_pool(my_span.clone(), lens, senders.clone(), pool.clone())
+                .with_aggregator(cfg.aggregator);
             let links = (0..n)
                 .map(|s| {
                     (s != me && senders.contains(s)).then(|| InLink {

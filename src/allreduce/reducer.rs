@@ -29,6 +29,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::peer_set::PeerSet;
+use super::robust::{Aggregator, CenteredClip};
 use crate::buffers::BufferPool;
 use crate::tensor::ops::{CpuKernel, ReduceKernel, Source};
 use crate::tensor::{PartView, Tensor, ops};
@@ -242,6 +243,7 @@ pub struct Reducer {
     remaining: usize,
     pool: BufferPool,
     kernel: CpuKernel,
+    aggregator: Aggregator,
 }
 
 impl Reducer {
@@ -269,6 +271,7 @@ impl Reducer {
             completed: VecDeque::new(),
             pool,
             kernel: CpuKernel,
+            aggregator: Aggregator::Mean,
         };
         if r.senders.is_empty() {
             for i in 0..r.parts.len() {
@@ -276,6 +279,12 @@ impl Reducer {
             }
         }
         r
+    }
+
+    /// Combines contributions with `aggregator` instead of the weighted mean.
+    pub fn with_aggregator(mut self, aggregator: Aggregator) -> Self {
+        self.aggregator = aggregator;
+        self
     }
 
     /// The global part indices this reducer handles.
@@ -424,6 +433,9 @@ impl Reducer {
         contributions: &mut Vec<Contribution>,
         non_finite: &mut Vec<usize>,
     ) -> Option<Vec<f32>> {
+        if let Aggregator::CenteredClip(clip) = self.aggregator {
+            return self.centered_clip(clip, len, contributions, non_finite);
+        }
         let mut out: Option<Vec<f32>> = None;
         loop {
             let den: f64 = contributions.iter().map(|(_, w, _)| w).sum();
@@ -464,6 +476,47 @@ impl Reducer {
             self.pool.put_f32(buf);
             return None;
         }
+    }
+
+    /// [`Reducer::average`] with [`CenteredClip`]: non-finite contributions are moved out
+    /// first, zero weights take no part, and the rest are combined robustly.
+    fn centered_clip(
+        &mut self,
+        clip: CenteredClip,
+        len: usize,
+        contributions: &mut Vec<Contribution>,
+        non_finite: &mut Vec<usize>,
+    ) -> Option<Vec<f32>> {
+        let mut scratch: Vec<Vec<f32>> = contributions.iter().map(|_| Vec::new()).collect();
+        let finite: Vec<bool> = contributions
+            .iter()
+            .zip(scratch.iter_mut())
+            .map(|((_, _, x), s)| ops::all_finite(x.values(s)))
+            .collect();
+        if finite.iter().any(|f| !f) {
+            let all = std::mem::take(contributions);
+            for ((s, w, x), ok) in all.into_iter().zip(finite) {
+                if ok {
+                    contributions.push((s, w, x));
+                } else {
+                    non_finite.push(s);
+                    self.recycle_input(x);
+                }
+            }
+            scratch = contributions.iter().map(|_| Vec::new()).collect();
+        }
+        let inputs: Vec<(&[f32], f64)> = contributions
+            .iter()
+            .zip(scratch.iter_mut())
+            .filter(|((_, w, _), _)| *w > 0.0)
+            .map(|((_, w, x), s)| (x.values(s), *w))
+            .collect();
+        if inputs.is_empty() {
+            return None;
+        }
+        let mut out = self.pool.take_f32(len);
+        clip.aggregate(&inputs, &mut out);
+        Some(out)
     }
 
     /// The next completed part, if any (in completion order), with its average computed.

@@ -396,8 +396,13 @@ async fn open_attempts(
                 };
                 tracing::debug!(%error, "link attempt failed");
                 match &error {
-                    HubError::Rejected { reason: RejectReason::UnknownGroup, .. } => {
-                        // Not yet registered there: retry on the same carrier.
+                    HubError::Rejected {
+                        reason: RejectReason::UnknownGroup | RejectReason::NotInSwarm,
+                        ..
+                    } => {
+                        // Not yet registered there (or, in a private swarm, not yet known as a
+                        // member there: it is once the round registers): retry on the same
+                        // carrier.
                         not_yet = true;
                         next_at = Some(Instant::now() + delay);
                         delay = (delay * 2).min(max_delay);

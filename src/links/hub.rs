@@ -71,6 +71,17 @@ pub(super) struct Shared {
     punch_failures: Mutex<HashMap<PeerId, std::time::Instant>>,
 }
 
+impl Shared {
+    /// Whether a TLS link from `peer` may go on to its Hello: always in an open swarm; in a
+    /// private one, when the peer has had a libp2p connection with this node (through the
+    /// key) or is a member of a round registered here (learned from a leader over such a
+    /// connection).
+    fn admits(&self, peer: &PeerId) -> bool {
+        self.p2p.knows_swarm_member(peer)
+            || self.groups().values().any(|reg| reg.members.contains(peer))
+    }
+}
+
 /// Counts one event in the hub's stats.
 fn bump(shared: &Shared, count: impl FnOnce(&mut HubStats) -> &mut u64) {
     shared.stats.send_modify(|s| *count(s) += 1);
@@ -469,7 +480,23 @@ async fn handshake_and_forward(
     tx: mpsc::Sender<Inbound>,
 ) {
     match handshake.run(shared.config.hello_timeout).await {
-        Ok((peer, stream)) => {
+        Ok((peer, mut stream)) => {
+            if !shared.admits(&peer) {
+                // A private swarm, and a peer that never came through its key: refused before
+                // it can send a Hello or hold a pending link.
+                bump(&shared, |s| &mut s.not_in_swarm);
+                tracing::debug!(%peer, "TLS link from a peer not known in this private swarm");
+                let reject = LinkMessage::Reject(Reject {
+                    reason: RejectReason::NotInSwarm,
+                    detail: "this node runs a private swarm".into(),
+                });
+                let _ = tokio::time::timeout(
+                    shared.config.hello_timeout,
+                    write_link_frame(&mut stream, &reject),
+                )
+                .await;
+                return;
+            }
             let inbound = Inbound {
                 peer,
                 carrier: Carrier::Tls,

@@ -26,6 +26,7 @@ use libp2p::{autonat, dcutr, relay, tcp, yamux};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::nat::Nat;
+use super::private::SwarmPeers;
 use super::store::{BoundedStore, StoreUsage};
 use super::{
     ConnPath, IDENTIFY_PROTOCOL, KAD_PROTOCOL, NatStats, P2pConfig, P2pError, Reachability,
@@ -123,6 +124,9 @@ pub(super) struct EventLoop {
     listen_addrs: Vec<Multiaddr>,
     addr_waiters: Vec<oneshot::Sender<Vec<Multiaddr>>>,
     initial_peers: HashSet<PeerId>,
+    /// Initial peers whose last dial failed, with why: when every one has, whoever waits for
+    /// a first connection hears it at once instead of at the bootstrap timeout.
+    initial_failures: HashMap<PeerId, String>,
     connect_waiters: Vec<oneshot::Sender<Result<(), P2pError>>>,
     /// Handles waiting for a connection to one peer ([`Command::Connect`]).
     peer_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), P2pError>>>>,
@@ -130,6 +134,8 @@ pub(super) struct EventLoop {
     pub(super) nat: Nat,
     /// Kademlia's mode is forced to client ([`P2pConfig::client_mode`]).
     forced_client: bool,
+    /// In a private swarm, the peers connected through the key (`private.rs`).
+    swarm_peers: Option<SwarmPeers>,
 }
 
 /// Most addresses of one peer that identify adds to the routing table.
@@ -155,90 +161,125 @@ impl EventLoop {
         let client_mode = config.client_mode;
         let nat = config.nat.clone();
         let bootstrapping = !initial_peers.is_empty();
-        let mut swarm = libp2p::SwarmBuilder::with_existing_identity(keypair)
-            .with_tokio()
-            .with_tcp(
-                tcp::Config::default().nodelay(true),
-                noise::Config::new,
-                yamux::Config::default,
-            )
-            .map_err(|e| build(&e))?
-            .with_quic()
-            .with_dns()
-            .map_err(|e| build(&e))?
-            .with_relay_client(noise::Config::new, yamux::Config::default)
-            .map_err(|e| build(&e))?
-            .with_behaviour(|key, relay_client| {
-                let peer_id = key.public().to_peer_id();
-                let mut kcfg = kad::Config::new(kad_protocol());
-                kcfg.set_record_filtering(kad::StoreInserts::FilterBoth)
-                    .set_max_packet_size(max_record + (64 << 10))
-                    .set_query_timeout(request_timeout)
-                    .set_publication_interval(None)
-                    .set_record_ttl(Some(Duration::from_secs(3600)))
-                    .set_periodic_bootstrap_interval(Some(Duration::from_secs(60)));
-                let store = BoundedStore::new(peer_id, store_limits, max_record);
-                let mut kad = kad::Behaviour::with_config(peer_id, store, kcfg);
-                // Server only where others can dial us. A node joining through initial peers
-                // starts as a client and becomes a server once it knows it is public (its first
-                // identify answer): a NATed node must never land in routing tables with its
-                // private addresses, where every lookup would stall on dialing them. A lone
-                // node (the first bootstrap) can only assume it is public.
-                let server = !client_mode
-                    && match nat.assume {
-                        Some(reach) => reach == crate::reach::Reach::Public,
-                        None => !bootstrapping,
-                    };
-                kad.set_mode(Some(if server {
-                    kad::Mode::Server
-                } else {
-                    kad::Mode::Client
-                }));
-                let relay_server = nat
-                    .relay_server
-                    .as_ref()
-                    .map(|limits| relay::Behaviour::new(peer_id, super::nat::relay_config(limits)));
-                let autonat_client = nat.autonat.then(|| {
-                    autonat::v2::client::Behaviour::new(
-                        rand::make_rng(),
-                        autonat::v2::client::Config::default()
-                            .with_probe_interval(nat.autonat_interval),
+        let make_behaviour = move |key: &Keypair, relay_client: relay::client::Behaviour| {
+            let peer_id = key.public().to_peer_id();
+            let mut kcfg = kad::Config::new(kad_protocol());
+            kcfg.set_record_filtering(kad::StoreInserts::FilterBoth)
+                .set_max_packet_size(max_record + (64 << 10))
+                .set_query_timeout(request_timeout)
+                .set_publication_interval(None)
+                .set_record_ttl(Some(Duration::from_secs(3600)))
+                .set_periodic_bootstrap_interval(Some(Duration::from_secs(60)));
+            let store = BoundedStore::new(peer_id, store_limits, max_record);
+            let mut kad = kad::Behaviour::with_config(peer_id, store, kcfg);
+            // Server only where others can dial us. A node joining through initial peers
+            // starts as a client and becomes a server once it knows it is public (its first
+            // identify answer): a NATed node must never land in routing tables with its
+            // private addresses, where every lookup would stall on dialing them. A lone
+            // node (the first bootstrap) can only assume it is public.
+            let server = !client_mode
+                && match nat.assume {
+                    Some(reach) => reach == crate::reach::Reach::Public,
+                    None => !bootstrapping,
+                };
+            kad.set_mode(Some(if server {
+                kad::Mode::Server
+            } else {
+                kad::Mode::Client
+            }));
+            let relay_server = nat
+                .relay_server
+                .as_ref()
+                .map(|limits| relay::Behaviour::new(peer_id, super::nat::relay_config(limits)));
+            let autonat_client = nat.autonat.then(|| {
+                autonat::v2::client::Behaviour::new(
+                    rand::make_rng(),
+                    autonat::v2::client::Config::default()
+                        .with_probe_interval(nat.autonat_interval),
+                )
+            });
+            Behaviour {
+                kad,
+                identify: identify::Behaviour::new(identify::Config::new(
+                    IDENTIFY_PROTOCOL.to_owned(),
+                    key.public(),
+                )),
+                ping: ping::Behaviour::default(),
+                stream: libp2p_stream::Behaviour::new(),
+                relay_client,
+                relay_server: relay_server.into(),
+                dcutr: nat
+                    .hole_punching
+                    .then(|| dcutr::Behaviour::new(peer_id))
+                    .into(),
+                autonat_client: autonat_client.into(),
+                autonat_server: nat
+                    .autonat_server
+                    .then(autonat::v2::server::Behaviour::default)
+                    .into(),
+                limits: libp2p::connection_limits::Behaviour::new(
+                    libp2p::connection_limits::ConnectionLimits::default()
+                        .with_max_pending_incoming(Some(conn_limits.max_pending_incoming))
+                        .with_max_established_incoming(Some(conn_limits.max_established_incoming))
+                        .with_max_established_per_peer(Some(conn_limits.max_per_peer)),
+                ),
+            }
+        };
+        let idle = config.idle_connection_timeout;
+        let swarm_config = move |c: libp2p::swarm::Config| c.with_idle_connection_timeout(idle);
+        // The same after the transports, whose builder types differ between the two.
+        macro_rules! finish {
+            ($builder:expr) => {
+                $builder
+                    .with_dns()
+                    .map_err(|e| build(&e))?
+                    .with_relay_client(noise::Config::new, yamux::Config::default)
+                    .map_err(|e| build(&e))?
+                    .with_behaviour(make_behaviour)
+                    .map_err(|e| build(&e))?
+                    .with_swarm_config(swarm_config)
+                    .build()
+            };
+        }
+        let mut swarm = match config.swarm_key {
+            None => finish!(
+                libp2p::SwarmBuilder::with_existing_identity(keypair)
+                    .with_tokio()
+                    .with_tcp(
+                        tcp::Config::default().nodelay(true),
+                        noise::Config::new,
+                        yamux::Config::default,
                     )
-                });
-                Behaviour {
-                    kad,
-                    identify: identify::Behaviour::new(identify::Config::new(
-                        IDENTIFY_PROTOCOL.to_owned(),
-                        key.public(),
-                    )),
-                    ping: ping::Behaviour::default(),
-                    stream: libp2p_stream::Behaviour::new(),
-                    relay_client,
-                    relay_server: relay_server.into(),
-                    dcutr: nat
-                        .hole_punching
-                        .then(|| dcutr::Behaviour::new(peer_id))
-                        .into(),
-                    autonat_client: autonat_client.into(),
-                    autonat_server: nat
-                        .autonat_server
-                        .then(autonat::v2::server::Behaviour::default)
-                        .into(),
-                    limits: libp2p::connection_limits::Behaviour::new(
-                        libp2p::connection_limits::ConnectionLimits::default()
-                            .with_max_pending_incoming(Some(conn_limits.max_pending_incoming))
-                            .with_max_established_incoming(Some(
-                                conn_limits.max_established_incoming,
-                            ))
-                            .with_max_established_per_peer(Some(conn_limits.max_per_peer)),
-                    ),
-                }
-            })
-            .map_err(|e| build(&e))?
-            .with_swarm_config(|c| c.with_idle_connection_timeout(config.idle_connection_timeout))
-            .build();
+                    .map_err(|e| build(&e))?
+                    .with_quic()
+            ),
+
+            // A private swarm: TCP only, with the pnet layer under noise (`private.rs`).
+            Some(key) => finish!(
+                libp2p::SwarmBuilder::with_existing_identity(keypair)
+                    .with_tokio()
+                    .with_other_transport(|keypair| {
+                        use libp2p::Transport as _;
+                        let psk = key.psk();
+                        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+                            tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+                                .and_then(move |socket, _| {
+                                    libp2p::pnet::PnetConfig::new(psk).handshake(socket)
+                                })
+                                .upgrade(libp2p::core::upgrade::Version::V1Lazy)
+                                .authenticate(noise::Config::new(keypair)?)
+                                .multiplex(yamux::Config::default()),
+                        )
+                    })
+                    .map_err(|e| build(&e))?
+            ),
+        };
         let mut listeners = HashSet::new();
         for addr in &config.listen {
+            if config.swarm_key.is_some() && addr.iter().any(|p| matches!(p, Protocol::QuicV1)) {
+                tracing::warn!(%addr, "a private swarm runs on TCP only: not listening on QUIC");
+                continue;
+            }
             let id = swarm
                 .listen_on(addr.clone())
                 .map_err(|e| P2pError::Listen {
@@ -268,10 +309,12 @@ impl EventLoop {
             listen_addrs: Vec::new(),
             addr_waiters: Vec::new(),
             initial_peers: initial_peers.iter().map(|(p, _)| *p).collect(),
+            initial_failures: HashMap::new(),
             connect_waiters: Vec::new(),
             peer_waiters: HashMap::new(),
             nat: Nat::new(&config.nat),
             forced_client: client_mode,
+            swarm_peers: config.swarm_key.map(|_| SwarmPeers::default()),
         };
         for addr in &config.nat.external {
             event_loop.on_external_confirmed(addr.clone());
@@ -290,6 +333,34 @@ impl EventLoop {
     }
 
     /// A control for opening and accepting streams (used by handles, outside the loop).
+    /// When no initial peer is connected and the last dial of each failed: the error to give
+    /// whoever waits for a first connection.
+    fn every_initial_peer_failed(&self) -> Option<P2pError> {
+        let all_failed = !self.initial_peers.is_empty()
+            && self
+                .initial_peers
+                .iter()
+                .all(|p| self.initial_failures.contains_key(p) && !self.swarm.is_connected(p));
+        if !all_failed {
+            return None;
+        }
+        let (peer, detail) = self.initial_failures.iter().next()?;
+        let hint = if self.swarm_peers.is_some() {
+            " (this node runs a private swarm: does that peer use the same swarm key?)"
+        } else {
+            ""
+        };
+        Some(P2pError::Dial {
+            addr: Multiaddr::empty().with(Protocol::P2p(*peer)),
+            detail: format!("every initial peer failed; {detail}{hint}"),
+        })
+    }
+
+    /// In a private swarm, the peers connected through the key.
+    pub(super) fn swarm_peers(&self) -> Option<SwarmPeers> {
+        self.swarm_peers.clone()
+    }
+
     pub(super) fn stream_control(&self) -> libp2p_stream::Control {
         self.swarm.behaviour().stream.new_control()
     }
@@ -360,6 +431,8 @@ impl EventLoop {
                     .any(|p| self.swarm.is_connected(p))
                 {
                     let _ = reply.send(Ok(()));
+                } else if let Some(e) = self.every_initial_peer_failed() {
+                    let _ = reply.send(Err(e));
                 } else {
                     self.connect_waiters.push(reply);
                 }
@@ -612,6 +685,9 @@ impl EventLoop {
                 endpoint,
                 ..
             } => {
+                if let Some(peers) = &self.swarm_peers {
+                    peers.insert(peer_id);
+                }
                 self.on_connection(peer_id, connection_id, &endpoint);
                 if self.initial_peers.contains(&peer_id) {
                     for w in self.connect_waiters.drain(..) {
@@ -633,6 +709,14 @@ impl EventLoop {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
                 if let Some(peer) = peer_id {
                     self.on_dial_failed(peer, &error.to_string());
+                    if self.initial_peers.contains(&peer) && !self.swarm.is_connected(&peer) {
+                        self.initial_failures.insert(peer, error.to_string());
+                        if let Some(e) = self.every_initial_peer_failed() {
+                            for w in self.connect_waiters.drain(..) {
+                                let _ = w.send(Err(e.clone()));
+                            }
+                        }
+                    }
                 }
                 if let Some(peer) = peer_id
                     && !self.swarm.is_connected(&peer)

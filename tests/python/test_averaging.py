@@ -376,3 +376,24 @@ def test_a_forked_child_cannot_use_the_parents_dht_but_the_parent_can(make_dht):
     assert verdict.startswith(b"refused, own dht "), verdict
     assert dht.store("key", b"value", hivemesh.get_dht_time() + 60)
     assert dht.get("key").value == b"value"
+
+
+def test_centered_clip_resists_a_huge_peer(make_dht):
+    """One of four peers sends 1e6 everywhere (finite: nobody bans it). With
+    ``centered_clip_tau`` every honest peer ends within tau * 1/3 (the bound at CenteredClip's
+    fixed point) of the honest peers' mean; the mean itself would be pulled by 250000."""
+    torch.manual_seed(3)
+    tensors = [[torch.randn(16) + i * 0.1] for i in range(3)] + [[torch.full((16,), 1e6)]]
+    honest_mean = sum(t[0].clone() for t in tensors[:3]) / 3
+    tau = 20.0
+    averagers = averagers_for(make_dht, tensors, centered_clip_tau=tau)
+    try:
+        controls = [a.step(wait=False, timeout=STEP_TIMEOUT) for a in averagers]
+        assert all(c.result(timeout=STEP_TIMEOUT) is not None for c in controls)
+        for i in range(3):
+            distance = torch.linalg.vector_norm(tensors[i][0] - honest_mean).item()
+            assert distance <= tau / 3 * 1.01, (i, distance)
+    finally:
+        shutdown(averagers)
+    with pytest.raises(ValueError, match="centered_clip_tau"):
+        averagers_for(make_dht, [[torch.zeros(2)], [torch.zeros(2)]], centered_clip_tau=0.0)

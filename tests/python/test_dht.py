@@ -1,5 +1,6 @@
 """hivemesh.DHT: hivemind's DHT interface, and `python -m hivemesh.dht`."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -98,3 +99,30 @@ def test_python_m_hivemesh_dht_bad_flag():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "error:" in proc.stderr and "multiaddr" in proc.stderr
+
+
+def _swarm_key(path):
+    path.write_text("/key/swarm/psk/1.0.0/\n/base16/\n" + os.urandom(32).hex() + "\n")
+    return str(path)
+
+
+def test_private_swarm(tmp_path):
+    """Peers holding the swarm key join and share the DHT; one without it (or with another
+    key) cannot join; an unreadable key file is a ValueError."""
+    key = _swarm_key(tmp_path / "swarm.key")
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    with hivemesh.DHT(host_maddrs=loopback, swarm_key=key) as first:
+        addrs = [str(a) for a in first.get_visible_maddrs()]
+        assert all("/quic" not in a for a in addrs), addrs
+        with hivemesh.DHT(initial_peers=addrs, host_maddrs=loopback, swarm_key=key) as member:
+            now = get_dht_time()
+            assert member.store("private", b"v", now + 60)
+            assert first.get("private", latest=True).value == b"v"
+        for other in [None, _swarm_key(tmp_path / "other.key")]:
+            with pytest.raises(hivemesh.DHTError, match="initial peer"):
+                hivemesh.DHT(initial_peers=addrs, host_maddrs=loopback, swarm_key=other)
+    with pytest.raises(ValueError, match="swarm key"):
+        hivemesh.DHT(host_maddrs=loopback, swarm_key=str(tmp_path / "missing.key"))
+    (tmp_path / "bad.key").write_text("not a key")
+    with pytest.raises(ValueError, match="swarm key"):
+        hivemesh.DHT(host_maddrs=loopback, swarm_key=str(tmp_path / "bad.key"))

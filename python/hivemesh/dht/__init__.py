@@ -120,7 +120,8 @@ class DHT:
     restarts; ``start``: start now (else call :meth:`run_in_background`). hivemesh's own:
     ``relay`` serves as a relay for peers behind NATs (what ``python -m hivemesh.dht`` does),
     ``external_maddrs`` are addresses others reach this node at, ``start_timeout`` bounds the
-    wait to learn this node's reachability.
+    wait to learn this node's reachability, ``swarm_key`` is a private swarm's key file
+    (``hivemesh swarm-key FILE`` writes one): only peers holding it connect (over TCP).
     """
 
     def __init__(
@@ -134,6 +135,7 @@ class DHT:
         relay: bool = False,
         external_maddrs: Sequence[Any] = (),
         start_timeout: float = 5.0,
+        swarm_key: Optional[str] = None,
         **hivemind_kwargs: Any,
     ):
         for name, value in hivemind_kwargs.items():
@@ -155,6 +157,7 @@ class DHT:
             relay=bool(relay),
             external=[str(a) for a in external_maddrs],
             start_timeout=float(start_timeout),
+            swarm_key=None if swarm_key is None else str(swarm_key),
         )
         self._node: Optional[_hivemesh.Node] = None
         self.client_mode = bool(client_mode)

@@ -3,6 +3,7 @@
 //! bootstrap/DHT peer; `hivemesh bench` measures.
 
 mod bench;
+mod chaos;
 mod demo;
 mod steps;
 mod workers;
@@ -41,6 +42,12 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Write a new private-swarm key to FILE (go-libp2p / IPFS `swarm.key` format, mode
+    /// 0600); give it to every peer of the swarm with `--swarm-key FILE`.
+    SwarmKey(SwarmKeyArgs),
+    /// Internal: one process of `bench chaos`.
+    #[command(hide = true)]
+    BenchChaosWorker(chaos::ChaosWorkerArgs),
     /// Internal: one process of `bench allreduce`.
     #[command(hide = true)]
     BenchWorker(bench::WorkerArgs),
@@ -57,6 +64,17 @@ enum BenchCommand {
     /// P peers as OS processes each call `step()` R times (matchmaking + all-reduce) and print
     /// `hivemesh_steps peers=P group=G ok=K total=T median_step_s=S`.
     Steps(steps::StepsArgs),
+    /// P peers as OS processes call `step()` in a loop while random ones are SIGKILLed and
+    /// restarted (replacements load state); every finished step is checked against its
+    /// report; prints `hivemesh_chaos peers=P rounds=R ok=K wrong=W hung=H max_rss_mb=M`.
+    Chaos(chaos::ChaosArgs),
+}
+
+#[derive(Args, Debug)]
+struct SwarmKeyArgs {
+    /// Where to write the key (refused if the file exists).
+    #[arg(value_name = "FILE")]
+    file: std::path::PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -83,6 +101,10 @@ struct DhtArgs {
     /// a node that only accepts connections never gets one: it cannot relay.
     #[arg(long, value_name = "MADDR")]
     external: Vec<libp2p::Multiaddr>,
+    /// Run a private swarm: only peers holding this key (`hivemesh swarm-key FILE` makes one)
+    /// connect. TCP only: QUIC is not used.
+    #[arg(long, value_name = "FILE")]
+    swarm_key: Option<std::path::PathBuf>,
 }
 
 /// A fault injected into one peer: `KIND@PEER`.
@@ -160,9 +182,12 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Sim(args) => run_sim(args),
         Command::Dht(args) => run_dht(args),
+        Command::SwarmKey(args) => write_swarm_key(&args.file),
         Command::Bench(BenchCommand::Allreduce(args)) => bench::run_bench(args),
         Command::BenchWorker(args) => bench::run_worker(args),
         Command::Bench(BenchCommand::Steps(args)) => steps::run(args),
+        Command::Bench(BenchCommand::Chaos(args)) => chaos::run(args),
+        Command::BenchChaosWorker(args) => chaos::run_worker(args),
         Command::BenchStepsWorker(args) => steps::run_worker(args),
     };
     match result {
@@ -213,6 +238,28 @@ impl StopSignal {
     }
 }
 
+/// Writes a new swarm key to `path`, readable by its owner only; never overwrites a file.
+fn write_swarm_key(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let key = hivemesh::p2p::SwarmKey::generate();
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let mut file = options
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    file.write_all(key.to_key_file().as_bytes())
+        .and_then(|()| file.write_all(b"\n"))
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!(
+        "swarm key written to {} (fingerprint {})",
+        path.display(),
+        key.fingerprint()
+    );
+    Ok(())
+}
+
 fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
     use hivemesh::dht::{Dht, RelayDirectory};
     use hivemesh::p2p::{P2pConfig, RelayLimits, load_or_create_identity};
@@ -221,9 +268,15 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
         Some(path) => load_or_create_identity(path)?,
         None => libp2p::identity::Keypair::generate_ed25519(),
     };
+    let swarm_key = args
+        .swarm_key
+        .as_deref()
+        .map(hivemesh::p2p::SwarmKey::read)
+        .transpose()?;
     let mut config = P2pConfig {
         initial_peers: args.initial_peers,
         client_mode: args.client,
+        swarm_key,
         ..P2pConfig::default()
     };
     let relay = !args.no_relay;

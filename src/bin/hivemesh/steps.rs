@@ -64,14 +64,7 @@ pub struct StepsWorkerArgs {
 
 impl StepsArgs {
     fn validate(&self) -> anyhow::Result<()> {
-        ensure!(
-            (2..=64).contains(&self.peers),
-            "--peers must be between 2 and 64"
-        );
-        ensure!(
-            (2..=self.peers).contains(&self.group_size),
-            "--group-size must be between 2 and --peers"
-        );
+        crate::workers::validate_group(self.peers, self.group_size)?;
         ensure!(
             (1..=100).contains(&self.rounds),
             "--rounds must be between 1 and 100"
@@ -99,19 +92,8 @@ impl StepsArgs {
 /// The parent.
 pub fn run(args: StepsArgs) -> anyhow::Result<()> {
     args.validate()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    let (bootstrap, addr) = runtime.block_on(async {
-        let node = Node::start(
-            NodeConfig::loopback_bootstrap(),
-            libp2p::identity::Keypair::generate_ed25519(),
-        )
-        .await?;
-        let addr = node.join_address().await?;
-        anyhow::Ok((node, addr))
-    })?;
+    let runtime = crate::workers::runtime(1)?;
+    let (bootstrap, addr) = crate::workers::start_bootstrap(&runtime)?;
 
     let mut workers = Workers::spawn(
         args.peers,
@@ -198,10 +180,7 @@ pub fn run(args: StepsArgs) -> anyhow::Result<()> {
 pub fn run_worker(args: StepsWorkerArgs) -> anyhow::Result<()> {
     args.steps.validate()?;
     ensure!(args.index < args.steps.peers, "--index out of range");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let runtime = crate::workers::runtime(2)?;
     runtime.block_on(worker(args))
 }
 

@@ -6,7 +6,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc as std_mpsc;
 
-use anyhow::Context;
+use anyhow::{Context, ensure};
+use hivemesh::averager::node::{Node, NodeConfig};
 
 /// Worker processes, killed if the harness returns early.
 pub struct Workers {
@@ -26,27 +27,10 @@ impl Workers {
             lines,
         };
         for i in 0..n {
-            let mut child = Command::new(&exe)
-                .arg(subcommand)
-                .args(["--index", &i.to_string()])
-                .args(flags.iter().flat_map(|(k, v)| [*k, v.as_str()]))
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .context("starting a worker process")?;
-            let stdout = child.stdout.take().context("worker stdout")?;
+            let mut args = vec!["--index".to_owned(), i.to_string()];
+            args.extend(flags.iter().flat_map(|(k, v)| [(*k).to_owned(), v.clone()]));
+            let child = spawn_worker(&exe, subcommand, &args, tx.clone(), move |line| (i, line))?;
             workers.children.push(child);
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    if tx.send((i, line)).is_err() {
-                        break;
-                    }
-                }
-                let _ = tx.send((i, "EOF".to_owned()));
-            });
         }
         Ok(workers)
     }
@@ -87,6 +71,73 @@ impl Drop for Workers {
             let _ = c.wait();
         }
     }
+}
+
+/// Starts `exe <subcommand> <args>` with piped stdin and stdout (stderr inherited); a thread
+/// sends each stdout line through `tx`, tagged by `tag`, then `"EOF"`.
+pub fn spawn_worker<T: Send + 'static>(
+    exe: &std::path::Path,
+    subcommand: &str,
+    args: &[String],
+    tx: std_mpsc::Sender<T>,
+    tag: impl Fn(String) -> T + Send + 'static,
+) -> anyhow::Result<Child> {
+    let mut child = Command::new(exe)
+        .arg(subcommand)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting a worker process")?;
+    let stdout = child.stdout.take().context("worker stdout")?;
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(tag(line)).is_err() {
+                break;
+            }
+        }
+        let _ = tx.send(tag("EOF".to_owned()));
+    });
+    Ok(child)
+}
+
+/// A multi-threaded runtime with `threads` workers (harness parents use 1, workers 2).
+pub fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+}
+
+/// Checks a harness's group shape: 2..=64 peers, groups of 2..=peers.
+pub fn validate_group(peers: usize, group_size: usize) -> anyhow::Result<()> {
+    ensure!(
+        (2..=64).contains(&peers),
+        "--peers must be between 2 and 64"
+    );
+    ensure!(
+        (2..=peers).contains(&group_size),
+        "--group-size must be between 2 and --peers"
+    );
+    Ok(())
+}
+
+/// Starts the harness's bootstrap node (swarm and DHT on loopback, no data plane) on
+/// `runtime`; returns it with the address workers join through.
+pub fn start_bootstrap(
+    runtime: &tokio::runtime::Runtime,
+) -> anyhow::Result<(Node, libp2p::Multiaddr)> {
+    runtime.block_on(async {
+        let node = Node::start(
+            NodeConfig::loopback_bootstrap(),
+            libp2p::identity::Keypair::generate_ed25519(),
+        )
+        .await?;
+        let addr = node.join_address().await?;
+        anyhow::Ok((node, addr))
+    })
 }
 
 /// In a worker: the parent's lines on stdin, read by a thread into a bounded channel (ends

@@ -1,0 +1,347 @@
+//! Entry points of the fuzz targets in `fuzz/` (cargo-fuzz, libFuzzer), one per decoder of
+//! bytes that come from the network. Each takes arbitrary bytes and must return without
+//! panicking, hanging or allocating beyond the decoder's limits; where the format has an
+//! encoder, a decoded message must also survive `encode -> decode -> encode` unchanged (the
+//! decoder accepts exactly what it can represent).
+//!
+//! The same functions replay the committed corpora (`fuzz/corpus/<target>/`) in
+//! `tests/fuzz_corpora.rs`, so `cargo test` keeps every input the fuzzer ever kept, crashes
+//! that were fixed included (`fuzz/corpus/<target>/regression-*`).
+//!
+//! Not part of the library's API: hidden from the docs, and only the fuzz targets and that
+//! test call it.
+
+use std::time::{Duration, SystemTime};
+
+use bytes::{Bytes, BytesMut};
+
+use crate::compression::CompressionType;
+use crate::dht::{DhtPolicy, DhtTime, DhtValue, ValidationLimits};
+use crate::p2p::RecordPolicy as _;
+use crate::tensor::DType;
+
+/// One fuzz target's entry point.
+pub type Target = fn(&[u8]);
+
+/// The targets, by name: `fuzz/fuzz_targets/<name>.rs` calls the function of the same name,
+/// and `fuzz/corpus/<name>/` holds its corpus.
+pub const TARGETS: &[(&str, Target)] = &[
+    ("link_frame", link_frame),
+    ("round_frames", round_frames),
+    ("matchmaking", matchmaking),
+    ("state", state),
+    ("dht_value", dht_value),
+    ("dht_record", dht_record),
+    ("codec", codec),
+    ("record_layer", record_layer),
+];
+
+/// A fixed "now" for the DHT targets, so that a corpus input means the same on every run:
+/// 2027-01-15, in seconds since the Unix epoch.
+const NOW_SECS: f64 = 1_800_000_000.0;
+
+/// Splits `data` into a prefix of `data[0] % modulo` bytes and the rest (after that byte).
+fn split_prefix(data: &[u8], modulo: usize) -> (&[u8], &[u8]) {
+    match data.split_first() {
+        None => (&[], &[]),
+        Some((&n, rest)) => rest.split_at((n as usize % modulo).min(rest.len())),
+    }
+}
+
+/// A link frame body ([`crate::wire::decode_link_frame`]), and the same bytes read as a stream
+/// of length-prefixed frames ([`crate::wire::read_link_frame`], which stops at its limit).
+pub fn link_frame(data: &[u8]) {
+    use crate::wire::{decode_link_frame, encode_link_frame, read_link_frame};
+    if let Ok(message) = decode_link_frame(Bytes::copy_from_slice(data)) {
+        let mut first = BytesMut::new();
+        encode_link_frame(&message, &mut first);
+        let body = strip_prefix(&first);
+        let again =
+            decode_link_frame(Bytes::copy_from_slice(body)).expect("an encoded link frame decodes");
+        let mut second = BytesMut::new();
+        encode_link_frame(&again, &mut second);
+        assert_eq!(first, second, "link frame changed in a round trip");
+    }
+    let mut stream = data;
+    for _ in 0..64 {
+        if stream.is_empty() {
+            break;
+        }
+        // A slice never waits: every read completes on the first poll.
+        if futures::executor::block_on(read_link_frame(&mut stream)).is_err() {
+            break;
+        }
+    }
+}
+
+/// The body after a length-delimited encoding's varint prefix.
+fn strip_prefix(encoded: &[u8]) -> &[u8] {
+    let mut rest = encoded;
+    let len = prost::encoding::decode_varint(&mut rest).expect("our own prefix");
+    assert_eq!(len as usize, rest.len(), "prefix and body agree");
+    rest
+}
+
+/// A byte stream of round frames ([`crate::wire::FrameDecoder`]) fed in chunks whose size the
+/// second byte chooses (the first chooses the frame limit); every decoded frame round-trips.
+pub fn round_frames(data: &[u8]) {
+    use crate::wire::{FrameDecoder, decode_frame, encode_frame};
+    let [flags, chunk, stream @ ..] = data else {
+        return;
+    };
+    let chunk = usize::from(*chunk).max(1);
+    // A small frame limit too, so that the limit is reached by inputs of fuzzing size.
+    let decoder = FrameDecoder::new(if flags & 1 == 1 {
+        4096
+    } else {
+        crate::wire::DEFAULT_MAX_FRAME_BYTES
+    });
+    let mut buf = BytesMut::new();
+    'feed: for piece in stream.chunks(chunk) {
+        buf.extend_from_slice(piece);
+        loop {
+            match decoder.decode(&mut buf) {
+                Ok(Some(frame)) => {
+                    let mut first = BytesMut::new();
+                    encode_frame(&frame, &mut first);
+                    let again = decode_frame(Bytes::copy_from_slice(strip_prefix(&first)))
+                        .expect("an encoded round frame decodes");
+                    let mut second = BytesMut::new();
+                    encode_frame(&again, &mut second);
+                    assert_eq!(first, second, "round frame changed in a round trip");
+                }
+                Ok(None) => break,
+                Err(_) => break 'feed,
+            }
+        }
+    }
+}
+
+/// A matchmaking message ([`crate::matchmaking::wire::decode`]).
+pub fn matchmaking(data: &[u8]) {
+    use crate::matchmaking::wire::{decode, encode};
+    if let Ok(message) = decode(data) {
+        let first = encode(&message);
+        let again = decode(&first).expect("an encoded matchmaking message decodes");
+        assert_eq!(first, encode(&again), "matchmaking message changed");
+    }
+}
+
+/// A state-sharing request and response ([`crate::averager::state::wire`]) and a donor's DHT
+/// announcement ([`crate::averager::state::Announcement::decode`]).
+pub fn state(data: &[u8]) {
+    use crate::averager::state::Announcement;
+    use crate::averager::state::wire::{
+        decode_request, decode_response, encode_request, encode_response,
+    };
+    if let Ok(request) = decode_request(Bytes::copy_from_slice(data)) {
+        let first = encode_request(&request);
+        let again = decode_request(Bytes::from(first.clone())).expect("request decodes");
+        assert_eq!(first, encode_request(&again), "state request changed");
+    }
+    if let Ok(response) = decode_response(Bytes::copy_from_slice(data)) {
+        let first = encode_response(&response);
+        let again = decode_response(Bytes::from(first.clone())).expect("response decodes");
+        assert_eq!(first, encode_response(&again), "state response changed");
+    }
+    if let Some(announcement) = Announcement::decode(data) {
+        let first = announcement.encode();
+        let again = Announcement::decode(&first).expect("an announcement decodes");
+        assert_eq!(first, again.encode(), "announcement changed");
+    }
+}
+
+/// A DHT value as a replica answers it: decoded under the limits, validated under a key (the
+/// first bytes of the input) at a fixed time, and read the way [`crate::dht::Dht::get`]
+/// reads an answer.
+pub fn dht_value(data: &[u8]) {
+    let (key, value) = split_prefix(data, 48);
+    let limits = ValidationLimits::default();
+    let now = DhtTime::from_secs(NOW_SECS).expect("finite");
+    if let Ok(decoded) = DhtValue::from_bytes(value, &limits) {
+        let first = decoded.to_bytes();
+        let again = DhtValue::from_bytes(&first, &limits).expect("an encoded value decodes");
+        assert_eq!(first, again.to_bytes(), "DHT value changed in a round trip");
+        let _ = decoded.validate(key, now, &limits);
+    }
+    if let Ok(Some(read)) = crate::dht::read_answer(key, value, now, &limits, None) {
+        // What a reader keeps is valid by its own checks.
+        read.validate(key, now, &limits)
+            .expect("an answer read is valid");
+    }
+    let _ = crate::dht::decode_addrs(value);
+}
+
+/// A DHT write as a replica's record store receives it: the input is a key, the stored value
+/// and the incoming one; a merge that is accepted must decode and validate.
+pub fn dht_record(data: &[u8]) {
+    let (key, rest) = split_prefix(data, 48);
+    let (existing, incoming) = split_prefix(rest, 256);
+    let policy = DhtPolicy::default();
+    let now = SystemTime::UNIX_EPOCH + Duration::from_secs_f64(NOW_SECS);
+    let existing = (!existing.is_empty()).then_some(existing);
+    if let Ok((merged, _)) = policy.merge(key, existing, incoming, None, now) {
+        let limits = &policy.limits;
+        let value = DhtValue::from_bytes(&merged, limits).expect("a merged value decodes");
+        value
+            .validate(key, DhtTime::from_secs(NOW_SECS).expect("finite"), limits)
+            .expect("a merged value is valid");
+    }
+}
+
+/// A part payload under every codec and element type, into outputs of several lengths.
+pub fn codec(data: &[u8]) {
+    let Some((&selector, payload)) = data.split_first() else {
+        return;
+    };
+    let kinds = CompressionType::ALL;
+    let kind = kinds[usize::from(selector) % kinds.len()];
+    let dtype = [DType::F32, DType::F16, DType::BF16][usize::from(selector / 8) % 3];
+    let mut out = vec![0.0f32; payload.len() + 1];
+    for n in [
+        0,
+        1,
+        payload.len() / 4,
+        payload.len() / 2,
+        payload.len() + 1,
+    ] {
+        let _ = kind.codec().decode(payload, dtype, &mut out[..n]);
+    }
+}
+
+/// The TLS record layer's receiving side ([`crate::transport`]'s record layer) over a stream
+/// the input describes (sealed records, alerts, injected and corrupted bytes), read in
+/// chunks the input chooses; what it delivers is checked against a model.
+pub fn record_layer(data: &[u8]) {
+    crate::transport::fuzz_record_layer(data);
+}
+
+/// Hand-made seeds for the targets, `(target, input)`: well-formed messages of every kind that
+/// a fuzzer could not easily find alone (signed DHT writes above all). `fuzz/seed.sh` writes
+/// them into the corpora; the corpus replay test runs them too.
+pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use crate::allreduce::{AbortReason, AveragedMessage, Message, PartMessage, PeerSet, Role};
+    use crate::averager::state::Announcement;
+    use crate::averager::state::wire::{Request, encode_request};
+    use crate::wire::{Frame, Hello, LinkMessage, encode_frame, encode_link_frame};
+
+    let keypair = libp2p::identity::Keypair::ed25519_from_bytes([7u8; 32]).expect("32 bytes");
+    let peer = keypair.public().to_peer_id();
+    let mut seeds = Vec::new();
+
+    for message in [
+        LinkMessage::Hello(Hello {
+            group_id: Bytes::from_static(b"group-1"),
+            from_index: 2,
+            from_peer: peer,
+        }),
+        LinkMessage::Ack,
+    ] {
+        let mut frame = BytesMut::new();
+        encode_link_frame(&message, &mut frame);
+        seeds.push(("link_frame", strip_prefix(&frame).to_vec()));
+    }
+
+    let group = Bytes::from_static(b"group-1");
+    let mut stream = BytesMut::from(&[0u8, 7][..]);
+    for message in [
+        Message::Part(PartMessage {
+            part: 3,
+            weight: 1.0,
+            codec: CompressionType::None,
+            dtype: DType::F32,
+            payload: Bytes::from(1.5f32.to_le_bytes().repeat(4)),
+        }),
+        Message::Averaged(AveragedMessage {
+            part: 0,
+            codec: CompressionType::Uniform8Bit,
+            dtype: DType::F16,
+            contributors: PeerSet::from_indices([0, 1, 5]),
+            payload: Bytes::from_static(&[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            finite: None,
+        }),
+        Message::Abort {
+            role: Role::Reducer,
+            reason: AbortReason::Banned,
+        },
+    ] {
+        encode_frame(
+            &Frame {
+                group_id: group.clone(),
+                message,
+            },
+            &mut stream,
+        );
+    }
+    seeds.push(("round_frames", stream.to_vec()));
+
+    seeds.push((
+        "matchmaking",
+        crate::matchmaking::wire::encode(&crate::matchmaking::Message::Leave { request_id: 42 }),
+    ));
+
+    for request in [
+        Request::Metadata,
+        Request::Chunk {
+            session: Bytes::from_static(&[9; 16]),
+            index: 3,
+        },
+        Request::Release {
+            session: Bytes::from_static(&[9; 16]),
+        },
+    ] {
+        seeds.push(("state", encode_request(&request)));
+    }
+    seeds.push((
+        "state",
+        Announcement::Sharing {
+            priority: 2.5,
+            addrs: vec!["/ip4/10.0.0.1/tcp/4001".parse().expect("multiaddr")],
+        }
+        .encode(),
+    ));
+
+    let key = b"run.0b1";
+    let expiration = DhtTime::from_secs(NOW_SECS + 60.0).expect("finite");
+    let owned = DhtValue::owned(
+        key,
+        &keypair,
+        Bytes::from_static(b"\x01contact"),
+        expiration,
+    )
+    .expect("ed25519 keys embed in their peer id");
+    let mut with_key = vec![key.len() as u8];
+    with_key.extend_from_slice(key);
+    for value in [
+        owned.clone(),
+        DhtValue::plain(Bytes::from_static(b"plain"), expiration),
+        DhtValue::subkey(
+            Bytes::from_static(b"sub"),
+            Bytes::from_static(b"v"),
+            expiration,
+        ),
+    ] {
+        let mut input = with_key.clone();
+        input.extend_from_slice(&value.to_bytes());
+        seeds.push(("dht_value", input.clone()));
+        // dht_record: key, an empty stored value (length 0), the incoming value.
+        let mut record = with_key.clone();
+        record.push(0);
+        record.extend_from_slice(&value.to_bytes());
+        seeds.push(("dht_record", record));
+    }
+
+    for selector in 0..6u8 {
+        let mut input = vec![selector];
+        input.extend(1.25f32.to_le_bytes().repeat(8));
+        seeds.push(("codec", input));
+    }
+
+    // Data, an empty record, data with padding, close_notify; then a corrupted variant.
+    seeds.push((
+        "record_layer",
+        vec![0, 3, 65, 1, 7, 0, 0, 1, 9, 16, 66, 2, 2, 1, 0],
+    ));
+    seeds.push(("record_layer", vec![8, 1, 65, 0, 5, 3, 9, 2, 1, 0]));
+    seeds
+}
