@@ -449,53 +449,196 @@ async fn cancel_during_matchmaking() {
 
 /// Cancelling a step whose all-reduce is running stops it cleanly: the cancelled peer's
 /// tensors are unchanged, its partner finishes (without it) instead of hanging.
+/// Cancel during the all-reduce, deterministically: peer 1 waits for a trigger that comes only
+/// after the cancel, so peer 0's round is held in its all-reduce (peer 1 sends nothing) until
+/// the cancel lands. Peer 0's step must end `Cancelled` with its tensors untouched; peer 1,
+/// triggered afterwards, must end (a result or a typed round error, no hang), and whatever it
+/// holds must be what its report promises.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_during_all_reduce() {
     let _serial = serial().await;
     let swarm = Swarm::start(2, |_| false).await;
-    // Large enough that the round is still running when the cancel lands.
-    let big: Vec<f32> = (0..4 << 20).map(|i| i as f32).collect();
+    let inputs: Vec<Vec<f32>> = (0..2)
+        .map(|i| (0..4096).map(|e| (e % 97) as f32 + i as f32).collect())
+        .collect();
+    let part_size_bytes = 4 << 10;
     let averagers: Vec<_> = (0..2)
         .map(|i| {
             let mut c = config("cancel-ar", Mode::Node, Some(2));
-            c.part_size_bytes = 64 << 10;
-            swarm.averager(
-                i,
-                vec![big.iter().map(|x| x + i as f32).collect::<Vec<f32>>()],
-                c,
-            )
+            c.part_size_bytes = part_size_bytes;
+            c.link_timeout = Duration::from_secs(60);
+            swarm.averager(i, vec![inputs[i].clone()], c)
         })
         .collect();
     let before = values(&averagers[0]);
     let mut a = averagers[0]
         .schedule_step(StepOptions {
-            timeout: Some(Duration::from_secs(60)),
+            timeout: Some(Duration::from_secs(120)),
             ..StepOptions::default()
         })
         .await
         .unwrap();
-    let b = averagers[1]
+    let mut b = averagers[1]
         .schedule_step(StepOptions {
-            timeout: Some(Duration::from_secs(60)),
+            wait_for_trigger: true,
+            timeout: Some(Duration::from_secs(120)),
             ..StepOptions::default()
         })
         .await
         .unwrap();
+    b.reached(Stage::AwaitingTrigger).await;
     a.reached(Stage::AllReduce).await;
+    assert_eq!(
+        b.stage(),
+        Stage::AwaitingTrigger,
+        "peer 1 still holds the round"
+    );
     a.cancel();
+    b.trigger();
     let (ra, rb) = tokio::join!(a.result(), b.result());
-    match ra {
-        Err(AveragerError::Cancelled) => assert_eq!(values(&averagers[0]), before),
-        // The round may have finished before the cancel landed: then it is a normal result.
-        Ok(_) => {}
-        Err(e) => panic!("unexpected: {e}"),
-    }
-    // The partner is not left hanging: it ends with a result or a typed round error.
+    assert!(
+        matches!(ra, Err(AveragerError::Cancelled)),
+        "a cancel during a held all-reduce cancels: {ra:?}"
+    );
+    assert_eq!(
+        values(&averagers[0]),
+        before,
+        "a cancelled step changes nothing"
+    );
     match rb {
-        Ok(_) | Err(AveragerError::Round(_)) => {}
+        Ok(outcome) => {
+            // Parts peer 0 sent before it cancelled may be averaged; the rest stay local.
+            let descs = [hivemesh::allreduce::TensorDescriptor::of(
+                &Tensor::from_f32(&[4096], inputs[1].clone()).unwrap(),
+            )];
+            let partition = hivemesh::allreduce::Partition::new(
+                &descs,
+                &[1.0, 1.0],
+                part_size_bytes,
+                &hivemesh::compression::Compression::default(),
+            )
+            .unwrap();
+            let got = &values(&averagers[1])[0];
+            // Member indices are group order; `inputs` is in swarm order.
+            let swarm_index = |m: usize| {
+                (0..2)
+                    .find(|&i| swarm.peer(i) == outcome.members[m])
+                    .expect("a member of the swarm")
+            };
+            for g in 0..partition.num_parts() {
+                let spec = *partition.part(g);
+                let named: Vec<usize> = outcome
+                    .report
+                    .contributors(g)
+                    .map_or(vec![outcome.me], |c| c.iter().collect());
+                for e in spec.range() {
+                    let want = named
+                        .iter()
+                        .map(|&m| f64::from(inputs[swarm_index(m)][e]))
+                        .sum::<f64>()
+                        / named.len() as f64;
+                    assert!(
+                        (f64::from(got[e]) - want).abs() < 1e-5,
+                        "element {e}: {} vs {want} (part {g}, named {named:?}, own {}, other {}; report {:?})",
+                        got[e],
+                        inputs[1][e],
+                        inputs[0][e],
+                        outcome.report
+                    );
+                }
+            }
+        }
+        Err(AveragerError::Round(_) | AveragerError::Links(_)) => {}
         Err(e) => panic!("partner: {e}"),
     }
     swarm.shutdown(averagers).await;
+}
+
+/// Lossy codecs over real links: float16, and the size-adaptive choice (uniform 8-bit for the
+/// 123-element tensor, float16 for the 3-element one). Every peer ends within the codecs'
+/// error of the exact mean, and not exactly on it (the codec really ran: values came through
+/// it, and each peer keeps its own compression error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lossy_codecs_and_adaptive_compression_over_real_links() {
+    use hivemesh::compression::{Compression, CompressionType};
+    let _serial = serial().await;
+    let swarm = Swarm::start(4, |_| false).await;
+    for (name, compression, tolerance) in [
+        ("f16", Compression::Fixed(CompressionType::Float16), 2e-3),
+        (
+            "adaptive",
+            Compression::Adaptive {
+                threshold: 100,
+                below: CompressionType::Float16,
+                at_or_above: CompressionType::Uniform8Bit,
+            },
+            5e-2,
+        ),
+    ] {
+        let mut rng = StdRng::seed_from_u64(9);
+        let inputs: Vec<Vec<Vec<f32>>> = (0..4).map(|_| random_tensors(&mut rng)).collect();
+        let averagers: Vec<_> = (0..4)
+            .map(|i| {
+                let mut c = config(&format!("lossy-{name}"), Mode::Node, Some(4));
+                c.compression = compression.clone();
+                swarm.averager(i, inputs[i].clone(), c)
+            })
+            .collect();
+        let results = step_all(&averagers, |_| StepOptions {
+            timeout: Some(Duration::from_secs(60)),
+            ..StepOptions::default()
+        })
+        .await;
+        let mean = weighted_mean(&inputs.iter().cloned().map(|v| (v, 1.0)).collect::<Vec<_>>());
+        let mut max_err = 0.0f64;
+        for (i, r) in results.iter().enumerate() {
+            assert_eq!(r.as_ref().unwrap().members.len(), 4, "{name} peer {i}");
+            let got = values(&averagers[i]);
+            assert_close(&got, &mean, tolerance, name);
+            for (g, w) in got.iter().zip(&mean) {
+                for (x, m) in g.iter().zip(w) {
+                    max_err = max_err.max((f64::from(*x) - m).abs());
+                }
+            }
+        }
+        assert!(max_err > 0.0, "{name}: the codec left no trace");
+        for a in averagers {
+            if let Ok(a) = Arc::try_unwrap(a) {
+                a.shutdown().await;
+            }
+        }
+    }
+    swarm.shutdown(Vec::new()).await;
+}
+
+/// `Averager::shutdown` while a step is in flight (alone: it can only wait for a group): the
+/// shutdown returns and the step ends with `AveragerError::Shutdown`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_a_step_in_flight_cancels_it() {
+    let _serial = serial().await;
+    let swarm = Swarm::start(1, |_| false).await;
+    let averager = swarm.averager(
+        0,
+        vec![vec![1.0f32; 8]],
+        config("alone", Mode::Node, Some(2)),
+    );
+    let mut control = averager
+        .schedule_step(StepOptions {
+            timeout: Some(Duration::from_secs(600)),
+            ..StepOptions::default()
+        })
+        .await
+        .unwrap();
+    control.reached(Stage::Matchmaking).await;
+    let averager = Arc::try_unwrap(averager).expect("the only handle");
+    tokio::time::timeout(Duration::from_secs(120), averager.shutdown())
+        .await
+        .expect("shutdown returns");
+    let result = tokio::time::timeout(Duration::from_secs(120), control.result())
+        .await
+        .expect("the step ends");
+    assert!(matches!(result, Err(AveragerError::Shutdown)), "{result:?}");
+    swarm.shutdown(Vec::new()).await;
 }
 
 /// A member whose node dies while the all-reduce runs (the leader killed right after

@@ -321,6 +321,18 @@ mod dht {
         let _ = std::fs::remove_file(&key);
     }
 
+    /// SIGTERM (what `docker stop` and service managers send) stops a DHT node as cleanly as
+    /// Ctrl-C: exit status 0 after "shutting down".
+    #[test]
+    fn sigterm_stops_a_dht_node_cleanly() {
+        let (node, addr) = start(&["--listen", "/ip4/127.0.0.1/tcp/0"]);
+        assert!(addr.contains("/p2p/"), "{addr}");
+        node.signal("TERM");
+        let (status, _, stderr) = node.finish();
+        assert!(status.success(), "{status}: {stderr}");
+        assert!(stderr.contains("shutting down"), "{stderr}");
+    }
+
     /// `hivemesh swarm-key` writes a key (owner-only, never over an existing file); a DHT node
     /// run with it takes a member holding the same key and refuses one without it, which exits
     /// with an error naming the cause; a missing key file is a clear error.

@@ -214,7 +214,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
     let silence_limit = Duration::from_secs_f64(args.step_timeout) + Duration::from_secs(60);
     let mut rng = StdRng::seed_from_u64(args.seed);
     let (mut finished, mut ok, mut wrong, mut hung, mut failed, mut kills) = (0, 0, 0, 0, 0, 0);
-    let mut loads = (0, 0); // (loaded, no donor)
+    let mut loads = (0, 0, 0); // (loaded, no donor, failed)
     let mut max_rss = 0.0f64;
     let mut last_sample = Instant::now();
     let mut since_kill = 0;
@@ -239,6 +239,10 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
                     ["READY"] => slots.slots[slot].ready = true,
                     ["LOADED", "state", ..] => loads.0 += 1,
                     ["LOADED", "none", ..] => loads.1 += 1,
+                    ["LOADED", "failed", ..] => {
+                        loads.2 += 1;
+                        eprintln!("slot {slot}.{incarnation}: {line}");
+                    }
                     ["STEP", _, verdict, _, detail] => {
                         finished += 1;
                         since_kill += 1;
@@ -282,8 +286,8 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
     runtime.block_on(bootstrap.shutdown());
     eprintln!(
         "chaos: {finished} steps finished ({failed} failed, allowed), {kills} kills, \
-         {} states loaded, {} replacements found no donor",
-        loads.0, loads.1
+         {} states loaded, {} replacements found no donor, {} loads failed",
+        loads.0, loads.1, loads.2
     );
     println!(
         "hivemesh_chaos peers={} rounds={} ok={ok} wrong={wrong} hung={hung} max_rss_mb={:.0}",
@@ -359,7 +363,7 @@ async fn worker(args: ChaosWorkerArgs) -> anyhow::Result<()> {
                 println!("LOADED state {} bytes", loaded.bytes);
             }
             Ok(None) => println!("LOADED none"),
-            Err(e) => println!("LOADED none ({e})"),
+            Err(e) => println!("LOADED failed {e}"),
         }
     }
     println!("READY");
