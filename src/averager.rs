@@ -1009,7 +1009,12 @@ impl Actor {
                     } => {
                         self.sends.spawn(async move {
                             if let Err(e) = dht
-                                .store(key.as_bytes(), Some(&subkey), &value, expiration)
+                                .store_unconfirmed(
+                                    key.as_bytes(),
+                                    Some(&subkey),
+                                    &value,
+                                    expiration,
+                                )
                                 .await
                             {
                                 tracing::debug!(error = %e, "declaration not stored");
@@ -1077,7 +1082,12 @@ impl Actor {
                         let dht = self.dht.clone();
                         self.sends.spawn(async move {
                             let _ = dht
-                                .store(key.as_bytes(), Some(&subkey), &value, expiration)
+                                .store_unconfirmed(
+                                    key.as_bytes(),
+                                    Some(&subkey),
+                                    &value,
+                                    expiration,
+                                )
                                 .await;
                         });
                     }

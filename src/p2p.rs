@@ -655,8 +655,23 @@ impl P2p {
 
     /// Every value found for `key`: the local one first (if any), then each replica's answer.
     pub async fn get_record(&self, key: Vec<u8>) -> Result<Vec<Vec<u8>>, P2pError> {
-        self.call(|reply| swarm::Command::Get { key, reply })
-            .await?
+        self.call(|reply| swarm::Command::Get {
+            key,
+            local: true,
+            reply,
+        })
+        .await?
+    }
+
+    /// What the replicas answer for `key` (one answer per peer that holds a record), without
+    /// this node's own record.
+    pub async fn get_replica_records(&self, key: Vec<u8>) -> Result<Vec<Vec<u8>>, P2pError> {
+        self.call(|reply| swarm::Command::Get {
+            key,
+            local: false,
+            reply,
+        })
+        .await?
     }
 
     /// Tells the node where `peer` can be reached (added to Kademlia's routing table and

@@ -292,3 +292,60 @@ async fn owner_subkeys_can_only_be_written_by_their_owner() {
         }
     }
 }
+
+/// `Dht::store` counts the replicas that hold the write, not those that acknowledged it
+/// (Kademlia acknowledges before the replica's store decides). A replica that takes one record
+/// per remote peer holds the writer's first key and refuses its second: the second store
+/// reports 0 replicas (before, 1). A newer write of the first key replaces it and counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_counts_the_replicas_that_kept_the_write() {
+    let replica = Dht::start(
+        P2pConfig {
+            store: hivemesh::p2p::StoreLimits {
+                max_records_per_peer: 1,
+                ..hivemesh::p2p::StoreLimits::default()
+            },
+            request_timeout: Duration::from_secs(10),
+            ..P2pConfig::loopback()
+        },
+        Keypair::generate_ed25519(),
+    )
+    .await
+    .expect("replica")
+    .0;
+    let writer = node(replica.p2p().listen_addrs().await.unwrap(), false).await;
+    assert_eq!(
+        writer
+            .store(b"first", None, b"a", ahead(60.0))
+            .await
+            .unwrap(),
+        1,
+        "the replica keeps the writer's first record"
+    );
+    assert_eq!(
+        writer
+            .store(b"second", None, b"b", ahead(60.0))
+            .await
+            .unwrap(),
+        0,
+        "the replica refused the second (one record per peer): no replica holds it"
+    );
+    let acked = writer
+        .store_unconfirmed(b"second", None, b"c", ahead(61.0))
+        .await
+        .unwrap();
+    assert_eq!(acked, 1, "an acknowledgement alone still says 1");
+    assert_eq!(
+        writer
+            .store(b"first", None, b"d", ahead(90.0))
+            .await
+            .unwrap(),
+        1,
+        "a newer write of a record it holds replaces it"
+    );
+    assert_eq!(
+        replica.p2p().store_usage().await.unwrap().refused,
+        2,
+        "the two writes of the second key were refused"
+    );
+}

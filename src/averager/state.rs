@@ -643,7 +643,7 @@ impl Inner {
             (value.encode(), expiration)
         };
         self.dht
-            .store(&self.key, Some(&self.dht.own_subkey()), &value, expiration)
+            .store_unconfirmed(&self.key, Some(&self.dht.own_subkey()), &value, expiration)
             .await?;
         Ok(())
     }

@@ -175,11 +175,53 @@ impl Dht {
     }
 
     /// Stores `value` under `key` (and `subkey`, if given) until `expiration`. Returns the
-    /// number of remote peers that took the write (0 for a lone node). Cancel-safe.
+    /// number of remote replicas that hold the write afterwards (0 for a lone node).
+    /// Cancel-safe.
+    ///
+    /// Kademlia acknowledges a PUT before the replica's record policy decides, so an
+    /// acknowledgement proves nothing (a replica refuses writes over a peer's share, invalid
+    /// ones, ...): after the PUT, the key is read back from the replicas and those whose answer
+    /// holds this write (or a newer one of the same subkey) are counted. That costs a read;
+    /// [`Dht::store_unconfirmed`] skips it.
     ///
     /// A write to this node's owner subkey ([`Dht::own_subkey`]) is signed with the node's
     /// identity; a write to another peer's owner subkey fails with [`DhtError::NotOwner`].
     pub async fn store(
+        &self,
+        key: &[u8],
+        subkey: Option<&[u8]>,
+        value: &[u8],
+        expiration: DhtTime,
+    ) -> Result<usize, DhtError> {
+        let acknowledged = self
+            .store_unconfirmed(key, subkey, value, expiration)
+            .await?;
+        if acknowledged == 0 {
+            return Ok(0);
+        }
+        let answers = self.p2p.get_replica_records(key.to_vec()).await?;
+        let holding = answers
+            .iter()
+            .filter(|bytes| {
+                DhtValue::from_bytes(bytes, &self.limits).is_ok_and(|v| {
+                    let entry = match subkey {
+                        Some(s) => v.subkeys().get(s),
+                        None => v.plain_entry(),
+                    };
+                    entry.is_some_and(|e| {
+                        e.expiration > expiration
+                            || (e.expiration == expiration && e.value == value)
+                    })
+                })
+            })
+            .count();
+        Ok(holding)
+    }
+
+    /// [`Dht::store`] without the read-back: returns how many replicas acknowledged the PUT,
+    /// which they do before deciding whether to keep it. For fire-and-forget writes (the
+    /// averager's declarations and announcements) whose outcome nobody checks.
+    pub async fn store_unconfirmed(
         &self,
         key: &[u8],
         subkey: Option<&[u8]>,

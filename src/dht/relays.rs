@@ -91,7 +91,7 @@ async fn run(dht: Dht, serves_relay: bool) {
             encode_addrs(&r.confirmed, &mut value);
             let expiration = DhtTime::now().saturating_add(ANNOUNCE_TTL);
             if let Err(error) = dht
-                .store(RELAYS_KEY, Some(&dht.own_subkey()), &value, expiration)
+                .store_unconfirmed(RELAYS_KEY, Some(&dht.own_subkey()), &value, expiration)
                 .await
             {
                 tracing::debug!(%error, "relay announcement not stored");

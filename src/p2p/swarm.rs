@@ -69,6 +69,8 @@ pub(super) enum Command {
     },
     Get {
         key: Vec<u8>,
+        /// Whether the answer starts with this node's own record (if it holds one).
+        local: bool,
         reply: oneshot::Sender<Result<Vec<Vec<u8>>, P2pError>>,
     },
     AddAddresses {
@@ -112,6 +114,9 @@ enum Pending {
     Get {
         reply: oneshot::Sender<Result<Vec<Vec<u8>>, P2pError>>,
         values: Vec<Vec<u8>>,
+        /// Only answers of remote peers, one per peer ([`super::P2p::get_replica_records`]):
+        /// Kademlia also reports this node's own record, without a peer.
+        replicas_only: Option<HashSet<PeerId>>,
     },
 }
 
@@ -443,21 +448,26 @@ impl EventLoop {
                 let _ = reply.send(());
             }
             Command::Put { key, value, reply } => self.put(key, value, reply),
-            Command::Get { key, reply } => {
+            Command::Get { key, local, reply } => {
+                let include_local = local;
                 let key = kad::RecordKey::new(&key);
-                let local = self
-                    .swarm
-                    .behaviour_mut()
-                    .kad
-                    .store_mut()
-                    .get(&key)
-                    .map(|r| r.value.clone());
+                let local = if local {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .store_mut()
+                        .get(&key)
+                        .map(|r| r.value.clone())
+                } else {
+                    None
+                };
                 let id = self.swarm.behaviour_mut().kad.get_record(key);
                 self.pending.insert(
                     id,
                     Pending::Get {
                         reply,
                         values: local.into_iter().collect(),
+                        replicas_only: (!include_local).then(HashSet::new),
                     },
                 );
             }
@@ -794,10 +804,21 @@ impl EventLoop {
                     }
                 }
                 kad::QueryResult::GetRecord(res) => {
-                    if let Some(Pending::Get { values, .. }) = self.pending.get_mut(&id)
+                    if let Some(Pending::Get {
+                        values,
+                        replicas_only,
+                        ..
+                    }) = self.pending.get_mut(&id)
                         && let Ok(kad::GetRecordOk::FoundRecord(found)) = &res
                     {
-                        values.push(found.record.value.clone());
+                        let keep = match (replicas_only, found.peer) {
+                            (None, _) => true,
+                            (Some(seen), Some(peer)) => seen.insert(peer),
+                            (Some(_), None) => false,
+                        };
+                        if keep {
+                            values.push(found.record.value.clone());
+                        }
                     }
                     let finished = step.last
                         || matches!(
@@ -805,7 +826,7 @@ impl EventLoop {
                             Ok(kad::GetRecordOk::FinishedWithNoAdditionalRecord { .. }) | Err(_)
                         );
                     if finished
-                        && let Some(Pending::Get { reply, values }) = self.pending.remove(&id)
+                        && let Some(Pending::Get { reply, values, .. }) = self.pending.remove(&id)
                     {
                         // NotFound or a timeout after some answers still returns what we have.
                         let _ = reply.send(Ok(values));
