@@ -108,7 +108,7 @@ impl SwarmKey {
 const MAX_SWARM_PEERS: usize = 65_536;
 
 /// The peers this node has had a libp2p connection with in a private swarm (every one of them
-/// went through the swarm key), bounded to the most recent [`MAX_SWARM_PEERS`].
+/// went through the swarm key), bounded to the most recent 65,536.
 #[derive(Clone, Debug, Default)]
 pub struct SwarmPeers(Arc<Mutex<Remembered>>);
 
