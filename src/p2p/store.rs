@@ -10,7 +10,8 @@
 //!   (a `None` publisher counts as this node). A key that this node writes to becomes its own.
 //! * **A share per source.** A remote peer may hold at most [`StoreLimits::max_bytes_per_peer`]
 //!   bytes (key plus value) in at most [`StoreLimits::max_records_per_peer`] records; a write
-//!   beyond that is refused ([`StoreRefusal::PeerShare`]).
+//!   beyond that is refused ([`StoreRefusal::PeerShare`]), after expired records have been
+//!   dropped (they would otherwise count against their holder until the store ran full).
 //! * **Totals and eviction.** When a write would take the store past [`StoreLimits::max_bytes`]
 //!   or [`StoreLimits::max_records`], expired records go first (looked for at most once a
 //!   second: the scan reads every record); then the largest record of the
@@ -195,19 +196,32 @@ impl BoundedStore {
         let freed = old.map_or(0, |(_, s)| s);
         let replaced = usize::from(old.is_some());
         if holder != self.local {
-            let mine = self
-                .by_peer
-                .get(&holder)
-                .map(|(h, _)| *h)
-                .unwrap_or_default();
-            let (own_bytes, own_records) = match old {
-                Some((h, s)) if h == holder => (s, 1),
-                _ => (0, 0),
+            // What the holder would hold with this write (its old value of `key` replaced).
+            let share = |s: &Self| {
+                let mine = s.by_peer.get(&holder).map(|(h, _)| *h).unwrap_or_default();
+                let (own_bytes, own_records) = match old {
+                    Some((h, s)) if h == holder => (s, 1),
+                    _ => (0, 0),
+                };
+                (
+                    mine.bytes - own_bytes + size,
+                    mine.records - own_records + 1,
+                )
             };
-            let bytes = mine.bytes - own_bytes + size;
-            let records = mine.records - own_records + 1;
-            if bytes > self.limits.max_bytes_per_peer || records > self.limits.max_records_per_peer
-            {
+            let (max_bytes, max_records) = (
+                self.limits.max_bytes_per_peer,
+                self.limits.max_records_per_peer,
+            );
+            let over_share =
+                |(bytes, records): (usize, usize)| bytes > max_bytes || records > max_records;
+            let (mut bytes, mut records) = share(self);
+            if over_share((bytes, records)) {
+                // Expired records still count against their holder until they are dropped:
+                // drop them first (`key`'s own old value stays: it is being replaced).
+                self.drop_expired(key);
+                (bytes, records) = share(self);
+            }
+            if over_share((bytes, records)) {
                 return Err(StoreRefusal::PeerShare {
                     peer: holder,
                     bytes,
@@ -382,6 +396,39 @@ mod tests {
             max_bytes_per_peer: 4_000,
             max_records_per_peer: 8,
         }
+    }
+
+    /// A peer's expired records stop counting against its share when it writes again (before,
+    /// they counted until the whole store ran full).
+    #[test]
+    fn a_peers_expired_records_stop_counting_against_its_share() {
+        let peer = PeerId::random();
+        let mut s = BoundedStore::new(PeerId::random(), limits(), 1 << 20);
+        for i in 0..8 {
+            let mut r = record(&format!("old-{i}"), 10, peer);
+            r.expires = Some(Instant::now() - Duration::from_millis(1));
+            s.try_put(r).unwrap();
+        }
+        let mut live = record("live", 10, PeerId::random());
+        live.expires = Some(Instant::now() + Duration::from_secs(3600));
+        s.try_put(live).unwrap();
+        s.try_put(record("fresh", 10, peer))
+            .expect("the expired records no longer count");
+        assert_eq!(
+            s.usage().records,
+            2,
+            "the expired ones are gone, the live one stays"
+        );
+        check_books(&s);
+        // A share full of live records still refuses.
+        let other = PeerId::random();
+        for i in 0..8 {
+            s.try_put(record(&format!("o-{i}"), 10, other)).unwrap();
+        }
+        assert!(matches!(
+            s.try_put(record("o-8", 10, other)),
+            Err(StoreRefusal::PeerShare { .. })
+        ));
     }
 
     fn check_books(s: &BoundedStore) {
