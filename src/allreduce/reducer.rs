@@ -198,6 +198,15 @@ impl Input {
         }
     }
 
+    /// Whether every value is finite (no copy, except for a half-precision local view).
+    pub fn is_finite(&self) -> bool {
+        match self {
+            Input::Values(v) => ops::all_finite(v),
+            Input::RawF32(b) => ops::all_finite_le(b),
+            Input::Local(_) => ops::all_finite(self.values(&mut Vec::new())),
+        }
+    }
+
     /// The values as the reduction kernel reads them (no copy).
     pub fn source(&self) -> Source<'_> {
         match self {
@@ -487,24 +496,18 @@ impl Reducer {
         contributions: &mut Vec<Contribution>,
         non_finite: &mut Vec<usize>,
     ) -> Option<Vec<f32>> {
-        let mut scratch: Vec<Vec<f32>> = contributions.iter().map(|_| Vec::new()).collect();
-        let finite: Vec<bool> = contributions
-            .iter()
-            .zip(scratch.iter_mut())
-            .map(|((_, _, x), s)| ops::all_finite(x.values(s)))
-            .collect();
-        if finite.iter().any(|f| !f) {
-            let all = std::mem::take(contributions);
-            for ((s, w, x), ok) in all.into_iter().zip(finite) {
-                if ok {
-                    contributions.push((s, w, x));
-                } else {
-                    non_finite.push(s);
-                    self.recycle_input(x);
-                }
+        // Finiteness is read from the inputs as they are (no decoded copy); the values are
+        // decoded once, below, for the contributions that stay.
+        let all = std::mem::take(contributions);
+        for (s, w, x) in all {
+            if x.is_finite() {
+                contributions.push((s, w, x));
+            } else {
+                non_finite.push(s);
+                self.recycle_input(x);
             }
-            scratch = contributions.iter().map(|_| Vec::new()).collect();
         }
+        let mut scratch: Vec<Vec<f32>> = contributions.iter().map(|_| Vec::new()).collect();
         let inputs: Vec<(&[f32], f64)> = contributions
             .iter()
             .zip(scratch.iter_mut())
@@ -682,10 +685,16 @@ mod tests {
             let t = Tensor::from_f32(&[3], vec![f32::NAN, 0.0, 0.0]).unwrap();
             LocalValues::new(Arc::new(vec![t]), 0, 0..3).unwrap()
         };
-        for position in 0..3 {
+        // Both aggregators leave non-finite contributions out (τ = ∞: CenteredClip is the mean).
+        let aggregators = [
+            super::Aggregator::Mean,
+            super::Aggregator::CenteredClip(CenteredClip::new(f64::INFINITY)),
+        ];
+        for (position, aggregator) in (0..3).flat_map(|p| aggregators.map(|a| (p, a))) {
             for kind in 0..3 {
                 for two_bad in [false, true] {
-                    let mut r = Reducer::new(0..1, vec![3], PeerSet::from_indices([0, 1, 2, 3]));
+                    let mut r = Reducer::new(0..1, vec![3], PeerSet::from_indices([0, 1, 2, 3]))
+                        .with_aggregator(aggregator);
                     let bad_input = || -> Input {
                         match kind {
                             0 => raw(&bad),

@@ -319,11 +319,9 @@ fn encode_id(id: [u64; 3]) -> bytes::Bytes {
 }
 
 fn decode_id(b: &[u8]) -> Option<[u64; 3]> {
-    let words: Vec<u64> = b
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .collect();
-    (b.len() == 24).then(|| [words[0], words[1], words[2]])
+    let b: &[u8; 24] = b.try_into().ok()?;
+    let word = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+    Some([word(0), word(1), word(2)])
 }
 
 async fn worker(args: ChaosWorkerArgs) -> anyhow::Result<()> {
@@ -369,7 +367,6 @@ async fn worker(args: ChaosWorkerArgs) -> anyhow::Result<()> {
     println!("READY");
 
     let mut stdin = stdin_lines();
-    let mut after = vec![0.0f32; n];
     for s in 0u64.. {
         // The parent never writes: its stdin closing means the parent is gone.
         if !matches!(
@@ -400,7 +397,7 @@ async fn worker(args: ChaosWorkerArgs) -> anyhow::Result<()> {
                 continue;
             }
         };
-        after.copy_from_slice(&averager.tensors()[0].to_f32_vec());
+        let after = averager.tensors()[0].to_f32_vec();
         let verdict = check(&outcome, &partition, me, &after);
         match verdict {
             Ok(averaged) => println!(
