@@ -1010,7 +1010,7 @@ impl Actor {
                         self.sends.spawn(async move {
                             if let Err(e) = dht
                                 .store_unconfirmed(
-                                    key.as_bytes(),
+                                    &crate::dht::owned_key(key.as_bytes()),
                                     Some(&subkey),
                                     &value,
                                     expiration,
@@ -1024,7 +1024,11 @@ impl Actor {
                     DhtRequest::Get { id, key } => {
                         let tx = gets_tx.clone();
                         self.sends.spawn(async move {
-                            let value = dht.get(key.as_bytes()).await.ok().flatten();
+                            let value = dht
+                                .get(&crate::dht::owned_key(key.as_bytes()))
+                                .await
+                                .ok()
+                                .flatten();
                             let _ = tx.send((id, value)).await;
                         });
                     }
@@ -1083,7 +1087,7 @@ impl Actor {
                         self.sends.spawn(async move {
                             let _ = dht
                                 .store_unconfirmed(
-                                    key.as_bytes(),
+                                    &crate::dht::owned_key(key.as_bytes()),
                                     Some(&subkey),
                                     &value,
                                     expiration,

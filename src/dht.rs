@@ -118,9 +118,39 @@
 //! the dictionary from [`DhtValue::view`] (hivemind's rule), for at most
 //! `max_expiration_ahead`. It does not delete anything, so readers of per-peer declarations use
 //! [`DhtValue::owner_entries`], which lists every owner entry, hidden or not, with its peer.
-//! Owner *keys* (keys only one peer may write, plain value included) are not implemented.
+//! Keys that resist this, and squatting in general, are owned keys (below).
 //! Signature checks cost one verification per new entry; the record store skips entries it
 //! already holds identically and a reader verifies each distinct entry once per GET.
+//!
+//! # Owned keys: squatting
+//!
+//! Under an ordinary key anyone can write anything within the limits, so one peer can freeze
+//! a predictable key for up to `max_expiration_ahead`: a plain value as large as
+//! `max_value_bytes` leaves no room to merge another entry next to it, and `max_subkeys` owner
+//! entries signed by throwaway keys leave no subkey free. The averager's keys are predictable
+//! (`{prefix}.0b…` for matchmaking, `{prefix}.all_averagers`, the relay directory), so they
+//! are **owned keys** ([`owned_key`]: [`OWNED_KEY_PREFIX`], `0xff` `owned:`, then the name),
+//! under which:
+//!
+//! * there is no plain value ([`PlainOnOwnedKey`](DhtValueError::PlainOnOwnedKey)) and no
+//!   ordinary subkey ([`OrdinarySubkeyOnOwnedKey`](DhtValueError::OrdinarySubkeyOnOwnedKey)):
+//!   every entry is an owner entry, signed;
+//! * no entry's value exceeds [`ValidationLimits::max_owned_entry_bytes`] (1,040 bytes;
+//!   [`OwnedEntryTooLarge`](DhtValueError::OwnedEntryTooLarge)), so filling the key's
+//!   768 KiB takes about 670 owners, and its 4,096 subkeys as many owners;
+//! * a replica takes an entry only from its owner: every entry of a remote PUT must be the
+//!   sender's own ([`NotFromOwner`](DhtValueError::NotFromOwner); the sender is the
+//!   noise-authenticated peer of the connection). Replicas neither republish nor replicate
+//!   (values expire within the hour), so honest PUTs always come from their writers.
+//!
+//! The first two rules are part of [`DhtValue::validate`], so readers apply them to every
+//! replica's answer too; the third only a replica can check. Together they turn "one peer
+//! freezes the key" into "as many authenticated peers as the key has room for, each
+//! connected to every replica of the key" (what a sybil with that many identities can still
+//! do; `tests/dht_swarm.rs::squatters_cannot_freeze_owned_keys` shows both attacks freezing an
+//! ordinary key and failing on an owned one). A replica that lies in its answers can still
+//! show a reader entries from throwaway owners (each costs the reader a signature check);
+//! readers of the averager's keys treat declared peers as candidates, not as trusted.
 //!
 //! Every function here is pure: time comes in as a `now` argument ([`DhtTime::now`] is only a
 //! convenience for callers).
@@ -143,7 +173,8 @@ pub use addrs::{MAX_ADDR_BYTES, MAX_ADDRS, decode_addrs, encode_addrs};
 pub(crate) use client::read_answer;
 pub use client::{Dht, DhtError, DhtPolicy, StoreRequest};
 pub use owner::{
-    OWNER_SUBKEY_PREFIX, SIGNING_DOMAIN, SignError, owner_subkey, signing_payload, subkey_owner,
+    DEFAULT_VERIFIED_ENTRIES, OWNED_KEY_PREFIX, OWNER_SUBKEY_PREFIX, SIGNING_DOMAIN, SignError,
+    VerifiedEntries, is_owned_key, owned_key, owner_subkey, signing_payload, subkey_owner,
 };
 pub use relays::{RELAYS_KEY, RelayDirectory, lookup_relays};
 pub use value::{DhtTime, DhtValue, DhtView, Entry, merge, merge_all};
@@ -154,6 +185,11 @@ pub const DEFAULT_MAX_VALUE_BYTES: usize = 768 << 10;
 pub const DEFAULT_MAX_SUBKEYS: usize = 4096;
 /// Default [`ValidationLimits::max_expiration_ahead`]: one hour.
 pub const DEFAULT_MAX_EXPIRATION_AHEAD: Duration = Duration::from_secs(3600);
+
+/// Default [`ValidationLimits::max_owned_entry_bytes`]: 1,040 bytes, room for the largest value
+/// the averager writes under an owned key (a matchmaking declaration: one tag byte and up to
+/// 1,024 contact bytes; state and relay announcements carry at most 4 addresses of 128 bytes).
+pub const DEFAULT_MAX_OWNED_ENTRY_BYTES: usize = 1040;
 
 /// Default [`ValidationLimits::max_clock_skew`]: five minutes, well past what NTP-synced
 /// machines drift (milliseconds) and enough for a home machine whose clock was set by hand.
@@ -189,6 +225,9 @@ pub struct ValidationLimits {
     /// where a value is checked (a write ahead of this much is refused by a replica, and
     /// dropped from an answer by a reader; see [`Dht::get`]).
     pub max_clock_skew: Duration,
+    /// Longest value one owner's entry may hold under an [owned key](owned_key): at the
+    /// default, filling an owned key's 768 KiB takes entries from about 670 different owners.
+    pub max_owned_entry_bytes: usize,
 }
 
 impl ValidationLimits {
@@ -206,6 +245,7 @@ impl Default for ValidationLimits {
             max_subkeys: DEFAULT_MAX_SUBKEYS,
             max_expiration_ahead: DEFAULT_MAX_EXPIRATION_AHEAD,
             max_clock_skew: DEFAULT_MAX_CLOCK_SKEW,
+            max_owned_entry_bytes: DEFAULT_MAX_OWNED_ENTRY_BYTES,
         }
     }
 }
@@ -281,4 +321,27 @@ pub enum DhtValueError {
     /// are signed).
     #[error("an ordinary entry or the plain value carries a signature")]
     UnexpectedSignature,
+    /// A plain value under an [owned key](owned_key), where only owner subkeys may be written.
+    #[error("a plain value under an owned key")]
+    PlainOnOwnedKey,
+    /// An ordinary subkey under an [owned key](owned_key), where only owner subkeys may be
+    /// written.
+    #[error("an ordinary subkey under an owned key")]
+    OrdinarySubkeyOnOwnedKey,
+    /// An owner's entry under an [owned key](owned_key) holds a value over
+    /// [`ValidationLimits::max_owned_entry_bytes`].
+    #[error("an owned key's entry of {len} bytes exceeds the limit of {max}")]
+    OwnedEntryTooLarge {
+        /// The entry's value length.
+        len: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// A peer sent a write of another owner's entry under an [owned key](owned_key); a
+    /// replica takes an owned key's entries only from their owners.
+    #[error("another peer sent the entry of {owner} under an owned key")]
+    NotFromOwner {
+        /// The peer the entry's subkey names (the sender is in the replica's log line).
+        owner: PeerId,
+    },
 }

@@ -164,7 +164,7 @@ pub fn dht_value(data: &[u8]) {
         assert_eq!(first, again.to_bytes(), "DHT value changed in a round trip");
         let _ = decoded.validate(key, now, &limits);
     }
-    if let Ok(Some(read)) = crate::dht::read_answer(key, value, now, &limits, None) {
+    if let Ok(Some(read)) = crate::dht::read_answer(key, value, now, &limits, None, None) {
         // What a reader keeps is valid by its own checks.
         read.validate(key, now, &limits)
             .expect("an answer read is valid");

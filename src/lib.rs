@@ -41,6 +41,7 @@ pub mod p2p;
 mod proto_guard;
 pub mod reach;
 pub mod runner;
+mod shares;
 pub mod sim;
 pub mod tensor;
 pub mod transport;

@@ -290,9 +290,16 @@ pub struct HubConfig {
     pub early_hello_wait: Duration,
     /// Inbound links waiting for their Hello at once; more are dropped.
     pub max_pending_links: usize,
+    /// Inbound links waiting for their Hello at once from one peer; more from it are dropped
+    /// (so one peer holding its share leaves the rest of `max_pending_links` to others).
+    pub max_pending_links_per_peer: usize,
     /// Inbound TLS handshakes running at once (each in its own task, under `hello_timeout`);
     /// clients arriving while this many run wait in the kernel's accept queue.
     pub max_tls_handshakes: usize,
+    /// Inbound TLS handshakes running at once from one IP address (the peer is not known
+    /// before the handshake ends); a client from an address holding its share is closed at
+    /// once (its opener falls back to a stream).
+    pub max_tls_handshakes_per_ip: usize,
     /// Inbound streams queued between the swarm and the hub.
     pub stream_queue: usize,
     /// Bound on making a direct connection by hole punching, per attempt.
@@ -318,7 +325,9 @@ impl Default for HubConfig {
             retry_delay: Duration::from_millis(25),
             early_hello_wait: Duration::from_millis(500),
             max_pending_links: 64,
-            max_tls_handshakes: 16,
+            max_pending_links_per_peer: 8,
+            max_tls_handshakes: 64,
+            max_tls_handshakes_per_ip: 16,
             stream_queue: 32,
             punch_timeout: Duration::from_secs(10),
             punched_tls: true,
@@ -447,6 +456,10 @@ pub struct HubStats {
     pub failed: u64,
     /// Inbound links dropped because [`HubConfig::max_pending_links`] were pending.
     pub dropped: u64,
+    /// Inbound links and TLS clients dropped because their peer held its share
+    /// ([`HubConfig::max_pending_links_per_peer`]) or their IP address did
+    /// ([`HubConfig::max_tls_handshakes_per_ip`]).
+    pub over_share: u64,
     /// TLS connections that failed their handshake.
     pub tls_failed: u64,
     /// TLS connections refused after their handshake because this node runs a private swarm

@@ -206,7 +206,23 @@ pub enum P2pError {
 }
 
 /// How stored DHT values are validated and merged; implemented by [`crate::dht`].
-pub trait RecordPolicy: Send + 'static {
+pub trait RecordPolicy: Send + Sync + 'static {
+    /// The expensive checks of an inbound remote record that need no stored value (decoding,
+    /// signatures), run before [`merge`](Self::merge): for a record over 16 KiB on a blocking
+    /// thread (at most 64 such records at once; more are dropped), for a smaller one on the
+    /// event loop. An error rejects the record. A policy may remember what passed so that `merge` need not check it again.
+    /// The default checks nothing.
+    fn precheck(
+        &self,
+        key: &[u8],
+        incoming: &[u8],
+        source: Option<PeerId>,
+        now: SystemTime,
+    ) -> Result<(), String> {
+        let _ = (key, incoming, source, now);
+        Ok(())
+    }
+
     /// Validates `incoming` (written by `source`, `None` for local writes) and merges it with
     /// the `existing` stored value. Returns the value to store and its wall-clock expiration
     /// (the latest of its entries), or a reason to reject the write.

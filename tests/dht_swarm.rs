@@ -349,3 +349,102 @@ async fn store_counts_the_replicas_that_kept_the_write() {
         "the two writes of the second key were refused"
     );
 }
+
+/// Key squatting: a peer that fills a key with one plain value sized to the limit, or with
+/// 4,096 entries signed by throwaway keys, freezes an ordinary key (an honest declaration then
+/// reaches no replica: the attack), but not an owned key, where the replica refuses both
+/// writes and the honest declaration goes in and is read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn squatters_cannot_freeze_owned_keys() {
+    let replica = node(vec![], false).await;
+    let boot = replica.p2p().listen_addrs().await.unwrap();
+    let cfg = P2pConfig {
+        initial_peers: boot.clone(),
+        client_mode: true,
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    };
+    let (squatter, _task) = P2p::spawn(cfg, Keypair::generate_ed25519(), Box::new(AcceptAnything))
+        .await
+        .unwrap();
+    let honest = node(boot, true).await;
+    let me = honest.p2p().peer_id();
+    let limits = hivemesh::dht::ValidationLimits::default();
+
+    let plain_squat = |_key: &[u8]| {
+        // As large as the limit allows: nothing can be merged next to it.
+        let mut len = limits.max_value_bytes - 64;
+        loop {
+            let v = DhtValue::plain(vec![0u8; len], ahead(3000.0));
+            if v.to_bytes().len() <= limits.max_value_bytes {
+                return v;
+            }
+            len -= 16;
+        }
+    };
+    let flood_squat = |key: &[u8]| {
+        let entries = (0..limits.max_subkeys).map(|_| {
+            let kp = Keypair::generate_ed25519();
+            DhtValue::owned(key, &kp, vec![1u8], ahead(3000.0)).unwrap()
+        });
+        hivemesh::dht::merge_all(entries).unwrap()
+    };
+    type Squat<'a> = &'a dyn Fn(&[u8]) -> DhtValue;
+    let attacks: [(&str, Squat); 2] = [("plain", &plain_squat), ("flood", &flood_squat)];
+    for (name, squat) in attacks {
+        let ordinary = format!("run.{name}.all_averagers").into_bytes();
+        let owned = hivemesh::dht::owned_key(&ordinary);
+        for key in [&ordinary, &owned] {
+            let value = squat(key);
+            // Valid where the attack works (the flood's entries are validly signed under the
+            // owned key too: what stops it there is that they do not come from their owners).
+            if key == &ordinary {
+                value.validate(key, DhtTime::now(), &limits).unwrap();
+            }
+            let before = replica.p2p().store_usage().await.unwrap().records;
+            let delivered = squatter
+                .put_record(key.clone(), value.to_bytes())
+                .await
+                .unwrap();
+            assert_eq!(delivered, 1, "{name}: the PUT reached the replica");
+            if key == &ordinary {
+                // A record this large is checked on a blocking thread: wait until it is in.
+                tokio::time::timeout(Duration::from_secs(60), async {
+                    while replica.p2p().store_usage().await.unwrap().records == before {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                })
+                .await
+                .expect("the replica stores the squat on the ordinary key");
+            }
+        }
+        // The attack works on an ordinary key: the honest declaration is refused.
+        let kept = honest
+            .store(&ordinary, Some(&honest.own_subkey()), b"decl", ahead(60.0))
+            .await
+            .unwrap();
+        assert_eq!(
+            kept, 0,
+            "{name}: the squatted ordinary key took the declaration"
+        );
+        let replica_view = |key: Vec<u8>| async {
+            let answers = honest.p2p().get_replica_records(key).await.unwrap();
+            assert_eq!(answers.len(), 1, "{name}: the replica answers");
+            DhtValue::from_bytes(&answers[0], &limits).unwrap()
+        };
+        let seen = replica_view(ordinary.clone()).await;
+        assert!(seen.owner_entries().all(|(p, _)| p != me), "{name}");
+        // Not on the owned key: the squat was refused, the declaration kept and read back.
+        let kept = honest
+            .store(&owned, Some(&honest.own_subkey()), b"decl", ahead(60.0))
+            .await
+            .unwrap();
+        assert_eq!(kept, 1, "{name}: the owned key refused the declaration");
+        let seen = replica_view(owned.clone()).await;
+        let entries: Vec<_> = seen.owner_entries().collect();
+        assert_eq!(entries.len(), 1, "{name}: only the honest entry");
+        assert_eq!(entries[0].0, me);
+        assert_eq!(entries[0].1.value, Bytes::from_static(b"decl"));
+        assert!(seen.plain_entry().is_none(), "{name}");
+    }
+}

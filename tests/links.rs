@@ -915,3 +915,89 @@ async fn a_silent_attempt_is_reopened() {
     answered.read_exact(&mut got).await.expect("read");
     assert_eq!(&got, b"over the answered one");
 }
+
+/// One IP address holding its share of TLS handshakes leaves the rest to others: four clients
+/// from 127.0.0.2 connect to member 1 and never start their handshakes (they outlive the
+/// round). With no per-IP share (the share equal to the pool of four, as before) they hold
+/// every slot, member 0's TLS attempt waits in the accept queue and its link falls back to a
+/// stream; with a share of two, the other two are closed at once and member 0 links over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holding_its_handshake_share_leaves_tls_to_others() {
+    const POOL: usize = 4;
+    for per_ip in [POOL, POOL / 2] {
+        let config = HubConfig {
+            hello_timeout: 4 * T,
+            ack_timeout: T / 4,
+            max_tls_handshakes: POOL,
+            max_tls_handshakes_per_ip: per_ip,
+            ..HubConfig::default()
+        };
+        let nodes = nodes_with(&[Some(Tls::Listen); 2], config).await;
+        let members: Vec<LinkPeer> = nodes.iter().map(Node::peer).collect();
+        let addr = members[1].data_addr.expect("listener");
+        let mut stalled = Vec::new();
+        for _ in 0..POOL {
+            let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+            socket
+                .bind("127.0.0.2:0".parse().expect("addr"))
+                .expect("bind 127.0.0.2");
+            stalled.push(socket.connect(addr).await.expect("tcp"));
+        }
+        if per_ip < POOL {
+            let mut stats = nodes[1].hub().watch_stats();
+            let dropped = tokio::time::timeout(T, stats.wait_for(|s| s.over_share >= 2))
+                .await
+                .expect("the clients over the address's share are closed")
+                .map(|s| s.over_share)
+                .expect("hub alive");
+            assert_eq!(dropped, (POOL - per_ip) as u64);
+        }
+        let expected = if per_ip == POOL {
+            Carrier::Stream
+        } else {
+            Carrier::Tls
+        };
+        exact_round(&nodes, &[0, 1], &members, b"share-of-handshakes", |_, _| {
+            expected
+        })
+        .await;
+        drop(stalled);
+    }
+}
+
+/// One peer holding its share of pending links (links that never send their Hello) leaves
+/// the rest to others: with a share of two in a pool of four, its third and fourth links are
+/// dropped (counted as over its share) and an honest member still links.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_peer_holding_its_pending_link_share_leaves_room_for_others() {
+    let config = HubConfig {
+        hello_timeout: 4 * T,
+        max_pending_links: 4,
+        max_pending_links_per_peer: 2,
+        ..HubConfig::default()
+    };
+    let nodes = nodes_with(&[Some(Tls::Listen); 3], config).await;
+    let members: Vec<LinkPeer> = nodes.iter().map(Node::peer).collect();
+    let addr = members[1].data_addr.expect("listener");
+    // Node 2 opens four TLS links to member 1 and sends no Hello on any.
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(
+            connect(&nodes[2].identity(), addr, members[1].peer_id, T)
+                .await
+                .expect("TLS link"),
+        );
+    }
+    let mut stats = nodes[1].hub().watch_stats();
+    let counted = tokio::time::timeout(T, stats.wait_for(|s| s.over_share >= 2))
+        .await
+        .expect("the links over the peer's share are dropped")
+        .map(|s| *s)
+        .expect("hub alive");
+    assert_eq!((counted.over_share, counted.dropped), (2, 0), "{counted:?}");
+    exact_round(&nodes, &[0, 1], &members[..2], b"share-of-links", |_, _| {
+        Carrier::Tls
+    })
+    .await;
+    drop(silent);
+}

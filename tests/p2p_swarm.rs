@@ -446,3 +446,91 @@ async fn a_peer_cannot_fill_the_routing_table_with_its_addresses() {
     many.shutdown().await.unwrap();
     boot.shutdown().await.unwrap();
 }
+
+/// A policy whose precheck waits for the test's go-ahead: while it waits, the record is not
+/// stored yet and the node's event loop still answers.
+struct GatedPolicy {
+    started: tokio::sync::mpsc::Sender<()>,
+    release: std::sync::Mutex<tokio::sync::mpsc::Receiver<()>>,
+}
+
+impl RecordPolicy for GatedPolicy {
+    fn precheck(
+        &self,
+        _key: &[u8],
+        _incoming: &[u8],
+        _source: Option<PeerId>,
+        _now: SystemTime,
+    ) -> Result<(), String> {
+        // Runs on a blocking thread: blocking here must not stall the node.
+        self.started.blocking_send(()).map_err(|e| e.to_string())?;
+        let mut release = self.release.lock().unwrap();
+        release.blocking_recv().ok_or("test gone")?;
+        Ok(())
+    }
+
+    fn merge(
+        &self,
+        key: &[u8],
+        existing: Option<&[u8]>,
+        incoming: &[u8],
+        source: Option<PeerId>,
+        now: SystemTime,
+    ) -> Result<(Vec<u8>, SystemTime), String> {
+        UnionPolicy.merge(key, existing, incoming, source, now)
+    }
+}
+
+/// Large inbound records are checked off the event loop: a replica whose policy's precheck is
+/// held (as a flood of signatures would hold it) keeps answering commands, and stores the record
+/// only once the check passes. (Checked inline, as before, the held check would block the
+/// loop, and the commands below would time out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbound_records_are_checked_off_the_event_loop() {
+    let (started_tx, mut started) = tokio::sync::mpsc::channel(4);
+    let (release, release_rx) = tokio::sync::mpsc::channel(4);
+    let policy = GatedPolicy {
+        started: started_tx,
+        release: std::sync::Mutex::new(release_rx),
+    };
+    let (replica, _task) = P2p::spawn(
+        P2pConfig {
+            request_timeout: Duration::from_secs(10),
+            ..P2pConfig::loopback()
+        },
+        Keypair::generate_ed25519(),
+        Box::new(policy),
+    )
+    .await
+    .expect("replica");
+    let writer = node(replica.listen_addrs().await.unwrap(), true).await;
+    // Over 16 KiB: records that large are checked on a blocking thread.
+    let value = vec![b'v'; 20 << 10];
+    writer.put_record(b"k".to_vec(), value).await.unwrap();
+    let wait = Duration::from_secs(60);
+    tokio::time::timeout(wait, started.recv())
+        .await
+        .expect("the replica checks the record")
+        .expect("policy alive");
+    // The check is held: the loop answers, and nothing is stored yet.
+    let usage = tokio::time::timeout(wait, replica.store_usage())
+        .await
+        .expect("the event loop answers while a check is held")
+        .unwrap();
+    assert_eq!(usage.records, 0, "stored before its check passed");
+    assert!(
+        tokio::time::timeout(wait, replica.connected_peers())
+            .await
+            .expect("the event loop answers")
+            .unwrap()
+            .contains(&writer.peer_id())
+    );
+    release.send(()).await.unwrap();
+    tokio::time::timeout(wait, async {
+        while replica.store_usage().await.unwrap().records == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("stored once the check passed");
+}

@@ -279,6 +279,9 @@ enum Fault {
     WrongChunk,
     /// Describes the state with a content hash that does not match it.
     LyingMetadata,
+    /// Answers metadata and never answers a chunk request (a donor answering just under the
+    /// request timeout, taken to the limit).
+    StallChunks,
 }
 
 /// A donor on `node` that serves `prefix` by forwarding every request to `upstream`'s
@@ -301,7 +304,7 @@ async fn spawn_mitm(
     let addrs = node.dht().p2p().listen_addrs().await.unwrap();
     node.dht()
         .store(
-            state::registry_key(prefix).as_bytes(),
+            &state::registry_key(prefix),
             Some(&node.dht().own_subkey()),
             &Announcement::Sharing { priority, addrs }.encode(),
             DhtTime::now().saturating_add(Duration::from_secs(300)),
@@ -346,6 +349,13 @@ async fn relay(mut down: P2pStream, mut up: P2pStream, fault: Fault) -> Option<(
             .await
             .ok()??;
         let request = wire::decode_request(body).ok()?;
+        if matches!(
+            (fault, &request),
+            (Fault::StallChunks, Request::Chunk { .. })
+        ) {
+            // Held until the test aborts the donor.
+            std::future::pending::<()>().await;
+        }
         wire::write_frame(&mut up, &wire::encode_request(&request))
             .await
             .ok()?;
@@ -702,4 +712,116 @@ async fn sybil_donors_lose_to_the_callers_trust() {
     assert_eq!(info.source, id[2], "the honest pair's best priority");
     assert_eq!(values(&averagers[5]), honest);
     swarm.shutdown(averagers).await;
+}
+
+/// A stream on which the donor answered a metadata request (so it holds a slot), or `None`
+/// once the donor drops new streams.
+async fn held_stream(p2p: &P2p, peer: PeerId, prefix: &str) -> Option<P2pStream> {
+    let mut s = p2p
+        .open_stream(peer, &state::protocol(prefix), Duration::from_secs(10))
+        .await
+        .ok()?;
+    let exchange = async {
+        wire::write_frame(&mut s, &wire::encode_request(&Request::Metadata))
+            .await
+            .ok()?;
+        wire::read_frame(&mut s, wire::MAX_RESPONSE_BYTES)
+            .await
+            .ok()?
+    };
+    let body = tokio::time::timeout(Duration::from_secs(30), exchange)
+        .await
+        .ok()??;
+    matches!(wire::decode_response(body), Ok(Response::Metadata(_))).then_some(s)
+}
+
+/// One peer takes every state stream the donor will serve it and keeps them open. With no
+/// per-peer share (the share equal to the pool, as before) it holds the whole pool and an
+/// honest newcomer's download finds no donor; with a share of half the pool it holds exactly
+/// its share and the download goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_holding_its_share_of_streams_cannot_stop_a_download() {
+    const POOL: usize = 4;
+    for per_peer in [POOL, POOL / 2] {
+        let prefix = format!("share{per_peer}");
+        let swarm = Swarm::start(3, |_| true).await;
+        let mut c = config(&prefix, 0.0, true);
+        c.state.max_inbound = POOL;
+        c.state.max_inbound_per_peer = per_peer;
+        let donor = swarm.averager(0, vec![vector(vec![1.0, 2.0, 3.0])], c);
+        let mut nc = config(&prefix, 0.0, false);
+        nc.state.load_timeout = Duration::from_secs(if per_peer == POOL { 15 } else { 120 });
+        let newcomer = swarm.averager(2, vec![vector(vec![0.0; 3])], nc);
+        let donor_id = swarm.peer(0);
+        wait_donors(&newcomer, "donor announced", |d| peers(d) == [donor_id]).await;
+
+        let attacker = swarm.nodes[1].dht().p2p().clone();
+        let target = introduce(&swarm.nodes[1], &swarm.nodes[0]).await;
+        let mut held = Vec::new();
+        for _ in 0..POOL + 2 {
+            if let Some(s) = held_stream(&attacker, target, &prefix).await {
+                held.push(s);
+            }
+        }
+        assert_eq!(held.len(), per_peer, "streams the attacker holds");
+
+        let result = newcomer.load_state_from_peers().await;
+        if per_peer == POOL {
+            assert!(
+                !matches!(result, Ok(Some(_))),
+                "the attacker held every stream, yet the download went through"
+            );
+        } else {
+            let info = loaded(result, "download beside the attacker");
+            assert_eq!(info.source, donor_id);
+            assert_eq!(values(&newcomer), vec![vec![1.0, 2.0, 3.0]]);
+        }
+        drop(held);
+        swarm.shutdown(vec![donor, newcomer]).await;
+    }
+}
+
+/// A slow donor cannot hold a download: the best-priority donor (the reference, so it gets
+/// the first chunks) answers metadata and then never answers a chunk, within a request timeout
+/// longer than the whole download may take. The end game has the honest donor fetch the chunks
+/// the slow one holds, so the download completes from it alone; without the end game it
+/// waited for those chunks until the load timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_donor_cannot_hold_a_download() {
+    let swarm = Swarm::start(3, |_| true).await;
+    let mut rng = StdRng::seed_from_u64(9);
+    let state = vec![random(&mut rng, 20_000)];
+    let mut c = config("slow", 1.0, true);
+    c.state.chunk_bytes = 4 << 10;
+    let honest = swarm.averager(0, state.iter().cloned().map(vector).collect::<Vec<_>>(), c);
+    let slow = spawn_mitm(
+        &swarm.nodes[1],
+        "slow",
+        &swarm.nodes[0],
+        "slow",
+        Fault::StallChunks,
+        10.0,
+    )
+    .await;
+    let mut nc = config("slow", 0.0, false);
+    nc.state.request_timeout = Duration::from_secs(600);
+    nc.state.load_timeout = Duration::from_secs(120);
+    let newcomer = swarm.averager(2, vec![vector(vec![0.0; 20_000])], nc);
+    wait_donors(&newcomer, "the donor and the slow one", |d| d.len() == 2).await;
+    let info = loaded(
+        newcomer.load_state_from_peers().await,
+        "beside a slow donor",
+    );
+    assert_eq!(values(&newcomer), state);
+    let slow_id = swarm.peer(1);
+    assert_eq!(info.source, slow_id, "the slow donor was the reference");
+    assert!(
+        info.donors
+            .iter()
+            .any(|d| d.peer == slow_id && d.chunks == 0),
+        "{info:?}"
+    );
+    assert_eq!(info.donors.iter().map(|d| d.bytes).sum::<u64>(), info.bytes);
+    slow.abort();
+    swarm.shutdown(vec![honest, newcomer]).await;
 }

@@ -11,21 +11,22 @@
 //! The matchmaking protocol tolerates a message delivered twice (requests carry ids and are
 //! answered once).
 //!
-//! The receiving side reads each stream in its own task, at most [`MAX_INBOUND`] at once
-//! (more are dropped: their senders re-send), each under a timeout and with the message size
+//! The receiving side reads each stream in its own task, at most [`MAX_INBOUND`] at once and
+//! [`MAX_INBOUND_PER_PEER`] from one peer (more are dropped: their senders re-send; a peer that
+//! holds its whole share cannot keep others' messages out), each under a timeout and with the message size
 //! checked from its length prefix before anything is buffered.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
 use libp2p::PeerId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::matchmaking::{self, Message};
 use crate::p2p::{InboundStreams, P2p, P2pStream};
+use crate::shares::Shares;
 use crate::wire::FrameDecoder;
 
 /// Attempts per message before the peer counts as unreachable.
@@ -34,6 +35,9 @@ pub const SEND_ATTEMPTS: usize = 5;
 const RETRY_DELAY: Duration = Duration::from_millis(20);
 /// Inbound message streams read at once.
 pub const MAX_INBOUND: usize = 64;
+/// Inbound message streams read at once from one peer: a peer holding them all leaves the
+/// other 56 to everyone else.
+pub const MAX_INBOUND_PER_PEER: usize = 8;
 const ACK: u8 = 0x06;
 
 /// Why a message could not be delivered (logged; the matchmaker sees "unreachable").
@@ -118,17 +122,30 @@ async fn send_once(
 /// `inbox`, acknowledging only what was queued. Runs until the node shuts down or `inbox`
 /// closes.
 pub async fn serve(
-    mut inbound: InboundStreams,
+    inbound: InboundStreams,
     inbox: mpsc::Sender<(PeerId, Message)>,
     read_timeout: Duration,
 ) {
-    let permits = Arc::new(Semaphore::new(MAX_INBOUND));
+    let shares = Shares::new(MAX_INBOUND, MAX_INBOUND_PER_PEER);
+    serve_with(inbound, inbox, read_timeout, shares).await;
+}
+
+/// [`serve`] with other bounds (tests).
+async fn serve_with(
+    mut inbound: InboundStreams,
+    inbox: mpsc::Sender<(PeerId, Message)>,
+    read_timeout: Duration,
+    shares: Shares<PeerId>,
+) {
     let mut tasks = JoinSet::new();
     while let Some((peer, stream)) = inbound.next().await {
         while tasks.try_join_next().is_some() {}
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "too many inbound matchmaking streams; dropping one");
-            continue;
+        let permit = match shares.try_take(peer) {
+            Ok(permit) => permit,
+            Err(refused) => {
+                tracing::debug!(%peer, %refused, "inbound matchmaking stream dropped");
+                continue;
+            }
         };
         let tx = inbox.clone();
         tasks.spawn(async move {
@@ -182,4 +199,97 @@ async fn receive(
     })
     .await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::p2p::P2pConfig;
+    use libp2p::identity::Keypair;
+
+    async fn spawn_node() -> P2p {
+        let (p2p, _task) = P2p::spawn(
+            P2pConfig::loopback(),
+            Keypair::generate_ed25519(),
+            Box::new(crate::dht::DhtPolicy::default()),
+        )
+        .await
+        .expect("node starts");
+        p2p
+    }
+
+    fn a_message() -> Message {
+        // Any message will do: the test is about getting it through, not about its content.
+        Message::Leave { request_id: 3 }
+    }
+
+    /// One peer opens `total` streams and sends nothing on them. With no per-peer share (the
+    /// share equal to the pool, as before) it holds every slot and an honest peer's message
+    /// is dropped on every attempt; with a share of half the pool the honest message is
+    /// delivered and acknowledged.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_holding_its_share_cannot_keep_messages_out() {
+        const TOTAL: usize = 4;
+        for per_peer in [TOTAL, TOTAL / 2] {
+            let server = spawn_node().await;
+            let addrs = server.listen_addrs().await.unwrap();
+            let proto = protocol("shares");
+            let inbound = server.accept_streams(&proto, 64).unwrap();
+            let (tx, mut inbox) = mpsc::channel(8);
+            let shares = Shares::new(TOTAL, per_peer);
+            let serving = tokio::spawn(serve_with(
+                inbound,
+                tx,
+                Duration::from_secs(120),
+                shares.clone(),
+            ));
+            let (hostile, honest) = (spawn_node().await, spawn_node().await);
+            for p in [&hostile, &honest] {
+                p.add_peer_addresses(server.peer_id(), addrs.clone())
+                    .await
+                    .unwrap();
+            }
+            let mut held = Vec::new();
+            for _ in 0..TOTAL {
+                // Streams past the hostile peer's share are dropped by the server (the open
+                // or the write may then fail): only those it holds matter.
+                let Ok(mut s) = hostile
+                    .open_stream(server.peer_id(), &proto, Duration::from_secs(30))
+                    .await
+                else {
+                    continue;
+                };
+                // Half a length prefix: the server reads and waits for the rest.
+                let _ = s.write_all(&[0x80]).await;
+                let _ = s.flush().await;
+                held.push(s);
+            }
+            let expected = per_peer.min(TOTAL);
+            tokio::time::timeout(Duration::from_secs(60), async {
+                while shares.in_use() < expected {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await
+            .expect("the hostile streams are being served");
+            let sent = send(
+                &honest,
+                server.peer_id(),
+                &proto,
+                &a_message(),
+                Duration::from_secs(2),
+            )
+            .await;
+            if per_peer == TOTAL {
+                assert!(sent.is_err(), "without shares the pool was full");
+                assert!(inbox.try_recv().is_err());
+            } else {
+                sent.expect("the honest message got a slot");
+                let (from, _) = inbox.recv().await.unwrap();
+                assert_eq!(from, honest.peer_id());
+            }
+            drop(held);
+            serving.abort();
+        }
+    }
 }

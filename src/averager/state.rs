@@ -5,8 +5,9 @@
 //!
 //! An averager that shares its state ([`AveragerConfig::allow_state_sharing`], only
 //! [`Mode::Node`] averagers can) writes an [`Announcement`] under the DHT key
-//! `"{prefix}.all_averagers"` ([`registry_key`]), subkey = its own owner subkey (signed, so
-//! nobody can announce or withdraw in its name), value = its priority
+//! `"{prefix}.all_averagers"`, an [owned key](crate::dht::owned_key) ([`registry_key`]: no
+//! plain value, no other peer's entry, a bounded size per entry, so nobody can squat it),
+//! subkey = its own owner subkey (signed, so nobody can announce or withdraw in its name), value = its priority
 //! ([`AveragerConfig::state_priority`]) and its listen addresses (dials go by peer id, and a
 //! newcomer may not know the donor yet), expiring [`StateConfig::declare_period`] ahead and
 //! re-written every half period by a task the averager owns. Disabling sharing (or shutting
@@ -37,8 +38,8 @@
 //! [`StateConfig::max_sessions`] in all (then `Busy`), dropped after
 //! [`StateConfig::session_idle_timeout`] without a request; sessions whose snapshots have
 //! equal content hashes share one copy. At most one snapshot is built at a time. Inbound
-//! streams are served each in its own task, at most [`StateConfig::max_inbound`] at once (more
-//! are dropped: their openers retry), each request read under the idle timeout with its
+//! streams are served each in its own task, at most [`StateConfig::max_inbound`] at once and
+//! [`StateConfig::max_inbound_per_peer`] for one peer (more are dropped: their openers retry), each request read under the idle timeout with its
 //! length checked from its prefix before anything is buffered ([`wire::MAX_REQUEST_BYTES`]);
 //! garbage, an oversized prefix or a second request sent before the first is answered closes
 //! that stream only.
@@ -59,7 +60,13 @@
 //!    a donor that sends a bad chunk, refuses or breaks the protocol is dropped and its chunk
 //!    goes back to the queue for the others; a stream that fails (I/O, timeout: including the
 //!    streams libp2p-stream 0.5.0-alpha drops, see [`crate::p2p`]) is re-opened, up to
-//!    [`StateConfig::attempts`] consecutive failures per stream.
+//!    [`StateConfig::attempts`] consecutive failures per stream. **End game:** once no chunk
+//!    is left to hand out, an idle stream also asks for the chunk in flight longest that its
+//!    donor is not fetching (at most two copies of a chunk at once); the first verified copy
+//!    counts and the download ends as soon as every chunk has one. So a donor that answers
+//!    slowly (each chunk just under the request timeout, or never) holds up the download no
+//!    longer than the other donors take to fetch what it holds. A lone slow donor can only be
+//!    waited for, up to [`StateConfig::load_timeout`].
 //! 4. Once every chunk is verified, the tensors are replaced in one go under the tensor lock
 //!    (after checking that they still have the schema) and the metadata is replaced too, so the
 //!    newcomer can serve the state it loaded. If the set of donors fails, the next content hash
@@ -82,7 +89,7 @@
 mod trust;
 pub mod wire;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -90,13 +97,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use libp2p::{Multiaddr, PeerId};
 use rand::RngExt;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::{Averager, AveragerConfig, AveragerError, Shared};
 use crate::allreduce::{Mode, TensorDescriptor};
 use crate::dht::{Dht, DhtError, DhtTime};
 use crate::p2p::{InboundStreams, P2p, P2pError, P2pStream};
+use crate::shares::Shares;
 use crate::tensor::{PartViewMut, Tensor};
 
 pub use trust::Trust;
@@ -125,6 +133,10 @@ pub struct StateConfig {
     pub session_idle_timeout: Duration,
     /// Donor: most inbound streams served at once.
     pub max_inbound: usize,
+    /// Donor: most inbound streams served at once for one peer (a newcomer needs
+    /// [`StateConfig::streams_per_donor`]), so that one peer holding its share leaves the rest
+    /// of [`StateConfig::max_inbound`] to others.
+    pub max_inbound_per_peer: usize,
     /// Both: bound on one request and its answer, stream opening included (donor: on writing
     /// an answer). A metadata answer includes the donor's snapshot time.
     pub request_timeout: Duration,
@@ -149,6 +161,7 @@ impl Default for StateConfig {
             max_sessions: 4,
             session_idle_timeout: Duration::from_secs(60),
             max_inbound: 32,
+            max_inbound_per_peer: 8,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             load_timeout: DEFAULT_LOAD_TIMEOUT,
             max_donors: 4,
@@ -164,9 +177,10 @@ pub fn protocol(prefix: &str) -> String {
     format!("/hivemesh/state/1/{prefix}")
 }
 
-/// The DHT key under which the donors of `prefix` announce themselves.
-pub fn registry_key(prefix: &str) -> String {
-    format!("{prefix}.all_averagers")
+/// The DHT key under which the donors of `prefix` announce themselves: the
+/// [owned key](crate::dht::owned_key) `"{prefix}.all_averagers"`.
+pub fn registry_key(prefix: &str) -> Vec<u8> {
+    crate::dht::owned_key(format!("{prefix}.all_averagers"))
 }
 
 /// Most addresses an [`Announcement`] carries.
@@ -462,7 +476,7 @@ impl StateSharing {
             shared,
             config: config.state.clone(),
             mode,
-            key: registry_key(&config.prefix).into_bytes(),
+            key: registry_key(&config.prefix),
             protocol,
             schema_hash,
             allow: AtomicBool::new(config.allow_state_sharing && mode == Mode::Node),
@@ -692,17 +706,33 @@ async fn announce_loop(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// Copies of one chunk fetched at once in the end game.
+const END_GAME_COPIES: usize = 2;
+
+/// The end game's pick for an idle stream of `donor`: the chunk in flight longest that `donor`
+/// is not fetching and fewer than [`END_GAME_COPIES`] streams are.
+fn end_game_pick(fetching: &HashMap<u64, (Vec<usize>, Instant)>, donor: usize) -> Option<u64> {
+    fetching
+        .iter()
+        .filter(|(_, (donors, _))| donors.len() < END_GAME_COPIES && !donors.contains(&donor))
+        .min_by_key(|(index, (_, since))| (*since, **index))
+        .map(|(index, _)| *index)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Donor side.
 
 async fn serve(inner: Arc<Inner>, mut inbound: InboundStreams) {
-    let permits = Arc::new(Semaphore::new(inner.config.max_inbound.max(1)));
+    let shares = Shares::new(inner.config.max_inbound, inner.config.max_inbound_per_peer);
     let mut tasks = JoinSet::new();
     while let Some((peer, stream)) = inbound.next().await {
         while tasks.try_join_next().is_some() {}
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "too many inbound state streams; dropping one");
-            continue;
+        let permit = match shares.try_take(peer) {
+            Ok(permit) => permit,
+            Err(refused) => {
+                tracing::debug!(%peer, %refused, "inbound state stream dropped");
+                continue;
+            }
         };
         let inner = inner.clone();
         tasks.spawn(async move {
@@ -1205,13 +1235,22 @@ impl Inner {
         let timeout = self.config.request_timeout;
         let attempts = self.config.attempts.max(1);
         let mut inflight = JoinSet::new();
+        // Chunks in flight: the donors fetching each, and when its first fetch began.
+        let mut fetching: HashMap<u64, (Vec<usize>, Instant)> = HashMap::new();
+        let mut done = vec![false; usize::try_from(chunks).unwrap_or(0)];
         while remaining > 0 {
             for (i, slot) in slots.iter_mut().enumerate() {
                 if slot.busy || slot.retired || !progress[slot.donor].alive {
                     continue;
                 }
-                let Some(index) = queue.pop_front() else {
-                    break;
+                let index = match queue.pop_front() {
+                    Some(index) => index,
+                    // The end game: nothing left to hand out, so this idle stream asks for the
+                    // chunk in flight longest that its donor is not fetching yet.
+                    None => match end_game_pick(&fetching, slot.donor) {
+                        Some(index) => index,
+                        None => continue,
+                    },
                 };
                 let (Some(range), Some(hash)) = (meta.chunk_range(index), meta.chunk_hash(index))
                 else {
@@ -1219,6 +1258,11 @@ impl Inner {
                 };
                 let hash: [u8; wire::HASH_BYTES] = hash.try_into().unwrap_or_default();
                 slot.busy = true;
+                fetching
+                    .entry(index)
+                    .or_insert_with(|| (Vec::new(), Instant::now()))
+                    .0
+                    .push(slot.donor);
                 let donor = &progress[slot.donor].probed;
                 let task = fetch(
                     self.dht.p2p().clone(),
@@ -1242,11 +1286,21 @@ impl Inner {
             };
             let slot = &mut slots[i];
             slot.busy = false;
+            if let Some((donors, _)) = fetching.get_mut(&index) {
+                donors.retain(|d| *d != slot.donor);
+                if donors.is_empty() {
+                    fetching.remove(&index);
+                }
+            }
+            let k = usize::try_from(index).ok().filter(|k| *k < done.len());
+            let already = k.is_none_or(|k| done[k]);
             let p = &mut progress[slot.donor];
             match result {
                 Ok((stream, chunk)) => {
-                    // Verified against the reference description, whoever sent it.
-                    if let Some(range) = meta.chunk_range(index) {
+                    // Verified against the reference description, whoever sent it; a copy
+                    // that lost the end-game race to another donor's is dropped.
+                    if !already && let (Some(k), Some(range)) = (k, meta.chunk_range(index)) {
+                        done[k] = true;
                         data[range.start as usize..range.end as usize].copy_from_slice(&chunk);
                         remaining -= 1;
                         p.chunks += 1;
@@ -1256,7 +1310,10 @@ impl Inner {
                     slot.failures = 0;
                 }
                 Err(e) => {
-                    queue.push_front(index);
+                    // Back to the queue, unless a copy arrived or another is still in flight.
+                    if !already && !fetching.contains_key(&index) {
+                        queue.push_front(index);
+                    }
                     if e.is_transient() {
                         slot.failures += 1;
                         if slot.failures >= attempts {
@@ -1458,7 +1515,7 @@ mod tests {
         for junk in [&[][..], &[2], &[1, 0, 0], &[0, 0], &bad_addr, &cut] {
             assert_eq!(Announcement::decode(junk), None, "{junk:?}");
         }
-        assert_eq!(registry_key("run"), "run.all_averagers");
+        assert_eq!(registry_key("run"), b"\xffowned:run.all_averagers");
         assert_eq!(protocol("run"), "/hivemesh/state/1/run");
     }
 

@@ -7,8 +7,8 @@ use bytes::Bytes;
 use libp2p::{PeerId, identity::Keypair};
 
 use super::{
-    DhtTime, DhtValue, DhtValueError, SignError, ValidationLimits, merge, owner_subkey,
-    subkey_owner,
+    DhtTime, DhtValue, DhtValueError, SignError, ValidationLimits, VerifiedEntries, is_owned_key,
+    merge, owner_subkey, subkey_owner,
 };
 use crate::p2p::{P2p, P2pConfig, P2pError, RecordPolicy};
 
@@ -50,33 +50,87 @@ fn to_system_time(t: DhtTime) -> SystemTime {
 ///
 /// An inbound value must decode within the limits, be valid under the record key at `now`
 /// ([`DhtValue::validate`]: limits and the owner-subkey signatures) and hold at least one live
-/// write; the merge result must be valid too, otherwise the stored value is kept. Signatures of
-/// entries the stored value already holds identically are not checked again. Expired writes
-/// are pruned from the stored value on every merge.
+/// write; under an [owned key](super::owned_key), a remote peer's write must hold only its own
+/// entry ([`DhtValueError::NotFromOwner`]); the merge result must be valid too, otherwise the
+/// stored value is kept. Expired writes are pruned from the stored value on every merge.
+///
+/// Checks run cheapest first (length, counts, limits, ownership, then signatures). The
+/// signatures run in [`precheck`](RecordPolicy::precheck), which the p2p layer calls on a
+/// blocking thread for remote writes, so the swarm's event loop never verifies a flood of
+/// them; the entries that pass are remembered ([`VerifiedEntries`], shared with the node's
+/// readers), so the merge that follows on the event loop, and any replay of the same entries,
+/// verifies nothing again. Entries the stored value holds identically are skipped as well.
 #[derive(Clone, Debug, Default)]
 pub struct DhtPolicy {
     /// The limits every value must respect.
     pub limits: ValidationLimits,
+    /// Owner entries verified lately.
+    verified: VerifiedEntries,
+}
+
+impl DhtPolicy {
+    /// A policy with `limits` and its own cache of verified entries.
+    pub fn new(limits: ValidationLimits) -> Self {
+        Self {
+            limits,
+            verified: VerifiedEntries::default(),
+        }
+    }
+
+    /// The policy's cache of verified owner entries (shared by clones).
+    pub fn verified(&self) -> &VerifiedEntries {
+        &self.verified
+    }
+
+    /// Decodes `incoming` and checks what needs no stored value: the ownership of a remote
+    /// write under an owned key, then the value's validity (signatures last).
+    fn check(
+        &self,
+        key: &[u8],
+        incoming: &[u8],
+        source: Option<PeerId>,
+        now: DhtTime,
+        stored: Option<&DhtValue>,
+    ) -> Result<DhtValue, String> {
+        let incoming = DhtValue::from_bytes(incoming, &self.limits).map_err(|e| e.to_string())?;
+        if let Some(source) = source
+            && is_owned_key(key)
+        {
+            from_owner(&incoming, source).map_err(|e| e.to_string())?;
+        }
+        incoming
+            .validate_against(key, now, &self.limits, stored, Some(&self.verified))
+            .map_err(|e| e.to_string())?;
+        Ok(incoming)
+    }
 }
 
 impl RecordPolicy for DhtPolicy {
+    fn precheck(
+        &self,
+        key: &[u8],
+        incoming: &[u8],
+        source: Option<PeerId>,
+        now: SystemTime,
+    ) -> Result<(), String> {
+        self.check(key, incoming, source, to_dht_time(now), None)
+            .map(drop)
+    }
+
     fn merge(
         &self,
         key: &[u8],
         existing: Option<&[u8]>,
         incoming: &[u8],
-        _source: Option<PeerId>,
+        source: Option<PeerId>,
         now: SystemTime,
     ) -> Result<(Vec<u8>, SystemTime), String> {
         let now = to_dht_time(now);
-        let incoming = DhtValue::from_bytes(incoming, &self.limits).map_err(|e| e.to_string())?;
         // The stored value was validated under this key when it was merged in.
         let stored = existing
             .and_then(|b| DhtValue::from_bytes(b, &self.limits).ok())
             .and_then(|v| v.without_expired(now));
-        incoming
-            .validate_against(key, now, &self.limits, stored.as_ref())
-            .map_err(|e| e.to_string())?;
+        let incoming = self.check(key, incoming, source, now, stored.as_ref())?;
         let incoming = incoming
             .without_expired(now)
             .ok_or_else(|| "every write in the record has expired".to_owned())?;
@@ -93,6 +147,22 @@ impl RecordPolicy for DhtPolicy {
     }
 }
 
+/// Checks that every entry of `value`, a write `source` sent under an owned key, is
+/// `source`'s own: a peer writes its own entry and nobody else's, so filling an owned key takes
+/// as many authenticated peers as it has entries. (Replicas never forward records: publication
+/// and replication are off, so every inbound PUT comes from its writer.)
+fn from_owner(value: &DhtValue, source: PeerId) -> Result<(), DhtValueError> {
+    for subkey in value.subkeys().keys() {
+        // Ordinary subkeys are refused by the validation that follows.
+        if let Some(owner) = subkey_owner(subkey)?
+            && owner != source
+        {
+            return Err(DhtValueError::NotFromOwner { owner });
+        }
+    }
+    Ok(())
+}
+
 /// One replica's answer to a read of `key`, checked at `now`: `Ok(None)` if nothing in it is
 /// usable, an error if it is malformed or invalid (a forged or corrupt answer, skipped whole).
 ///
@@ -106,6 +176,7 @@ pub(crate) fn read_answer(
     now: DhtTime,
     limits: &ValidationLimits,
     verified: Option<&DhtValue>,
+    cache: Option<&VerifiedEntries>,
 ) -> Result<Option<DhtValue>, DhtValueError> {
     let (value, dropped) = DhtValue::from_bytes(bytes, limits)?.without_past(limits.horizon(now));
     if dropped > 0 {
@@ -117,7 +188,7 @@ pub(crate) fn read_answer(
     let Some(value) = value else {
         return Ok(None);
     };
-    value.validate_against(key, now, limits, verified)?;
+    value.validate_against(key, now, limits, verified, cache)?;
     Ok(Some(value))
 }
 
@@ -140,6 +211,9 @@ pub struct StoreRequest {
 pub struct Dht {
     p2p: P2p,
     limits: ValidationLimits,
+    /// Shared with the node's record policy: entries a replica's answer repeats are verified
+    /// once.
+    verified: VerifiedEntries,
     /// The node's identity (the p2p layer's), which signs owner-subkey writes.
     keypair: Keypair,
 }
@@ -152,11 +226,13 @@ impl Dht {
     ) -> Result<(Self, tokio::task::JoinHandle<()>), DhtError> {
         let policy = DhtPolicy::default();
         let limits = policy.limits.clone();
+        let verified = policy.verified().clone();
         let (p2p, task) = P2p::spawn(config, keypair.clone(), Box::new(policy)).await?;
         Ok((
             Self {
                 p2p,
                 limits,
+                verified,
                 keypair,
             },
             task,
@@ -265,7 +341,8 @@ impl Dht {
         let checked_at = DhtTime::now();
         let mut merged: Option<DhtValue> = None;
         for (replica, bytes) in answers.iter().enumerate() {
-            match read_answer(key, bytes, checked_at, &self.limits, merged.as_ref()) {
+            let (limits, cache) = (&self.limits, Some(&self.verified));
+            match read_answer(key, bytes, checked_at, limits, merged.as_ref(), cache) {
                 Ok(Some(v)) => {
                     merged = Some(match merged.take() {
                         Some(m) => merge(m, v),

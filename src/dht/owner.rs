@@ -8,9 +8,13 @@
 //! key, which libp2p uses for every key of at most 42 encoded bytes, Ed25519 included), so
 //! nothing but the signature travels with the entry.
 
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+
 use bytes::Bytes;
 use libp2p::PeerId;
 use libp2p::identity::{Keypair, PublicKey};
+use sha2::{Digest as _, Sha256};
 
 use super::DhtValueError;
 use super::value::{DhtTime, DhtValue, Entry};
@@ -19,6 +23,26 @@ use super::value::{DhtTime, DhtValue, Entry};
 /// followed by exactly the bytes of a [`PeerId`]. It starts with `0xff`, a byte that never
 /// occurs in UTF-8, so no textual subkey is an owner subkey by accident.
 pub const OWNER_SUBKEY_PREFIX: &[u8] = b"\xffowner:";
+
+/// The reserved prefix of owned keys: keys whose every entry is an owner subkey written by its
+/// owner (see the [module docs](super#owned-keys-squatting)). Like [`OWNER_SUBKEY_PREFIX`] it
+/// starts with `0xff`, so no textual key is owned by accident.
+pub const OWNED_KEY_PREFIX: &[u8] = b"\xffowned:";
+
+/// The owned key named `name`: [`OWNED_KEY_PREFIX`] followed by `name`. The averager's
+/// matchmaking keys, its state-sharing registry and the relay directory are owned keys.
+pub fn owned_key(name: impl AsRef<[u8]>) -> Vec<u8> {
+    let name = name.as_ref();
+    let mut key = Vec::with_capacity(OWNED_KEY_PREFIX.len() + name.len());
+    key.extend_from_slice(OWNED_KEY_PREFIX);
+    key.extend_from_slice(name);
+    key
+}
+
+/// Whether `key` is an owned key ([`owned_key`]).
+pub fn is_owned_key(key: &[u8]) -> bool {
+    key.starts_with(OWNED_KEY_PREFIX)
+}
 
 /// Domain separation tag at the start of every [`signing_payload`].
 pub const SIGNING_DOMAIN: &[u8] = b"hivemesh/dht/owner-entry/v1\0";
@@ -142,4 +166,114 @@ pub(super) fn check_entry(key: &[u8], subkey: &[u8], entry: &Entry) -> Result<()
     } else {
         Err(DhtValueError::BadSignature { owner })
     }
+}
+
+/// Owner entries whose signatures were verified lately, by digest: a replayed or re-read entry
+/// is not verified again. Shared by a node's record policy and its readers (clones share the
+/// set); FIFO-bounded.
+///
+/// The digest is SHA-256 over the record key, the subkey, the value, the expiration and the
+/// signature, each length-prefixed: an entry is skipped only when every byte that its
+/// signature check covered is the same as in one that passed it.
+#[derive(Clone)]
+pub struct VerifiedEntries {
+    inner: Arc<Mutex<Verified>>,
+}
+
+struct Verified {
+    set: HashSet<[u8; 32]>,
+    order: VecDeque<[u8; 32]>,
+    capacity: usize,
+}
+
+/// Default capacity of [`VerifiedEntries`]: eight full dictionaries (2 MiB of digests).
+pub const DEFAULT_VERIFIED_ENTRIES: usize = 32_768;
+
+impl Default for VerifiedEntries {
+    fn default() -> Self {
+        Self::new(DEFAULT_VERIFIED_ENTRIES)
+    }
+}
+
+impl std::fmt::Debug for VerifiedEntries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerifiedEntries")
+            .field("len", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl VerifiedEntries {
+    /// An empty set remembering at most `capacity` entries (the oldest are forgotten first).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Verified {
+                set: HashSet::new(),
+                order: VecDeque::new(),
+                capacity: capacity.max(1),
+            })),
+        }
+    }
+
+    /// Entries remembered now.
+    pub fn len(&self) -> usize {
+        self.lock().set.len()
+    }
+
+    /// Whether none is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Verified> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn contains(&self, digest: &[u8; 32]) -> bool {
+        self.lock().set.contains(digest)
+    }
+
+    fn insert(&self, digest: [u8; 32]) {
+        let mut v = self.lock();
+        if v.set.insert(digest) {
+            v.order.push_back(digest);
+            while v.order.len() > v.capacity {
+                if let Some(old) = v.order.pop_front() {
+                    v.set.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+fn entry_digest(key: &[u8], subkey: &[u8], entry: &Entry) -> [u8; 32] {
+    let mut h = Sha256::new();
+    let signature = entry.signature.as_deref().unwrap_or_default();
+    for field in [key, subkey, &entry.value[..], signature] {
+        h.update((field.len() as u64).to_be_bytes());
+        h.update(field);
+    }
+    h.update(entry.expiration.as_secs().to_bits().to_be_bytes());
+    h.finalize().into()
+}
+
+/// [`check_entry`], skipping owner entries `cache` holds and remembering those that pass.
+pub(super) fn check_entry_cached(
+    key: &[u8],
+    subkey: &[u8],
+    entry: &Entry,
+    cache: Option<&VerifiedEntries>,
+) -> Result<(), DhtValueError> {
+    let Some(cache) = cache.filter(|_| entry.signature.is_some()) else {
+        return check_entry(key, subkey, entry);
+    };
+    let digest = entry_digest(key, subkey, entry);
+    if cache.contains(&digest) {
+        return Ok(());
+    }
+    check_entry(key, subkey, entry)?;
+    cache.insert(digest);
+    Ok(())
 }

@@ -19,8 +19,8 @@ use tokio::task::JoinHandle;
 use super::{Dht, DhtTime, decode_addrs, encode_addrs};
 use crate::reach::Reach;
 
-/// The DHT key of the relay directory.
-pub const RELAYS_KEY: &[u8] = b"_hivemesh.relays";
+/// The DHT key of the relay directory: the [owned key](super::owned_key) `_hivemesh.relays`.
+pub const RELAYS_KEY: &[u8] = b"\xffowned:_hivemesh.relays";
 /// How long an announcement lives.
 pub const ANNOUNCE_TTL: Duration = Duration::from_secs(180);
 /// How often a relay re-announces itself.

@@ -688,6 +688,153 @@ fn record_store_rejects_forged_owner_entries() {
     assert_eq!(again, stored);
 }
 
+/// Under an owned key a value may hold owner entries only: no plain value, no ordinary subkey,
+/// no entry over the per-owner size; the same writes under an ordinary key are fine.
+#[test]
+fn owned_keys_hold_only_bounded_owner_entries() {
+    let key = owned_key("run.0b01");
+    assert!(is_owned_key(&key) && !is_owned_key(b"run.0b01"));
+    let kp = Keypair::generate_ed25519();
+    let now = t(1000.0);
+    let exp = t(1010.0);
+    let lim = limits();
+    let mine = DhtValue::owned(&key, &kp, b("decl"), exp).unwrap();
+    assert_eq!(mine.validate(&key, now, &lim), Ok(()));
+
+    let plain = DhtValue::plain(b("squat"), exp);
+    assert_eq!(plain.validate(b"run.0b01", now, &lim), Ok(()));
+    assert_eq!(
+        plain.validate(&key, now, &lim),
+        Err(DhtValueError::PlainOnOwnedKey)
+    );
+    // Hidden or not, a plain value beside the entries is refused.
+    let hidden = merge(mine.clone(), DhtValue::plain(b("squat"), t(1001.0)));
+    assert_eq!(
+        hidden.validate(&key, now, &lim),
+        Err(DhtValueError::PlainOnOwnedKey)
+    );
+    let ordinary = DhtValue::subkey(b("alice"), b("decl"), exp);
+    assert_eq!(ordinary.validate(b"run.0b01", now, &lim), Ok(()));
+    assert_eq!(
+        ordinary.validate(&key, now, &lim),
+        Err(DhtValueError::OrdinarySubkeyOnOwnedKey)
+    );
+
+    let max = lim.max_owned_entry_bytes;
+    let fits = DhtValue::owned(&key, &kp, vec![7u8; max], exp).unwrap();
+    assert_eq!(fits.validate(&key, now, &lim), Ok(()));
+    let big = DhtValue::owned(&key, &kp, vec![7u8; max + 1], exp).unwrap();
+    assert_eq!(
+        big.validate(&key, now, &lim),
+        Err(DhtValueError::OwnedEntryTooLarge { len: max + 1, max })
+    );
+    let big_elsewhere = DhtValue::owned(b"run.0b01", &kp, vec![7u8; max + 1], exp).unwrap();
+    assert_eq!(big_elsewhere.validate(b"run.0b01", now, &lim), Ok(()));
+}
+
+/// A replica takes an owned key's entry only from its owner: a peer relaying (or forging a
+/// dictionary of) other owners' validly signed entries is refused, whatever else it holds.
+#[test]
+fn replicas_take_owned_entries_from_their_owners_only() {
+    let policy = DhtPolicy::default();
+    let now = std::time::SystemTime::now();
+    let exp = DhtTime::now().saturating_add(Duration::from_secs(60));
+    let key = owned_key("run.all_averagers");
+    let (owner, squatter) = (Keypair::generate_ed25519(), Keypair::generate_ed25519());
+    let (owner_id, squatter_id) = (owner.public().to_peer_id(), squatter.public().to_peer_id());
+    let theirs = DhtValue::owned(&key, &owner, b("decl"), exp).unwrap();
+    let own = DhtValue::owned(&key, &squatter, b("decl"), exp).unwrap();
+
+    let (stored, _) = policy
+        .merge(&key, None, &theirs.to_bytes(), Some(owner_id), now)
+        .unwrap();
+    let err = policy
+        .merge(&key, None, &theirs.to_bytes(), Some(squatter_id), now)
+        .unwrap_err();
+    assert!(err.contains("another peer sent the entry of"), "{err}");
+    let both = merge(theirs.clone(), own.clone());
+    assert!(
+        policy
+            .merge(
+                &key,
+                Some(&stored),
+                &both.to_bytes(),
+                Some(squatter_id),
+                now
+            )
+            .is_err()
+    );
+    let (merged, _) = policy
+        .merge(&key, Some(&stored), &own.to_bytes(), Some(squatter_id), now)
+        .unwrap();
+    let merged = DhtValue::from_bytes(&merged, &policy.limits).unwrap();
+    assert_eq!(merged.owner_entries().count(), 2);
+    // Under an ordinary key anyone may pass a signed entry on; this node's own writes
+    // (no source) are not held to the rule.
+    assert!(
+        policy
+            .merge(
+                b"run.all_averagers",
+                None,
+                &DhtValue::owned(b"run.all_averagers", &owner, b("decl"), exp)
+                    .unwrap()
+                    .to_bytes(),
+                Some(squatter_id),
+                now
+            )
+            .is_ok()
+    );
+    assert!(
+        policy
+            .merge(&key, None, &theirs.to_bytes(), None, now)
+            .is_ok()
+    );
+}
+
+/// The cache of verified entries: an entry that passed is remembered, its replay passes
+/// without growing the cache, a changed entry (another value under the same signature, or
+/// the same bytes under another key) is still checked and refused, and the cache is bounded.
+#[test]
+fn verified_entries_are_remembered_by_every_byte_checked() {
+    let cache = VerifiedEntries::new(3);
+    let kp = Keypair::generate_ed25519();
+    let (v, sub, e) = owned(&kp, "decl", t(1010.0));
+    let check = |key: &[u8], value: &DhtValue| {
+        value.validate_against(key, t(1000.0), &limits(), None, Some(&cache))
+    };
+    assert_eq!(check(KEY, &v), Ok(()));
+    assert_eq!(cache.len(), 1);
+    assert_eq!(check(KEY, &v), Ok(()));
+    assert_eq!(
+        cache.len(),
+        1,
+        "a replay is not checked or remembered again"
+    );
+    let altered = one(
+        &sub,
+        Entry {
+            value: b("other"),
+            ..e.clone()
+        },
+    );
+    let bad = Err(DhtValueError::BadSignature {
+        owner: kp.public().to_peer_id(),
+    });
+    assert_eq!(check(KEY, &altered), bad);
+    assert_eq!(check(b"another key", &v), bad);
+    assert_eq!(cache.len(), 1);
+    for i in 0..5 {
+        let (w, _, _) = owned(&Keypair::generate_ed25519(), &format!("d{i}"), t(1010.0));
+        assert_eq!(check(KEY, &w), Ok(()));
+    }
+    assert_eq!(cache.len(), 3, "bounded");
+    // Unsigned entries are never remembered.
+    let plain = DhtValue::subkey(b("alice"), b("decl"), t(1010.0));
+    let before = cache.len();
+    assert_eq!(check(KEY, &plain), Ok(()));
+    assert_eq!(cache.len(), before);
+}
+
 #[test]
 fn store_skips_checks_only_for_identical_verified_entries() {
     let kp = Keypair::generate_ed25519();
@@ -703,17 +850,17 @@ fn store_skips_checks_only_for_identical_verified_entries() {
         owner: kp.public().to_peer_id(),
     });
     assert_eq!(
-        forged.validate_against(KEY, t(1000.0), &limits(), Some(&v)),
+        forged.validate_against(KEY, t(1000.0), &limits(), Some(&v), None),
         bad
     );
     assert_eq!(
-        v.validate_against(KEY, t(1000.0), &limits(), Some(&v)),
+        v.validate_against(KEY, t(1000.0), &limits(), Some(&v), None),
         Ok(())
     );
     let unsigned = DhtValue::subkey(sub, b("decl"), t(1010.0));
     assert!(
         unsigned
-            .validate_against(KEY, t(1000.0), &limits(), Some(&v))
+            .validate_against(KEY, t(1000.0), &limits(), Some(&v), None)
             .is_err()
     );
 }
@@ -984,7 +1131,7 @@ fn a_reader_behind_a_replica_drops_the_entry_not_the_answer() {
         Err(DhtValueError::ExpirationTooFar { .. })
     ));
 
-    let read = client::read_answer(KEY, &answer.to_bytes(), reader_now, &limits, None)
+    let read = client::read_answer(KEY, &answer.to_bytes(), reader_now, &limits, None, None)
         .unwrap()
         .expect("the answer's other writes are kept");
     let DhtView::Dictionary(entries) = read.view() else {
@@ -1003,7 +1150,7 @@ fn a_reader_behind_a_replica_drops_the_entry_not_the_answer() {
     // Only writes past the horizon: nothing usable, and not an error.
     let only_late = DhtValue::subkey(b("late"), b("a"), ahead);
     assert_eq!(
-        client::read_answer(KEY, &only_late.to_bytes(), reader_now, &limits, None),
+        client::read_answer(KEY, &only_late.to_bytes(), reader_now, &limits, None, None),
         Ok(None)
     );
     // A forged signed write still gets the whole answer refused.
@@ -1018,5 +1165,5 @@ fn a_reader_behind_a_replica_drops_the_entry_not_the_answer() {
         ],
     )
     .unwrap();
-    assert!(client::read_answer(KEY, &forged.to_bytes(), reader_now, &limits, None).is_err());
+    assert!(client::read_answer(KEY, &forged.to_bytes(), reader_now, &limits, None, None).is_err());
 }

@@ -240,29 +240,37 @@ impl DhtValue {
     /// `max_value_bytes` encoded; and the ownership rule: every subkey starting with
     /// [`OWNER_SUBKEY_PREFIX`](super::OWNER_SUBKEY_PREFIX) names a peer and its entry carries
     /// a valid signature by that peer over `key`, the subkey, the value and the expiration,
-    /// while other entries (ordinary subkeys, the plain value) carry no signature. Expired
-    /// writes are not an error (see [`without_expired`](Self::without_expired)).
+    /// while other entries (ordinary subkeys, the plain value) carry no signature. Under an
+    /// [owned key](super::owned_key) there must be no plain value and no ordinary subkey, and
+    /// no entry's value may exceed `max_owned_entry_bytes`. Expired writes are not an error
+    /// (see [`without_expired`](Self::without_expired)).
     pub fn validate(
         &self,
         key: &[u8],
         now: DhtTime,
         limits: &ValidationLimits,
     ) -> Result<(), DhtValueError> {
-        self.validate_against(key, now, limits, None)
+        self.validate_against(key, now, limits, None, None)
     }
 
     /// [`validate`](Self::validate), skipping the signature check of every entry that
     /// `verified` (a value already validated under the same `key`) holds identically under the
     /// same subkey. The record store passes its stored value and a reader the replicas' answers
     /// it accepted so far, so that each signature is checked once rather than on every copy.
+    /// Owner entries `cache` holds are not checked again either, and those that pass are added
+    /// to it.
     pub(super) fn validate_against(
         &self,
         key: &[u8],
         now: DhtTime,
         limits: &ValidationLimits,
         verified: Option<&DhtValue>,
+        cache: Option<&super::VerifiedEntries>,
     ) -> Result<(), DhtValueError> {
         self.validate_limits(now, limits)?;
+        if super::is_owned_key(key) {
+            self.validate_owned(limits)?;
+        }
         if self.plain.as_ref().is_some_and(|p| p.signature.is_some()) {
             return Err(DhtValueError::UnexpectedSignature);
         }
@@ -271,7 +279,27 @@ impl DhtValue {
             if verified.is_some_and(|v| v.subkeys.get(k) == Some(e)) {
                 continue;
             }
-            super::owner::check_entry(key, k, e)?;
+            super::owner::check_entry_cached(key, k, e, cache)?;
+        }
+        Ok(())
+    }
+
+    /// The rules of an [owned key](super::owned_key), signatures aside: no plain value, only
+    /// owner subkeys, none holding more than `max_owned_entry_bytes`.
+    fn validate_owned(&self, limits: &ValidationLimits) -> Result<(), DhtValueError> {
+        if self.plain.is_some() {
+            return Err(DhtValueError::PlainOnOwnedKey);
+        }
+        for (k, e) in &self.subkeys {
+            if !k.starts_with(super::OWNER_SUBKEY_PREFIX) {
+                return Err(DhtValueError::OrdinarySubkeyOnOwnedKey);
+            }
+            if e.value.len() > limits.max_owned_entry_bytes {
+                return Err(DhtValueError::OwnedEntryTooLarge {
+                    len: e.value.len(),
+                    max: limits.max_owned_entry_bytes,
+                });
+            }
         }
         Ok(())
     }

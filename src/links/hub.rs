@@ -4,11 +4,13 @@
 //!
 //! * one task accepts TCP clients on the [`DataListener`] and runs each TLS handshake (under
 //!   `hello_timeout`) in a task of its own, at most `max_tls_handshakes` at once (at the limit
-//!   it stops accepting: later clients wait in the kernel's queue), in a `JoinSet` it owns
-//!   (aborted when the task is); they forward authenticated TLS streams;
+//!   it stops accepting: later clients wait in the kernel's queue) and `max_tls_handshakes_per_ip`
+//!   from one IP address (a client over its address's share is closed at once), in a `JoinSet`
+//!   it owns (aborted when the task is); they forward authenticated TLS streams;
 //! * one task forwards the node's inbound [`PART_PROTOCOL`] streams;
 //! * the *supervisor* receives both (one bounded queue) and runs one task per inbound link in
-//!   its own `JoinSet` (dropped, so aborted, with it), at most `max_pending_links` at once.
+//!   its own `JoinSet` (dropped, so aborted, with it), at most `max_pending_links` at once and
+//!   `max_pending_links_per_peer` for one peer (more are dropped).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -27,6 +29,7 @@ use super::{
 };
 use crate::p2p::{InboundStreams, P2p};
 use crate::runner::Link;
+use crate::shares::{Refused, Shares};
 use crate::transport::{DataIdentity, DataListener, Handshake, PeerMismatch, PunchSocket};
 use crate::wire::{self, Hello, LinkMessage, Reject, RejectReason};
 
@@ -447,16 +450,29 @@ async fn accept_tls(shared: Arc<Shared>, listener: DataListener, tx: mpsc::Sende
     // accepting: later clients wait in the kernel's accept queue (none is dropped) until a
     // handshake ends (at most `hello_timeout`).
     let mut handshakes = JoinSet::new();
-    let limit = shared.config.max_tls_handshakes.max(1);
+    let shares = Shares::new(
+        shared.config.max_tls_handshakes,
+        shared.config.max_tls_handshakes_per_ip,
+    );
     loop {
         tokio::select! {
-            accepted = listener.accept_tcp(), if handshakes.len() < limit => match accepted {
+            accepted = listener.accept_tcp(), if !shares.is_full() => match accepted {
                 Ok(handshake) => {
-                    handshakes.spawn(handshake_and_forward(
-                        Arc::clone(&shared),
-                        handshake,
-                        tx.clone(),
-                    ));
+                    let ip = handshake.peer_addr().ip();
+                    match shares.try_take(ip) {
+                        Ok(share) => {
+                            let (shared, tx) = (Arc::clone(&shared), tx.clone());
+                            handshakes.spawn(async move {
+                                let _share = share;
+                                handshake_and_forward(shared, handshake, tx).await;
+                            });
+                        }
+                        Err(refused) => {
+                            // Dropping the handshake closes the connection.
+                            bump(&shared, |s| &mut s.over_share);
+                            tracing::debug!(%ip, %refused, "TLS client dropped");
+                        }
+                    }
                 }
                 Err(error) => {
                     // The socket itself failed (e.g. out of file descriptors): do not spin.
@@ -529,19 +545,33 @@ async fn accept_streams(mut streams: InboundStreams, tx: mpsc::Sender<Inbound>) 
 
 async fn supervise(shared: Arc<Shared>, mut rx: mpsc::Receiver<Inbound>) {
     let mut handlers = JoinSet::new();
+    let shares = Shares::new(
+        shared.config.max_pending_links,
+        shared.config.max_pending_links_per_peer,
+    );
     loop {
         tokio::select! {
             inbound = rx.recv() => {
                 let Some(inbound) = inbound else { break };
-                if handlers.len() >= shared.config.max_pending_links {
-                    bump(&shared, |s| &mut s.dropped);
-                    tracing::info!(
-                        peer = %inbound.peer, carrier = %inbound.carrier,
-                        "too many links waiting for their Hello: dropped"
-                    );
-                    continue;
-                }
-                handlers.spawn(serve(Arc::clone(&shared), inbound));
+                let share = match shares.try_take(inbound.peer) {
+                    Ok(share) => share,
+                    Err(refused) => {
+                        bump(&shared, |s| match refused {
+                            Refused::Full => &mut s.dropped,
+                            Refused::PeerShare => &mut s.over_share,
+                        });
+                        tracing::info!(
+                            peer = %inbound.peer, carrier = %inbound.carrier, %refused,
+                            "inbound link dropped before its Hello"
+                        );
+                        continue;
+                    }
+                };
+                let shared = Arc::clone(&shared);
+                handlers.spawn(async move {
+                    let _share = share;
+                    serve(shared, inbound).await;
+                });
             }
             Some(done) = handlers.join_next(), if !handlers.is_empty() => {
                 if let Err(e) = done {

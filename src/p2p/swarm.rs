@@ -6,6 +6,14 @@
 //! Kademlia `QueryId` (or in a waiter list) and answer it when the matching event arrives.
 //! When every handle is gone the channel closes and the loop ends, dropping the swarm.
 //!
+//! Inbound DHT records are checked in two steps: the policy's
+//! [`precheck`](super::RecordPolicy::precheck) (decoding and signatures: the expensive part),
+//! then its [`merge`](super::RecordPolicy::merge) with the stored value, which finds the
+//! signatures already verified. A record over [`INLINE_CHECK_BYTES`] is prechecked on a
+//! blocking thread, at most [`MAX_PRECHECKS`] at once, and merged when its check comes back;
+//! a smaller one (every write the averager makes) on the loop, at once, so that a read right
+//! after a write finds it merged.
+//!
 //! Streams (`libp2p-stream`) bypass the loop: handles open and accept them through the
 //! behaviour's [`libp2p_stream::Control`], which talks to the behaviour through shared state.
 //! The loop only dials for them ([`Command::Connect`]): libp2p-stream's own dial request goes
@@ -13,6 +21,7 @@
 //! unconnected peers happen at once.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
@@ -24,6 +33,7 @@ use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, identify, identity::Keypair, noise, ping};
 use libp2p::{autonat, dcutr, relay, tcp, yamux};
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
 
 use super::nat::Nat;
 use super::private::SwarmPeers;
@@ -120,10 +130,29 @@ enum Pending {
     },
 }
 
+/// Inbound records checked at once on blocking threads; more are dropped (their writers
+/// see no difference: Kademlia acknowledged them already).
+pub(super) const MAX_PRECHECKS: usize = 64;
+
+/// Inbound records up to this size are checked on the event loop (a record this small holds at
+/// most about a hundred signed entries: a few milliseconds of checks); larger ones on a
+/// blocking thread.
+pub(super) const INLINE_CHECK_BYTES: usize = 16 << 10;
+
+/// An inbound record and its precheck's verdict.
+struct Prechecked {
+    key: Vec<u8>,
+    value: Vec<u8>,
+    source: PeerId,
+    verdict: Result<(), String>,
+}
+
 pub(super) struct EventLoop {
     pub(super) swarm: Swarm<Behaviour>,
     commands: mpsc::Receiver<Command>,
-    policy: Box<dyn RecordPolicy>,
+    policy: Arc<dyn RecordPolicy>,
+    /// Prechecks of inbound records running on blocking threads ([`MAX_PRECHECKS`] at most).
+    prechecks: JoinSet<Prechecked>,
     pending: HashMap<kad::QueryId, Pending>,
     listeners_without_addr: HashSet<libp2p::core::transport::ListenerId>,
     listen_addrs: Vec<Multiaddr>,
@@ -173,6 +202,9 @@ impl EventLoop {
                 .set_max_packet_size(max_record + (64 << 10))
                 .set_query_timeout(request_timeout)
                 .set_publication_interval(None)
+                // No replication either: every inbound PUT then comes from its writer, which
+                // owned keys rely on (`dht::owned_key`), and values expire within the hour.
+                .set_replication_interval(None)
                 .set_record_ttl(Some(Duration::from_secs(3600)))
                 .set_periodic_bootstrap_interval(Some(Duration::from_secs(60)));
             let store = BoundedStore::new(peer_id, store_limits, max_record);
@@ -308,7 +340,8 @@ impl EventLoop {
         let mut event_loop = Self {
             swarm,
             commands,
-            policy,
+            policy: Arc::from(policy),
+            prechecks: JoinSet::new(),
             pending: HashMap::new(),
             listeners_without_addr: listeners,
             listen_addrs: Vec::new(),
@@ -385,6 +418,12 @@ impl EventLoop {
                     None => break, // every handle dropped
                 },
                 event = self.swarm.select_next_some() => self.on_event(event),
+                Some(done) = self.prechecks.join_next(), if !self.prechecks.is_empty() => {
+                    match done {
+                        Ok(checked) => self.on_prechecked(checked),
+                        Err(e) => tracing::error!(error = %e, "record precheck failed"),
+                    }
+                }
             }
         }
         // Dropping the swarm closes listeners and connections; tell waiters we are gone.
@@ -612,6 +651,55 @@ impl EventLoop {
         }
     }
 
+    /// Prechecks an inbound record, at once if it is small ([`INLINE_CHECK_BYTES`]), else on a
+    /// blocking thread; it is merged when the check passes ([`EventLoop::on_prechecked`]). A
+    /// large record is dropped while [`MAX_PRECHECKS`] run.
+    fn precheck(&mut self, record: kad::Record, source: PeerId) {
+        if record.value.len() <= INLINE_CHECK_BYTES {
+            // Small: checked at once, so that a read right after the write sees it.
+            let key = record.key.to_vec();
+            let verdict =
+                self.policy
+                    .precheck(&key, &record.value, Some(source), SystemTime::now());
+            self.on_prechecked(Prechecked {
+                key,
+                value: record.value,
+                source,
+                verdict,
+            });
+            return;
+        }
+        if self.prechecks.len() >= MAX_PRECHECKS {
+            tracing::debug!(%source, "too many inbound records being checked: one dropped");
+            return;
+        }
+        let policy = Arc::clone(&self.policy);
+        self.prechecks.spawn_blocking(move || {
+            let key = record.key.to_vec();
+            let verdict = policy.precheck(&key, &record.value, Some(source), SystemTime::now());
+            Prechecked {
+                key,
+                value: record.value,
+                source,
+                verdict,
+            }
+        });
+    }
+
+    fn on_prechecked(&mut self, checked: Prechecked) {
+        let Prechecked {
+            key,
+            value,
+            source,
+            verdict,
+        } = checked;
+        if let Err(reason) =
+            verdict.and_then(|()| self.merge_into_store(&key, &value, Some(source)).map(drop))
+        {
+            tracing::debug!(%source, %reason, "rejected inbound record");
+        }
+    }
+
     /// Merges `incoming` with the stored value under `key` and stores the result.
     fn merge_into_store(
         &mut self,
@@ -785,10 +873,7 @@ impl EventLoop {
                         ..
                     },
             } => {
-                let key = record.key.to_vec();
-                if let Err(reason) = self.merge_into_store(&key, &record.value, Some(source)) {
-                    tracing::debug!(%source, %reason, "rejected inbound record");
-                }
+                self.precheck(record, source);
             }
             kad::Event::OutboundQueryProgressed {
                 id, result, step, ..

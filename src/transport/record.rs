@@ -187,10 +187,12 @@ pub(crate) struct Sender {
 }
 
 impl Sender {
+    /// A sender whose buffer is taken at its first write: an accepted connection costs no
+    /// send buffer until it answers its peer's Hello.
     pub(crate) fn new(dir: Direction) -> Self {
         Self {
             dir,
-            buf: SPARE_BUFFERS.take_filled(WRITE_BUFFER),
+            buf: Vec::new(),
             start: 0,
             end: 0,
             close_sealed: false,
@@ -198,9 +200,22 @@ impl Sender {
         }
     }
 
+    /// Takes the send buffer if this is the first write.
+    fn take_buffer(&mut self) {
+        if self.buf.is_empty() {
+            self.buf = SPARE_BUFFERS.take_filled(WRITE_BUFFER);
+        }
+    }
+
+    /// Bytes of buffer this sender holds.
+    pub(crate) fn buffer_bytes(&self) -> usize {
+        self.buf.len()
+    }
+
     /// Seals one record of `plaintext` (at most [`MAX_PLAINTEXT`] bytes, room checked by the
     /// caller) after the pending bytes.
     fn seal(&mut self, plaintext: &[u8], content_type: u8) -> io::Result<()> {
+        self.take_buffer();
         debug_assert!(plaintext.len() <= MAX_PLAINTEXT);
         debug_assert!(self.buf.len() - self.end >= plaintext.len() + OVERHEAD);
         let nonce = self.dir.next_nonce()?;
@@ -272,6 +287,7 @@ impl Sender {
         if bufs.iter().all(|b| b.is_empty()) {
             return Poll::Ready(Ok(0));
         }
+        self.take_buffer();
         // Make room first; a full socket with a full buffer is the only reason to wait.
         let drained = self.poll_drain(tcp, cx)?;
         let mut consumed = 0;
@@ -323,6 +339,7 @@ impl Sender {
     ) -> Poll<io::Result<()>> {
         self.error.check()?;
         if !self.close_sealed {
+            self.take_buffer();
             if self.room() < CLOSE_NOTIFY.len() {
                 ready!(self.poll_drain(tcp, cx))?;
             }
@@ -366,19 +383,31 @@ pub(crate) struct Receiver {
     empty_records: u32,
     closed: bool,
     error: StickyError,
+    /// The size `buf` grows to at the first bulk read ([`GROW_AT`]).
+    capacity: usize,
 }
 
 impl Drop for Sender {
     fn drop(&mut self) {
-        SPARE_BUFFERS.put_bytes(std::mem::take(&mut self.buf));
+        if self.buf.len() >= WRITE_BUFFER {
+            SPARE_BUFFERS.put_bytes(std::mem::take(&mut self.buf));
+        }
     }
 }
 
 impl Drop for Receiver {
     fn drop(&mut self) {
-        SPARE_BUFFERS.put_bytes(std::mem::take(&mut self.buf));
+        // Only grown buffers go back: the pool is for the large ones.
+        if self.buf.len() >= self.capacity && self.buf.len() > 2 * MAX_RECORD {
+            SPARE_BUFFERS.put_bytes(std::mem::take(&mut self.buf));
+        }
     }
 }
+
+/// A read asking for at least this many bytes grows a receiver's buffer to its capacity
+/// (a bulk reader: a round's parts); smaller reads (a Hello, at most 1 KiB) leave it at
+/// the two records the handshake used.
+const GROW_AT: usize = MAX_PLAINTEXT;
 
 /// Empty application-data records accepted in a row (rustls' limit too).
 const MAX_EMPTY_RECORDS: u32 = 32;
@@ -386,7 +415,9 @@ const MAX_EMPTY_RECORDS: u32 = 32;
 impl Receiver {
     /// A receiver continuing after the handshake: `buf[start..end]` holds bytes already read
     /// from the socket (the start of the first record, or nothing).
-    /// The buffer grows to `capacity` (the handshake used a small one).
+    /// The buffer holds at least two records (the handshake's holds exactly that) and grows to
+    /// `capacity` at the first read of at least [`GROW_AT`] bytes: an accepted connection
+    /// costs little until a round reads from it in bulk.
     pub(crate) fn new(
         dir: Direction,
         buf: Vec<u8>,
@@ -395,15 +426,15 @@ impl Receiver {
         capacity: usize,
     ) -> Self {
         debug_assert!(start <= end && end <= buf.len());
-        let len = capacity.max(2 * MAX_RECORD);
-        let (buf, start, end) = if buf.len() >= len {
+        let (buf, start, end) = if buf.len() >= 2 * MAX_RECORD {
             (buf, start, end)
         } else {
-            let mut large = SPARE_BUFFERS.take_filled(len);
-            large[..end - start].copy_from_slice(&buf[start..end]);
-            (large, 0, end - start)
+            let mut small = vec![0; 2 * MAX_RECORD];
+            small[..end - start].copy_from_slice(&buf[start..end]);
+            (small, 0, end - start)
         };
         Self {
+            capacity: capacity.max(buf.len()),
             dir,
             buf,
             start,
@@ -415,6 +446,11 @@ impl Receiver {
             closed: false,
             error: StickyError::default(),
         }
+    }
+
+    /// Bytes of buffer this receiver holds.
+    pub(crate) fn buffer_bytes(&self) -> usize {
+        self.buf.len() + self.staged.len()
     }
 
     /// Records an error; reports it now, or on the next read when this one already delivered
@@ -565,6 +601,13 @@ impl Receiver {
                 return Poll::Ready(Ok(()));
             }
             // Need more bytes: make sure the whole record fits after `start`, then read.
+            if self.buf.len() < self.capacity && out.remaining() >= GROW_AT {
+                let mut large = SPARE_BUFFERS.take_filled(self.capacity);
+                large[..self.end - self.start].copy_from_slice(&self.buf[self.start..self.end]);
+                self.end -= self.start;
+                self.start = 0;
+                self.buf = large;
+            }
             if self.start == self.end {
                 self.start = 0;
                 self.end = 0;

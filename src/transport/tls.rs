@@ -531,6 +531,15 @@ impl DataStream {
         })
     }
 
+    /// Bytes of send and receive buffers the stream holds now. An accepted stream holds about
+    /// 50 KiB (two records to receive into, one to open a record into) until its first write
+    /// and its first bulk read, which grow them to 1 MiB each (the send buffer and
+    /// [`READ_BUFFER`]): a peer that completes a handshake and sends only a Hello costs the
+    /// node no more.
+    pub fn buffer_bytes(&self) -> usize {
+        self.rx.buffer_bytes() + self.tx.buffer_bytes()
+    }
+
     /// The authenticated PeerId of the other end.
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
@@ -869,6 +878,35 @@ mod tests {
         assert_eq!(got, b"hello");
         served.write_all(b"ack").await.expect("write");
         served.flush().await.expect("flush");
+        let mut ack = [0u8; 3];
+        client.read_exact(&mut ack).await.expect("read");
+        assert_eq!(&ack, b"ack");
+    }
+
+    /// Buffers come after the Hello: an accepted stream holds two records' worth until it is
+    /// read in bulk or written to, then its full buffers.
+    #[tokio::test]
+    async fn buffers_grow_at_the_first_bulk_read_and_write() {
+        let (mut served, mut client) = pair().await;
+        let small = served.buffer_bytes();
+        assert!(small < 64 << 10, "{small} bytes before anything was read");
+        client.write_all(&[7u8; 1000]).await.expect("write");
+        client.write_all(&vec![9u8; 100_000]).await.expect("write");
+        client.flush().await.expect("flush");
+        // A Hello-sized read leaves the buffers as they are.
+        let mut hello = [0u8; 1000];
+        served.read_exact(&mut hello).await.expect("read");
+        assert_eq!(hello, [7u8; 1000]);
+        assert_eq!(served.buffer_bytes(), small);
+        // A bulk read grows the receive buffer, a write takes the send buffer.
+        let mut bulk = vec![0u8; 100_000];
+        served.read_exact(&mut bulk).await.expect("read");
+        assert!(bulk.iter().all(|b| *b == 9));
+        let grown = served.buffer_bytes();
+        assert!(grown >= READ_BUFFER, "{grown}");
+        served.write_all(b"ack").await.expect("write");
+        served.flush().await.expect("flush");
+        assert!(served.buffer_bytes() >= grown + super::super::record::WRITE_BUFFER);
         let mut ack = [0u8; 3];
         client.read_exact(&mut ack).await.expect("read");
         assert_eq!(&ack, b"ack");
