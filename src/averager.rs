@@ -40,6 +40,7 @@ pub mod control;
 pub mod node;
 pub mod state;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -339,6 +340,54 @@ struct StepRequest {
 
 struct Shared {
     tensors: Mutex<Vec<Tensor>>,
+    /// Bumped whenever the tensors may have changed (a guard handed out mutably, a step's
+    /// result, an installed state): a donor rebuilds its state snapshot only when it moved.
+    version: AtomicU64,
+}
+
+impl Shared {
+    fn lock_tensors(&self) -> MutexGuard<'_, Vec<Tensor>> {
+        self.tensors.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The tensors, locked for a change: counts as one.
+    fn lock_tensors_mut(&self) -> MutexGuard<'_, Vec<Tensor>> {
+        let guard = self.lock_tensors();
+        self.version.fetch_add(1, Ordering::SeqCst);
+        guard
+    }
+}
+
+/// The averager's tensors, locked ([`Averager::tensors`]). Reading through it changes nothing;
+/// the first mutable access marks the tensors as changed (a donor then snapshots them anew
+/// for the next newcomer).
+pub struct TensorsGuard<'a> {
+    guard: MutexGuard<'a, Vec<Tensor>>,
+    version: &'a AtomicU64,
+    marked: bool,
+}
+
+impl std::fmt::Debug for TensorsGuard<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.guard.iter()).finish()
+    }
+}
+
+impl std::ops::Deref for TensorsGuard<'_> {
+    type Target = Vec<Tensor>;
+    fn deref(&self) -> &Vec<Tensor> {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for TensorsGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Vec<Tensor> {
+        if !self.marked {
+            self.marked = true;
+            self.version.fetch_add(1, Ordering::SeqCst);
+        }
+        &mut self.guard
+    }
 }
 
 /// One peer's averager (see the module docs).
@@ -398,6 +447,7 @@ impl Averager {
         let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
         let shared = Arc::new(Shared {
             tensors: Mutex::new(tensors),
+            version: AtomicU64::new(0),
         });
         let (steps_tx, steps) = mpsc::channel(16);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -443,11 +493,12 @@ impl Averager {
 
     /// The local tensors (lock briefly: a finishing round waits for this lock to add its
     /// deltas).
-    pub fn tensors(&self) -> MutexGuard<'_, Vec<Tensor>> {
-        self.shared
-            .tensors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+    pub fn tensors(&self) -> TensorsGuard<'_> {
+        TensorsGuard {
+            guard: self.shared.lock_tensors(),
+            version: &self.shared.version,
+            marked: false,
+        }
     }
 
     /// Schedules a step; use the returned control to trigger, cancel or await it.
@@ -525,7 +576,7 @@ impl BlockingAverager {
     }
 
     /// [`Averager::tensors`].
-    pub fn tensors(&self) -> MutexGuard<'_, Vec<Tensor>> {
+    pub fn tensors(&self) -> TensorsGuard<'_> {
         self.averager.tensors()
     }
 
@@ -991,6 +1042,9 @@ impl Actor {
         let (gets_tx, mut gets) = mpsc::channel(16);
         let mut result = None;
         loop {
+            // Finished sends and lookups leave the set now, not only between steps: a long
+            // matchmaking spawns one per message.
+            while self.sends.try_join_next().is_some() {}
             // Outputs first: messages, DHT requests, events.
             while let Some(t) = machine.poll_transmit() {
                 match from_mm(&t.to) {
@@ -1149,12 +1203,7 @@ impl Actor {
         let summary = summary.join(",");
         tracing::info!(links = %summary, "linked to the group");
         let span = tracing::info_span!("step", links = %summary);
-        let snapshot: Vec<Tensor> = self
-            .shared
-            .tensors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let snapshot: Vec<Tensor> = self.shared.lock_tensors().clone();
         let runner_cfg = RunnerConfig {
             pool: self.pool.clone(),
             ..RunnerConfig::default()
@@ -1185,11 +1234,7 @@ impl Actor {
             )
             .await?;
         {
-            let mut tensors = self
-                .shared
-                .tensors
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let mut tensors = self.shared.lock_tensors_mut();
             outcome
                 .apply(&mut tensors, &start, 1.0)
                 .map_err(|e| AveragerError::Round(e.to_string()))?;

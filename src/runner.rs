@@ -26,8 +26,9 @@
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
 use crate::allreduce::{Butterfly, Message, Outcome, RoundConfig, RoundError, RoundEvent};
@@ -51,6 +52,10 @@ pub struct RunnerConfig {
     pub link_queue: usize,
     /// Messages queued from all readers to the compute thread.
     pub inbound_queue: usize,
+    /// Bytes of frames read from one link and queued for the compute thread at most (at least
+    /// one frame of `max_frame_bytes`): a member sending faster than the round consumes makes
+    /// its reader wait, not the node buffer.
+    pub max_queued_bytes_per_link: usize,
     /// Bound on flushing and closing links after the round.
     pub close_timeout: Duration,
     /// Buffers for payloads, frames and the reduction; keep one config (one pool) across
@@ -65,6 +70,7 @@ impl Default for RunnerConfig {
             write_timeout: Duration::from_secs(30),
             link_queue: 8,
             inbound_queue: 64,
+            max_queued_bytes_per_link: 2 * wire::DEFAULT_MAX_FRAME_BYTES,
             close_timeout: Duration::from_secs(5),
             pool: BufferPool::default(),
         }
@@ -115,10 +121,13 @@ pub enum LinkError {
     WriteTimeout,
 }
 
+#[derive(Debug)]
 enum Inbound {
     Message {
         from: usize,
         message: Message,
+        /// The frame's bytes in its link's budget, given back when the message is handled.
+        _queued: QueuedBytes,
     },
     Failed {
         from: usize,
@@ -201,6 +210,7 @@ async fn run(
             group_id.clone(),
             in_tx.clone(),
             runner.max_frame_bytes,
+            link_budget(runner.max_queued_bytes_per_link, runner.max_frame_bytes),
             runner.pool.clone(),
         ));
         tasks.spawn(write_link(
@@ -317,7 +327,7 @@ fn compute_loop(
                 }
             }
             Some(None) => inbound_open = false,
-            Some(Some(Inbound::Message { from, message })) => {
+            Some(Some(Inbound::Message { from, message, .. })) => {
                 machine.handle_message(now, from, message)?;
             }
             Some(Some(Inbound::Failed { from, error })) => {
@@ -331,6 +341,23 @@ fn compute_loop(
         }
         machine.handle_timeout(Instant::now());
     }
+}
+
+/// A frame's bytes held in its link's budget ([`RunnerConfig::max_queued_bytes_per_link`]).
+struct QueuedBytes(OwnedSemaphorePermit);
+
+impl std::fmt::Debug for QueuedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QueuedBytes({})", self.0.num_permits())
+    }
+}
+
+/// One link's budget of queued bytes: `max_queued` permits, at least one frame's worth.
+fn link_budget(max_queued: usize, max_frame_bytes: usize) -> Arc<Semaphore> {
+    let permits = max_queued.max(max_frame_bytes).max(1);
+    Arc::new(Semaphore::new(
+        permits.min(u32::MAX as usize).min(Semaphore::MAX_PERMITS),
+    ))
 }
 
 /// Frames up to this size are read through the link's small staging buffer; larger ones go
@@ -348,6 +375,7 @@ async fn read_link(
     group_id: Bytes,
     tx: mpsc::Sender<Inbound>,
     max_frame_bytes: usize,
+    budget: Arc<Semaphore>,
     pool: BufferPool,
 ) {
     let decoder = FrameDecoder::new(max_frame_bytes);
@@ -356,6 +384,12 @@ async fn read_link(
         let body = match next_frame(&decoder, &mut read, &mut staging, &pool).await {
             Ok(body) => body,
             Err(e) => break e,
+        };
+        // Nothing more is read from this link until the frames queued from it fit the budget
+        // with this one (the budget holds at least one frame of the largest size).
+        let cost = u32::try_from(body.len().max(1)).unwrap_or(u32::MAX);
+        let Ok(queued) = budget.clone().acquire_many_owned(cost).await else {
+            return;
         };
         let Frame {
             group_id: g,
@@ -380,6 +414,7 @@ async fn read_link(
             .send(Inbound::Message {
                 from: peer,
                 message,
+                _queued: QueuedBytes(queued),
             })
             .await
             .is_err()
@@ -515,4 +550,87 @@ async fn write_link(
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allreduce::PartMessage;
+    use crate::compression::CompressionType;
+
+    /// A member that sends frames faster than the round takes them is read only as far as its
+    /// link's budget: with room for two 1 MiB frames, two are queued and the reader waits;
+    /// each message the round takes lets one more in, and every frame arrives in the end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_link_queues_no_more_than_its_budget() {
+        const FRAME: usize = 1 << 20;
+        const FRAMES: usize = 10;
+        let group = Bytes::from_static(b"budget");
+        let mut bytes = BytesMut::new();
+        for part in 0..FRAMES as u32 {
+            let frame = wire::Frame {
+                group_id: group.clone(),
+                message: Message::Part(PartMessage {
+                    part,
+                    weight: 1.0,
+                    codec: CompressionType::None,
+                    dtype: DType::F32,
+                    payload: Bytes::from(vec![0u8; FRAME - 64]),
+                }),
+            };
+            wire::encode_frame(&frame, &mut bytes);
+        }
+        // Everything is available to read at once: only the budget can hold the reader back.
+        let (mut sender, receiver) = tokio::io::duplex(bytes.len() + 1);
+        sender.write_all(&bytes).await.unwrap();
+        let (tx, mut rx) = mpsc::channel(64);
+        let budget = link_budget(2 * FRAME, FRAME);
+        let reader = tokio::spawn(read_link(
+            0,
+            receiver,
+            group,
+            tx,
+            FRAME,
+            budget.clone(),
+            BufferPool::default(),
+        ));
+        let mut taken = 0;
+        while taken < FRAMES {
+            if FRAMES - taken >= 2 {
+                tokio::time::timeout(Duration::from_secs(60), async {
+                    while rx.len() < 2 {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                })
+                .await
+                .expect("the reader queues what fits");
+                // Two frames of about 1 MiB each fill the 2 MiB budget: a third would not fit.
+                assert_eq!(rx.len(), 2, "after {taken} taken");
+                assert!(budget.available_permits() < FRAME, "after {taken} taken");
+            }
+            match rx.recv().await.expect("a frame") {
+                Inbound::Message {
+                    message: Message::Part(p),
+                    ..
+                } => assert_eq!(p.part as usize, taken),
+                other => panic!("{other:?}"),
+            }
+            taken += 1;
+        }
+        drop(sender);
+        // The link closes: the reader reports it and ends.
+        assert!(matches!(
+            rx.recv().await,
+            Some(Inbound::Failed {
+                error: LinkError::Closed,
+                ..
+            })
+        ));
+        reader.await.unwrap();
+        assert_eq!(
+            budget.available_permits(),
+            2 * FRAME,
+            "every byte given back"
+        );
+    }
 }

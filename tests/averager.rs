@@ -447,6 +447,58 @@ async fn cancel_during_matchmaking() {
     swarm.shutdown(averagers).await;
 }
 
+/// Checks that `got` (member `outcome.me`'s single tensor after the step) is what its report
+/// promises: for every part, the mean of the inputs of exactly the members named as its
+/// contributors, or its own input where the part stayed local. `inputs[i]` is the input of
+/// `peers[i]`; weights are all 1.
+fn assert_holds_what_the_report_says(
+    outcome: &StepOutcome,
+    got: &[f32],
+    inputs: &[Vec<f32>],
+    peers: &[libp2p::PeerId],
+    part_size_bytes: usize,
+) {
+    let n = outcome.members.len();
+    let descs = [hivemesh::allreduce::TensorDescriptor::of(
+        &Tensor::from_f32(&[got.len()], got.to_vec()).unwrap(),
+    )];
+    let partition = hivemesh::allreduce::Partition::new(
+        &descs,
+        &vec![1.0; n],
+        part_size_bytes,
+        &hivemesh::compression::Compression::default(),
+    )
+    .unwrap();
+    // Member indices are group order; `inputs` is in swarm order.
+    let swarm_index = |m: usize| {
+        (0..inputs.len())
+            .find(|&i| peers[i] == outcome.members[m])
+            .expect("a member of the swarm")
+    };
+    let own = &inputs[swarm_index(outcome.me)];
+    for g in 0..partition.num_parts() {
+        let spec = *partition.part(g);
+        let named: Vec<usize> = outcome
+            .report
+            .contributors(g)
+            .map_or(vec![outcome.me], |c| c.iter().collect());
+        for e in spec.range() {
+            let want = named
+                .iter()
+                .map(|&m| f64::from(inputs[swarm_index(m)][e]))
+                .sum::<f64>()
+                / named.len() as f64;
+            assert!(
+                (f64::from(got[e]) - want).abs() < 1e-5,
+                "element {e}: {} vs {want} (part {g}, named {named:?}, own {}; report {:?})",
+                got[e],
+                own[e],
+                outcome.report
+            );
+        }
+    }
+}
+
 /// Cancelling a step whose all-reduce is running stops it cleanly: the cancelled peer's
 /// tensors are unchanged, its partner finishes (without it) instead of hanging.
 /// Cancel during the all-reduce, deterministically: peer 1 waits for a trigger that comes only
@@ -508,45 +560,9 @@ async fn cancel_during_all_reduce() {
     match rb {
         Ok(outcome) => {
             // Parts peer 0 sent before it cancelled may be averaged; the rest stay local.
-            let descs = [hivemesh::allreduce::TensorDescriptor::of(
-                &Tensor::from_f32(&[4096], inputs[1].clone()).unwrap(),
-            )];
-            let partition = hivemesh::allreduce::Partition::new(
-                &descs,
-                &[1.0, 1.0],
-                part_size_bytes,
-                &hivemesh::compression::Compression::default(),
-            )
-            .unwrap();
             let got = &values(&averagers[1])[0];
-            // Member indices are group order; `inputs` is in swarm order.
-            let swarm_index = |m: usize| {
-                (0..2)
-                    .find(|&i| swarm.peer(i) == outcome.members[m])
-                    .expect("a member of the swarm")
-            };
-            for g in 0..partition.num_parts() {
-                let spec = *partition.part(g);
-                let named: Vec<usize> = outcome
-                    .report
-                    .contributors(g)
-                    .map_or(vec![outcome.me], |c| c.iter().collect());
-                for e in spec.range() {
-                    let want = named
-                        .iter()
-                        .map(|&m| f64::from(inputs[swarm_index(m)][e]))
-                        .sum::<f64>()
-                        / named.len() as f64;
-                    assert!(
-                        (f64::from(got[e]) - want).abs() < 1e-5,
-                        "element {e}: {} vs {want} (part {g}, named {named:?}, own {}, other {}; report {:?})",
-                        got[e],
-                        inputs[1][e],
-                        inputs[0][e],
-                        outcome.report
-                    );
-                }
-            }
+            let peers = [swarm.peer(0), swarm.peer(1)];
+            assert_holds_what_the_report_says(&outcome, got, &inputs, &peers, part_size_bytes);
         }
         Err(AveragerError::Round(_) | AveragerError::Links(_)) => {}
         Err(e) => panic!("partner: {e}"),
@@ -641,63 +657,136 @@ async fn shutdown_with_a_step_in_flight_cancels_it() {
     swarm.shutdown(Vec::new()).await;
 }
 
-/// A member whose node dies while the all-reduce runs (the leader killed right after
-/// `Begin`, as seen by the others): the survivors' steps end within their timeouts, each with
-/// a result or a typed error; nothing hangs.
+/// A member whose node dies in the all-reduce, deterministically: peer 0 waits for a trigger
+/// that never comes, so it is in the group, linked, and has sent nothing when its node is
+/// killed (once every survivor's round is running). Each survivor's step must succeed with
+/// the group of four; no part may name the dead peer as a contributor, the parts it was to
+/// reduce stay local, and every value must be what the survivor's report promises.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn member_dying_mid_round_does_not_hang_the_others() {
     let _serial = serial().await;
     let mut swarm = Swarm::start(4, |_| false).await;
-    let big: Vec<f32> = (0..1 << 20).map(|i| (i % 1000) as f32).collect();
+    let part_size_bytes = 16 << 10;
+    let inputs: Vec<Vec<f32>> = (0..4)
+        .map(|i| (0..1 << 16).map(|e| (e % 1000) as f32 + i as f32).collect())
+        .collect();
     let averagers: Vec<_> = (0..4)
         .map(|i| {
             let mut c = config("dying", Mode::Node, Some(4));
-            // Survivors may regroup without the dead peer.
-            c.min_group_size = 2;
-            c.part_size_bytes = 16 << 10;
+            c.part_size_bytes = part_size_bytes;
             c.sender_timeout = Duration::from_secs(2);
             c.reducer_timeout = Duration::from_secs(4);
-            swarm.averager(
-                i,
-                vec![big.iter().map(|x| x + i as f32).collect::<Vec<f32>>()],
-                c,
-            )
+            swarm.averager(i, vec![inputs[i].clone()], c)
         })
         .collect();
+    let mut victim = averagers[0]
+        .schedule_step(StepOptions {
+            wait_for_trigger: true,
+            timeout: Some(Duration::from_secs(120)),
+            ..StepOptions::default()
+        })
+        .await
+        .unwrap();
     let mut controls = Vec::new();
-    for a in &averagers {
+    for a in &averagers[1..] {
         controls.push(
             a.schedule_step(StepOptions {
-                timeout: Some(Duration::from_secs(15)),
+                timeout: Some(Duration::from_secs(120)),
                 ..StepOptions::default()
             })
             .await
             .unwrap(),
         );
     }
-    let mut victim = controls.remove(0);
-    victim.reached(Stage::AllReduce).await;
+    victim.reached(Stage::AwaitingTrigger).await;
+    for c in &mut controls {
+        c.reached(Stage::AllReduce).await;
+    }
+    assert_eq!(
+        victim.stage(),
+        Stage::AwaitingTrigger,
+        "peer 0 sent nothing"
+    );
     // Kill peer 0: its averager's tasks and its node go away without a word.
+    let peers: Vec<libp2p::PeerId> = (0..4).map(|i| swarm.peer(i)).collect();
     let mut averagers = averagers;
     let dead = averagers.remove(0);
+    let dead_id = peers[0];
     drop(victim);
     drop(Arc::try_unwrap(dead).unwrap());
     swarm.nodes.remove(0).shutdown().await;
     for (i, c) in controls.into_iter().enumerate() {
-        match c.result().await {
-            // The victim may have died before every follower got its `Begin`: survivors then
-            // regroup without it.
-            Ok(outcome) => assert!((2..=4).contains(&outcome.members.len()), "survivor {i}"),
-            // A follower that never got its `Begin` looks for a new group until its timeout.
-            Err(
-                AveragerError::Round(_)
-                | AveragerError::Links(_)
-                | AveragerError::Timeout(_)
-                | AveragerError::Matchmaking(_),
-            ) => {}
-            Err(e) => panic!("survivor {i}: {e}"),
+        let outcome = c
+            .result()
+            .await
+            .unwrap_or_else(|e| panic!("survivor {i}: {e}"));
+        assert_eq!(
+            outcome.members.len(),
+            4,
+            "survivor {i}: the group it began with"
+        );
+        let dead_index = outcome
+            .members
+            .iter()
+            .position(|p| *p == dead_id)
+            .expect("the dead peer was a member");
+        let report = &outcome.report;
+        for span in &report.spans {
+            if span.reducer == dead_index {
+                assert!(
+                    span.parts.clone().all(|g| report.contributors(g).is_none()),
+                    "survivor {i}: a part the dead peer was to reduce was averaged: {report:?}"
+                );
+            }
         }
+        for g in report.spans.iter().flat_map(|s| s.parts.clone()) {
+            if let Some(c) = report.contributors(g) {
+                assert!(
+                    !c.contains(dead_index),
+                    "survivor {i}: part {g} names the dead peer: {report:?}"
+                );
+            }
+        }
+        let got = &values(&averagers[i])[0];
+        assert_holds_what_the_report_says(&outcome, got, &inputs, &peers, part_size_bytes);
     }
+    swarm.shutdown(averagers).await;
+}
+
+/// `scheduled_in` over real links: two peers in a bucket meant for three schedule their step
+/// 8 s ahead (well past `min_matchmaking_time`, 2 s). Their declarations expire at the
+/// scheduled time, so the pair cannot assemble before it: the group of two forms then and
+/// averages exactly. (A lower bound only: a slow machine makes it later, never earlier.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduled_steps_begin_at_their_scheduled_time() {
+    let _serial = serial().await;
+    let swarm = Swarm::start(2, |_| false).await;
+    let averagers: Vec<_> = (0..2)
+        .map(|i| {
+            let mut c = config("scheduled", Mode::Node, Some(3));
+            c.min_group_size = 2;
+            swarm.averager(i, vec![vec![i as f32 * 2.0; 16]], c)
+        })
+        .collect();
+    let scheduled = Duration::from_secs(8);
+    let started = std::time::Instant::now();
+    let results = step_all(&averagers, |_| StepOptions {
+        scheduled_in: Some(scheduled),
+        timeout: Some(Duration::from_secs(120)),
+        ..StepOptions::default()
+    })
+    .await;
+    let elapsed = started.elapsed();
+    for (i, r) in results.iter().enumerate() {
+        let outcome = r.as_ref().unwrap_or_else(|e| panic!("peer {i}: {e}"));
+        assert_eq!(outcome.members.len(), 2, "peer {i}");
+        assert_eq!(values(&averagers[i]), vec![vec![1.0; 16]], "peer {i}");
+    }
+    // Declarations and clocks are in whole wall-clock time; allow for rounding.
+    assert!(
+        elapsed >= scheduled - Duration::from_millis(500),
+        "assembled after {elapsed:?}, before the scheduled {scheduled:?}"
+    );
     swarm.shutdown(averagers).await;
 }
 

@@ -534,3 +534,42 @@ async fn inbound_records_are_checked_off_the_event_loop() {
     .await
     .expect("stored once the check passed");
 }
+
+/// A peer that left is dropped from the routing table once a dial to it fails: libp2p-kad keeps
+/// it until its bucket overflows, which in a small swarm never happens, so every lookup kept
+/// dialing every peer that ever left. (Before: still there after the failed dial.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_left_leaves_the_routing_table_when_it_cannot_be_dialed() {
+    let boot = node(vec![], false).await;
+    let mut cfg = P2pConfig {
+        initial_peers: boot.listen_addrs().await.unwrap(),
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    };
+    cfg.nat.assume = Some(Reach::Public);
+    let gone = spawn(cfg).await;
+    let id = gone.peer_id();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while boot.routing_addresses(id).await.unwrap().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "never in the table");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    gone.shutdown().await.unwrap();
+    while boot.connected_peers().await.unwrap().contains(&id) {
+        assert!(tokio::time::Instant::now() < deadline, "still connected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !boot.routing_addresses(id).await.unwrap().is_empty(),
+        "a disconnected peer stays in the table until a dial fails"
+    );
+    let dialed = boot
+        .open_stream(id, "/hivemesh/test/1", Duration::from_secs(30))
+        .await;
+    assert!(dialed.is_err(), "the peer is gone");
+    assert!(
+        boot.routing_addresses(id).await.unwrap().is_empty(),
+        "the failed dial removed it"
+    );
+    boot.shutdown().await.unwrap();
+}

@@ -825,3 +825,49 @@ async fn a_slow_donor_cannot_hold_a_download() {
     slow.abort();
     swarm.shutdown(vec![honest, newcomer]).await;
 }
+
+/// A donor copies its state for newcomers only when it changed: repeated metadata requests
+/// (a peer hammering the donor) reuse one snapshot, and a change to the tensors or to the
+/// metadata gives the next request a new one, with a new content hash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_requests_reuse_one_snapshot_until_the_state_changes() {
+    let swarm = Swarm::start(2, |_| true).await;
+    let donor = swarm.averager(
+        0,
+        vec![vector(vec![1.0, 2.0, 3.0])],
+        config("snap", 0.0, true),
+    );
+    let asker = swarm.nodes[1].dht().p2p().clone();
+    let target = introduce(&swarm.nodes[1], &swarm.nodes[0]).await;
+    let mut s = open(&asker, target, "snap").await;
+    let hash = |meta: Response| match meta {
+        Response::Metadata(m) => m.content_hash,
+        other => panic!("no metadata: {other:?}"),
+    };
+    let first = hash(ask(&mut s, &Request::Metadata).await);
+    for _ in 0..5 {
+        assert_eq!(hash(ask(&mut s, &Request::Metadata).await), first);
+    }
+    assert_eq!(
+        donor.state_stats().snapshots_built,
+        1,
+        "one copy for six requests"
+    );
+    // Reading the tensors changes nothing; writing them does.
+    assert_eq!(donor.tensors()[0].to_f32_vec(), vec![1.0, 2.0, 3.0]);
+    assert_eq!(hash(ask(&mut s, &Request::Metadata).await), first);
+    assert_eq!(donor.state_stats().snapshots_built, 1);
+    donor.tensors()[0] = vector(vec![4.0, 5.0, 6.0]);
+    let second = hash(ask(&mut s, &Request::Metadata).await);
+    assert_ne!(second, first);
+    assert_eq!(donor.state_stats().snapshots_built, 2);
+    donor
+        .set_state_metadata(Bytes::from_static(b"epoch 2"))
+        .unwrap();
+    let third = hash(ask(&mut s, &Request::Metadata).await);
+    assert_ne!(third, second);
+    assert_eq!(donor.state_stats().snapshots_built, 3);
+    assert_eq!(hash(ask(&mut s, &Request::Metadata).await), third);
+    assert_eq!(donor.state_stats().snapshots_built, 3);
+    swarm.shutdown(vec![donor]).await;
+}

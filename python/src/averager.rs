@@ -392,7 +392,9 @@ impl Averager {
         let thread = std::thread::Builder::new()
             .name("hivemesh-lock".into())
             .spawn(move || {
-                let _guard = averager.tensors();
+                // Python writes the tensors while it holds the lock: a change.
+                let mut guard = averager.tensors();
+                let _changed: &mut Vec<_> = &mut guard;
                 let _ = held_tx.send(());
                 // Held until released (or the TensorLock is dropped: the sender goes away).
                 let _ = release_rx.recv();

@@ -23,7 +23,8 @@
 //!
 //! * `Metadata` → the donor snapshots its tensors and metadata (the raw bytes of every tensor,
 //!   little-endian as on every target hivemesh builds for, concatenated; copied under the
-//!   tensor lock, hashed on a blocking thread),
+//!   tensor lock, hashed on a blocking thread; the last snapshot is reused while neither the
+//!   tensors nor the metadata changed, so repeated requests cost no copy),
 //!   opens a **session** for the newcomer and answers with the session id, its schema hash, the
 //!   tensor shapes and dtypes, the total size, the chunk size ([`StateConfig::chunk_bytes`]),
 //!   the SHA-256 of every chunk and a **content hash** over all of that and the metadata
@@ -187,6 +188,17 @@ pub fn registry_key(prefix: &str) -> Vec<u8> {
 pub const MAX_ANNOUNCED_ADDRS: usize = crate::dht::MAX_ADDRS;
 /// Longest announced address, in bytes (binary multiaddr).
 pub const MAX_ANNOUNCED_ADDR_BYTES: usize = crate::dht::MAX_ADDR_BYTES;
+
+/// The donor side's counters ([`Averager::state_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StateStats {
+    /// Snapshots of the state built for newcomers. A snapshot is reused while the tensors and
+    /// the metadata stay as they were, so a peer repeating metadata requests costs no copies.
+    pub snapshots_built: u64,
+    /// Sessions open now.
+    pub sessions: usize,
+}
 
 /// A donor's entry in the registry ([`registry_key`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -438,6 +450,24 @@ struct Inner {
     sessions: Mutex<Vec<Session>>,
     /// Held while a snapshot is built: one at a time.
     building: tokio::sync::Mutex<()>,
+    /// The last snapshot built and the tensors' version it was taken at: served again while
+    /// neither the tensors nor the metadata changed, so metadata requests cost no copy.
+    last_snapshot: Mutex<Option<CachedSnapshot>>,
+    /// Snapshots built since the start ([`StateStats::snapshots_built`]).
+    snapshots_built: AtomicU64,
+}
+
+/// How long a snapshot of tensors that include external memory is served again: such memory
+/// changes without the averager knowing, so the reuse is bounded in time (a flood of metadata
+/// requests costs at most one copy per this period).
+const EXTERNAL_SNAPSHOT_REUSE: Duration = Duration::from_secs(1);
+
+/// The donor's last snapshot ([`Inner::current_snapshot`]).
+struct CachedSnapshot {
+    version: u64,
+    external: bool,
+    built: Instant,
+    snapshot: Arc<Snapshot>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -485,6 +515,8 @@ impl StateSharing {
             announced: Mutex::new(Announced::default()),
             sessions: Mutex::new(Vec::new()),
             building: tokio::sync::Mutex::new(()),
+            last_snapshot: Mutex::new(None),
+            snapshots_built: AtomicU64::new(0),
         });
         let (stop, stop_rx) = watch::channel(false);
         let tasks = vec![
@@ -607,6 +639,15 @@ impl Averager {
         lock(&self.state.inner.metadata).clone()
     }
 
+    /// What the donor side has done so far.
+    pub fn state_stats(&self) -> StateStats {
+        let inner = &self.state.inner;
+        StateStats {
+            snapshots_built: inner.snapshots_built.load(Ordering::SeqCst),
+            sessions: lock(&inner.sessions).len(),
+        }
+    }
+
     /// The donors currently announced for this prefix, best first, without this averager:
     /// the candidates [`Averager::load_state_from_peers`] would ask.
     pub async fn state_donors(&self) -> Result<Vec<Donor>, StateError> {
@@ -615,6 +656,19 @@ impl Averager {
 }
 
 impl Inner {
+    /// The last snapshot, if the tensors and the metadata are still what it holds: the
+    /// tensors' version has not moved and, where some tensor is external memory (which its
+    /// owner, e.g. PyTorch, writes without telling us), it is younger than
+    /// [`EXTERNAL_SNAPSHOT_REUSE`].
+    fn current_snapshot(&self) -> Option<Arc<Snapshot>> {
+        let last = lock(&self.last_snapshot);
+        let cached = last.as_ref()?;
+        (cached.version == self.shared.version.load(Ordering::SeqCst)
+            && (!cached.external || cached.built.elapsed() < EXTERNAL_SNAPSHOT_REUSE)
+            && cached.snapshot.meta.metadata == *lock(&self.metadata))
+        .then(|| cached.snapshot.clone())
+    }
+
     fn sharing(&self) -> bool {
         self.allow.load(Ordering::SeqCst) && self.mode == Mode::Node
     }
@@ -791,8 +845,25 @@ async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
     }
     let built = {
         let _one_at_a_time = inner.building.lock().await;
-        let builder = inner.clone();
-        tokio::task::spawn_blocking(move || build_snapshot(&builder)).await
+        match inner.current_snapshot() {
+            Some(snapshot) => Ok(snapshot),
+            None => {
+                let builder = inner.clone();
+                tokio::task::spawn_blocking(move || {
+                    let (version, external, snapshot) = build_snapshot(&builder);
+                    let snapshot = Arc::new(snapshot);
+                    builder.snapshots_built.fetch_add(1, Ordering::SeqCst);
+                    *lock(&builder.last_snapshot) = Some(CachedSnapshot {
+                        version,
+                        external,
+                        built: Instant::now(),
+                        snapshot: snapshot.clone(),
+                    });
+                    snapshot
+                })
+                .await
+            }
+        }
     };
     let Ok(snapshot) = built else {
         return Response::Refused(Refusal::Busy);
@@ -808,7 +879,7 @@ async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
     let snapshot = sessions
         .iter()
         .find(|s| s.snapshot.meta.content_hash == snapshot.meta.content_hash)
-        .map_or_else(|| Arc::new(snapshot), |s| s.snapshot.clone());
+        .map_or(snapshot, |s| s.snapshot.clone());
     let id = Bytes::copy_from_slice(&rand::rng().random::<[u8; 16]>());
     let mut meta = snapshot.meta.clone();
     meta.session = id.clone();
@@ -821,18 +892,24 @@ async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
     Response::Metadata(meta)
 }
 
-fn build_snapshot(inner: &Inner) -> Snapshot {
+/// A snapshot of the tensors and metadata, the tensors' version it was taken at, and whether
+/// any tensor is [external](Tensor::External). Only the copy runs under the tensor lock; the
+/// hashes after it.
+fn build_snapshot(inner: &Inner) -> (u64, bool, Snapshot) {
     let chunk_bytes =
         (inner.config.chunk_bytes as u64).clamp(wire::MIN_CHUNK_BYTES, wire::MAX_CHUNK_BYTES);
-    let (data, tensors) = {
+    let (version, external, data, tensors) = {
         let tensors = lock(&inner.shared.tensors);
+        // Read under the lock: every change through a guard counted before it was taken.
+        let version = inner.shared.version.load(Ordering::SeqCst);
+        let external = tensors.iter().any(|t| matches!(t, Tensor::External(_)));
         let total = tensors.iter().map(Tensor::size_bytes).sum();
         let mut data = Vec::with_capacity(total);
         for t in tensors.iter() {
             data.extend_from_slice(t.flat().as_bytes());
         }
         let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
-        (data, descriptors)
+        (version, external, data, descriptors)
     };
     let metadata = lock(&inner.metadata).clone();
     let mut hashes =
@@ -849,7 +926,7 @@ fn build_snapshot(inner: &Inner) -> Snapshot {
         &hashes,
         &metadata,
     );
-    Snapshot {
+    let snapshot = Snapshot {
         data: data.into(),
         meta: Metadata {
             session: Bytes::new(),
@@ -861,7 +938,8 @@ fn build_snapshot(inner: &Inner) -> Snapshot {
             content_hash,
             metadata,
         },
-    }
+    };
+    (version, external, snapshot)
 }
 
 fn chunk(inner: &Inner, peer: PeerId, session: &Bytes, index: u64) -> Response {
@@ -1428,7 +1506,7 @@ impl Inner {
             ..
         } = done;
         {
-            let mut tensors = lock(&self.shared.tensors);
+            let mut tensors = self.shared.lock_tensors_mut();
             if tensors.len() != meta.tensors.len()
                 || tensors
                     .iter()

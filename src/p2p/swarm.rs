@@ -700,6 +700,28 @@ impl EventLoop {
         }
     }
 
+    /// Drops `peer` from Kademlia's routing table after a dial to it failed on every address
+    /// (initial peers excepted: they are how this node finds the swarm again). libp2p-kad
+    /// keeps such a peer, with its last address, until its bucket is full and a newcomer
+    /// replaces it; in a swarm smaller than a bucket that never happens, so every peer that
+    /// ever left stayed, and every lookup kept dialing the dead (a QUIC dial to a closed port
+    /// waits out its handshake timeout). A live peer dropped by mistake comes back with its
+    /// next connection or lookup answer.
+    fn forget_unreachable(&mut self, peer: PeerId, error: &libp2p::swarm::DialError) {
+        use libp2p::swarm::DialError;
+        if self.initial_peers.contains(&peer)
+            || !matches!(
+                error,
+                DialError::Transport(_) | DialError::WrongPeerId { .. }
+            )
+        {
+            return;
+        }
+        if self.swarm.behaviour_mut().kad.remove_peer(&peer).is_some() {
+            tracing::debug!(%peer, "unreachable: removed from the routing table");
+        }
+    }
+
     /// Merges `incoming` with the stored value under `key` and stores the result.
     fn merge_into_store(
         &mut self,
@@ -819,6 +841,7 @@ impl EventLoop {
                 if let Some(peer) = peer_id
                     && !self.swarm.is_connected(&peer)
                 {
+                    self.forget_unreachable(peer, &error);
                     for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
                         let _ = w.send(Err(P2pError::Dial {
                             addr: Multiaddr::empty().with(Protocol::P2p(peer)),
