@@ -281,6 +281,12 @@ pub struct ConnectionLimits {
     pub max_established_incoming: u32,
     /// Established connections (either direction) with one peer.
     pub max_per_peer: u32,
+    /// Refuse new connections (both directions) while this process uses more memory than this
+    /// (resident bytes, as libp2p's `memory_connection_limits` measures them, refreshed at most
+    /// every 100 ms). Off by default: the averaged tensors live in the same process and may
+    /// rightly take most of the machine; set it where a node must not take on more peers under
+    /// memory pressure (`--max-memory-mib` on `hivemesh dht`).
+    pub max_process_memory_bytes: Option<usize>,
 }
 
 impl Default for ConnectionLimits {
@@ -289,6 +295,7 @@ impl Default for ConnectionLimits {
             max_pending_incoming: 128,
             max_established_incoming: 1024,
             max_per_peer: 8,
+            max_process_memory_bytes: None,
         }
     }
 }

@@ -404,6 +404,31 @@ mod dht {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// `--max-memory-mib`: a node over its limit (1 MiB: any process is) refuses the next peer,
+    /// whose start then fails; the same peer joins a node without the flag.
+    #[test]
+    fn a_node_over_its_memory_limit_takes_no_peers() {
+        let join = |addr: &str| {
+            procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([
+                "dht",
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--initial-peer",
+                addr,
+            ]))
+        };
+        let (mut limited, addr) =
+            start(&["--listen", "/ip4/127.0.0.1/tcp/0", "--max-memory-mib", "1"]);
+        let (code, stdout, stderr) = join(&addr);
+        assert_eq!(code, Some(1), "{stdout}{stderr}");
+        assert!(stderr.contains("every initial peer failed"), "{stderr}");
+        assert!(interrupt(&mut limited));
+        let (mut open, addr) = start(&["--listen", "/ip4/127.0.0.1/tcp/0"]);
+        let (mut member, _) = start(&["--listen", "/ip4/127.0.0.1/tcp/0", "--initial-peer", &addr]);
+        assert!(interrupt(&mut member));
+        assert!(interrupt(&mut open));
+    }
+
     #[test]
     fn bad_initial_peer_is_an_error() {
         let (code, _, stderr) = procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([

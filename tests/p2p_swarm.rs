@@ -573,3 +573,46 @@ async fn a_peer_that_left_leaves_the_routing_table_when_it_cannot_be_dialed() {
     );
     boot.shutdown().await.unwrap();
 }
+
+/// Under memory pressure a node takes on no more peers: with a limit far below what this test
+/// process uses, the guarded node refuses every connection; without one the same peer joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_over_its_memory_limit_refuses_connections() {
+    for limit in [Some(1usize << 20), None] {
+        let mut cfg = P2pConfig {
+            request_timeout: Duration::from_secs(10),
+            ..P2pConfig::loopback()
+        };
+        cfg.connections.max_process_memory_bytes = limit;
+        let guarded = spawn(cfg).await;
+        let addrs = guarded.listen_addrs().await.unwrap();
+        let joined = P2p::spawn(
+            P2pConfig {
+                initial_peers: addrs,
+                request_timeout: Duration::from_secs(10),
+                bootstrap_timeout: Duration::from_secs(10),
+                ..P2pConfig::loopback()
+            },
+            Keypair::generate_ed25519(),
+            Box::new(UnionPolicy),
+        )
+        .await
+        .map(|(p, _)| p);
+        match limit {
+            Some(_) => {
+                assert!(joined.is_err(), "joined a node over its memory limit");
+                assert!(guarded.connected_peers().await.unwrap().is_empty());
+            }
+            None => {
+                let joined = joined.expect("joins a node without a memory limit");
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+                while guarded.connected_peers().await.unwrap() != vec![joined.peer_id()] {
+                    assert!(tokio::time::Instant::now() < deadline, "never connected");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                joined.shutdown().await.unwrap();
+            }
+        }
+        guarded.shutdown().await.unwrap();
+    }
+}

@@ -55,6 +55,7 @@ pub(super) struct Behaviour {
     autonat_client: Toggle<autonat::v2::client::Behaviour>,
     autonat_server: Toggle<autonat::v2::server::Behaviour>,
     limits: libp2p::connection_limits::Behaviour,
+    memory_limits: Toggle<libp2p::memory_connection_limits::Behaviour>,
 }
 
 /// Requests from handles to the event loop.
@@ -260,6 +261,10 @@ impl EventLoop {
                         .with_max_established_incoming(Some(conn_limits.max_established_incoming))
                         .with_max_established_per_peer(Some(conn_limits.max_per_peer)),
                 ),
+                memory_limits: conn_limits
+                    .max_process_memory_bytes
+                    .map(libp2p::memory_connection_limits::Behaviour::with_max_bytes)
+                    .into(),
             }
         };
         let idle = config.idle_connection_timeout;

@@ -105,6 +105,9 @@ struct DhtArgs {
     /// connect. TCP only: QUIC is not used.
     #[arg(long, value_name = "FILE")]
     swarm_key: Option<std::path::PathBuf>,
+    /// Refuse new connections while this process uses more than this much memory (MiB).
+    #[arg(long, value_name = "MIB")]
+    max_memory_mib: Option<usize>,
 }
 
 /// A fault injected into one peer: `KIND@PEER`.
@@ -279,6 +282,7 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
         swarm_key,
         ..P2pConfig::default()
     };
+    config.connections.max_process_memory_bytes = args.max_memory_mib.map(|m| m << 20);
     let relay = !args.no_relay;
     config.nat.relay_server = relay.then(RelayLimits::default);
     if !args.listen.is_empty() {
