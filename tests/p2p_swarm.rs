@@ -53,6 +53,22 @@ async fn node(initial: Vec<libp2p::Multiaddr>, client: bool) -> P2p {
     .await
 }
 
+/// A node joining through `initial`, or why it could not (a bootstrap that refuses it).
+async fn try_join(initial: Vec<libp2p::Multiaddr>) -> Result<P2p, P2pError> {
+    P2p::spawn(
+        P2pConfig {
+            initial_peers: initial,
+            request_timeout: Duration::from_secs(10),
+            bootstrap_timeout: Duration::from_secs(10),
+            ..P2pConfig::loopback()
+        },
+        Keypair::generate_ed25519(),
+        Box::new(UnionPolicy),
+    )
+    .await
+    .map(|(p, _)| p)
+}
+
 /// A node joined through `initial` that takes reachability `assume` instead of finding it out.
 async fn assuming(initial: Vec<libp2p::Multiaddr>, assume: Reach) -> P2p {
     let mut cfg = P2pConfig {
@@ -380,19 +396,7 @@ async fn inbound_connections_beyond_the_limit_are_dropped() {
     let first = node(addrs.clone(), false).await;
     // The second peer's dial completes its handshake and is then dropped by the guarded node,
     // so its start may fail or succeed with a connection that closes at once.
-    let second = P2p::spawn(
-        P2pConfig {
-            initial_peers: addrs,
-            request_timeout: Duration::from_secs(10),
-            bootstrap_timeout: Duration::from_secs(10),
-            ..P2pConfig::loopback()
-        },
-        Keypair::generate_ed25519(),
-        Box::new(UnionPolicy),
-    )
-    .await
-    .ok()
-    .map(|(p, _)| p);
+    let second = try_join(addrs).await.ok();
     if let Some(second) = &second {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         while !second.connected_peers().await.unwrap().is_empty() {
@@ -586,18 +590,7 @@ async fn a_node_over_its_memory_limit_refuses_connections() {
         cfg.connections.max_process_memory_bytes = limit;
         let guarded = spawn(cfg).await;
         let addrs = guarded.listen_addrs().await.unwrap();
-        let joined = P2p::spawn(
-            P2pConfig {
-                initial_peers: addrs,
-                request_timeout: Duration::from_secs(10),
-                bootstrap_timeout: Duration::from_secs(10),
-                ..P2pConfig::loopback()
-            },
-            Keypair::generate_ed25519(),
-            Box::new(UnionPolicy),
-        )
-        .await
-        .map(|(p, _)| p);
+        let joined = try_join(addrs).await;
         match limit {
             Some(_) => {
                 assert!(joined.is_err(), "joined a node over its memory limit");
