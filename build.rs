@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/hivemesh/averaging.proto",
         "proto/hivemesh/dht.proto",
         "proto/hivemesh/matchmaking.proto",
+        "proto/hivemesh/rpc.proto",
         "proto/hivemesh/state.proto",
     ];
     for p in protos {

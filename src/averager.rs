@@ -1159,7 +1159,34 @@ impl Actor {
         }
     }
 
+    /// Runs the round of a matched group ([`Self::run_round`]) and counts it in the node's
+    /// metrics.
     async fn all_reduce(
+        &mut self,
+        options: &StepOptions,
+        group: matchmaking::Group,
+        prepared: Prepared,
+        cancel: &mut watch::Receiver<bool>,
+        step_deadline: Option<tokio::time::Instant>,
+    ) -> Result<StepOutcome, AveragerError> {
+        use crate::metrics::RoundResult;
+        let started = std::time::Instant::now();
+        let result = self
+            .run_round(options, group, prepared, cancel, step_deadline)
+            .await;
+        let counted = match &result {
+            Ok(_) => RoundResult::Ok,
+            Err(AveragerError::Cancelled | AveragerError::Shutdown) => RoundResult::Cancelled,
+            Err(_) => RoundResult::Failed,
+        };
+        self.dht
+            .p2p()
+            .metrics()
+            .round_finished(counted, started.elapsed());
+        result
+    }
+
+    async fn run_round(
         &mut self,
         options: &StepOptions,
         group: matchmaking::Group,

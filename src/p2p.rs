@@ -498,6 +498,7 @@ pub struct P2p {
     reach: watch::Receiver<Reachability>,
     nat_stats: watch::Receiver<NatStats>,
     swarm_peers: Option<SwarmPeers>,
+    metrics: crate::metrics::Metrics,
 }
 
 impl std::fmt::Debug for P2p {
@@ -535,6 +536,31 @@ impl P2p {
         let streams = event_loop.stream_control();
         let (reach, nat_stats) = event_loop.nat_watches();
         let swarm_peers = event_loop.swarm_peers();
+        let metrics = event_loop.metrics();
+        metrics.register_collector(
+            crate::metrics::WatchCollector::new(nat_stats.clone())
+                .counters(
+                    "hole_punches",
+                    "Hole punches, by result",
+                    vec![
+                        ("ok", |s: &NatStats| s.punch_ok),
+                        ("failed", |s: &NatStats| s.punch_failed),
+                    ],
+                )
+                .counters(
+                    "own_relay_reservations",
+                    "This node's relay reservations: accepted, or failed and lost",
+                    vec![
+                        ("accepted", |s: &NatStats| s.reservations),
+                        ("lost", |s: &NatStats| s.reservations_lost),
+                    ],
+                ),
+        );
+        metrics.register_collector(crate::metrics::WatchCollector::new(reach.clone()).gauge(
+            "relayed_addresses",
+            "Relayed addresses this node holds (its relay reservations)",
+            |r: &Reachability| i64::try_from(r.relayed.len()).unwrap_or(i64::MAX),
+        ));
         let task = tokio::spawn(event_loop.run());
         let p2p = Self {
             commands: tx,
@@ -544,6 +570,7 @@ impl P2p {
             reach,
             nat_stats,
             swarm_peers,
+            metrics,
         };
         if !initial.is_empty() {
             let connected = tokio::time::timeout(
@@ -610,6 +637,11 @@ impl P2p {
     /// Counters of hole punches and relay reservations.
     pub fn nat_stats(&self) -> NatStats {
         *self.nat_stats.borrow()
+    }
+
+    /// This node's metrics (see [`crate::metrics`]); [`crate::metrics::serve`] serves them.
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
     }
 
     /// What the DHT record store holds (records, bytes, this node's own share, evictions and
@@ -877,6 +909,46 @@ impl AsyncWrite for P2pStream {
 
 #[cfg(test)]
 mod tests {
+    /// Only dial failures that say the peer is gone drop it from the routing table.
+    #[test]
+    fn dial_failures_that_mean_gone() {
+        use libp2p::TransportError;
+        use libp2p::swarm::DialError;
+        use std::io::{Error, ErrorKind};
+        let addr: Multiaddr = "/ip4/127.0.0.1/tcp/1".parse().unwrap();
+        let dial = |errors: Vec<Error>| {
+            DialError::Transport(
+                errors
+                    .into_iter()
+                    .map(|e| (addr.clone(), TransportError::Other(e)))
+                    .collect(),
+            )
+        };
+        #[derive(Debug)]
+        struct Wrapper(Error);
+        impl std::fmt::Display for Wrapper {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("wrapped")
+            }
+        }
+        impl std::error::Error for Wrapper {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let refused = || Error::other(Wrapper(Error::from(ErrorKind::ConnectionRefused)));
+        let handshake = || Error::other("Handshake failed: input error");
+        assert!(swarm::peer_is_gone(&dial(vec![refused()])));
+        assert!(swarm::peer_is_gone(&dial(vec![
+            refused(),
+            Error::other(libp2p::quic::Error::HandshakeTimedOut),
+        ])));
+        assert!(!swarm::peer_is_gone(&dial(vec![handshake()])));
+        assert!(!swarm::peer_is_gone(&dial(vec![refused(), handshake()])));
+        assert!(!swarm::peer_is_gone(&dial(vec![])));
+        assert!(!swarm::peer_is_gone(&DialError::Aborted));
+    }
+
     use super::*;
 
     #[test]

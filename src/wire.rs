@@ -636,6 +636,85 @@ pub fn put_length_prefix(len: usize, out: &mut impl BufMut) {
     prost::encoding::encode_varint(len as u64, out);
 }
 
+/// Why [`read_delimited`] got no message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DelimitedError {
+    /// The message is longer than the limit (judged from its length prefix).
+    #[error("message of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// Announced length.
+        len: u64,
+        /// Limit.
+        max: usize,
+    },
+    /// The length prefix is not a valid varint.
+    #[error("malformed length prefix")]
+    BadLength,
+    /// The stream ended inside a message.
+    #[error("stream closed mid-message")]
+    Truncated,
+    /// Bytes followed the message where the protocol allows none (one request, one answer).
+    #[error("bytes beyond the message before its answer")]
+    Trailing,
+    /// Reading the stream failed.
+    #[error("i/o: {0}")]
+    Io(String),
+}
+
+/// Reads one length-delimited message of at most `max` bytes for request/answer protocols
+/// (state sharing, RPC): `Ok(None)` if the stream ends cleanly before a message begins. The
+/// limit is checked from the length prefix, before anything is buffered, and the buffer grows
+/// with the bytes that actually arrive. Nobody writes a second message before reading the
+/// answer to the first, so bytes beyond this one are an error ([`DelimitedError::Trailing`]).
+pub async fn read_delimited<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+) -> Result<Option<Bytes>, DelimitedError> {
+    use tokio::io::AsyncReadExt as _;
+    let decoder = FrameDecoder::new(max);
+    let mut buf = BytesMut::with_capacity(64);
+    let io = |e: std::io::Error| DelimitedError::Io(e.to_string());
+    loop {
+        let peeked = decoder.peek_len(&buf).map_err(|e| match e {
+            WireError::TooLarge { len, max } => DelimitedError::TooLarge { len, max },
+            _ => DelimitedError::BadLength,
+        })?;
+        if let Some((prefix, len)) = peeked {
+            while buf.len() < prefix + len {
+                buf.reserve((prefix + len - buf.len()).min(256 << 10));
+                if r.read_buf(&mut buf).await.map_err(io)? == 0 {
+                    return Err(DelimitedError::Truncated);
+                }
+            }
+            if buf.len() > prefix + len {
+                return Err(DelimitedError::Trailing);
+            }
+            return Ok(Some(buf.split_off(prefix).freeze()));
+        }
+        if r.read_buf(&mut buf).await.map_err(io)? == 0 {
+            return if buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(DelimitedError::Truncated)
+            };
+        }
+    }
+}
+
+/// Writes one length-delimited message (the counterpart of [`read_delimited`]) and flushes.
+pub async fn write_delimited<W: tokio::io::AsyncWrite + Unpin>(
+    w: &mut W,
+    body: &[u8],
+) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt as _;
+    let mut frame = BytesMut::with_capacity(body.len() + 10);
+    put_length_prefix(body.len(), &mut frame);
+    frame.extend_from_slice(body);
+    w.write_all(&frame).await?;
+    w.flush().await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

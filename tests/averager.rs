@@ -1019,3 +1019,115 @@ async fn an_explicit_node_mode_stays_a_node_when_private() {
     );
     swarm.shutdown(averagers).await;
 }
+
+/// One metric's value in a scrape (`name{labels} value`), `None` if the series is absent.
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// `GET /metrics` from a node's endpoint (the status line must be 200).
+async fn scrape(node: &hivemesh::averager::node::Node) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let addr = node.metrics_addr().expect("metrics served");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: node\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(60), s.read_to_string(&mut answer))
+        .await
+        .expect("scrape answered")
+        .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+    answer
+}
+
+/// The metrics endpoint of two nodes (`NodeConfig::metrics_listen`): rounds, round time, bytes
+/// per carrier and the accepted inbound link all move with one round, by the amounts the
+/// round implies; connections and DHT records are there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_with_a_round() {
+    let _serial = serial().await;
+    let swarm = Swarm::start_with(2, |_, c| {
+        c.metrics_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+    })
+    .await;
+    let ok = "hivemesh_rounds_total{result=\"ok\"}";
+    let tls_sent = "hivemesh_link_bytes_total{carrier=\"tls\",direction=\"sent\"}";
+    let tls_received = "hivemesh_link_bytes_total{carrier=\"tls\",direction=\"received\"}";
+    let accepted = "hivemesh_inbound_links_total{result=\"accepted\"}";
+    for node in &swarm.nodes {
+        let text = scrape(node).await;
+        assert_eq!(metric(&text, ok), Some(0.0), "{text}");
+        assert_eq!(metric(&text, tls_sent), Some(0.0), "{text}");
+        assert_eq!(metric(&text, accepted), Some(0.0), "{text}");
+        assert!(
+            metric(&text, "hivemesh_connected_peers") >= Some(1.0),
+            "{text}"
+        );
+    }
+    let mut rng = StdRng::seed_from_u64(21);
+    let inputs: Vec<Vec<Vec<f32>>> = (0..2).map(|_| random_tensors(&mut rng)).collect();
+    let averagers: Vec<_> = (0..2)
+        .map(|i| swarm.averager(i, inputs[i].clone(), config("metrics", Mode::Node, Some(2))))
+        .collect();
+    let results = step_all(&averagers, |_| StepOptions {
+        timeout: Some(Duration::from_secs(60)),
+        ..StepOptions::default()
+    })
+    .await;
+    for r in &results {
+        let outcome = r.as_ref().unwrap();
+        assert!(
+            outcome
+                .carriers
+                .iter()
+                .flatten()
+                .all(|c| c.to_string() == "tls")
+        );
+    }
+    // Each peer sends the other its half of the values and gets the other's average of its
+    // own half back: at least one full tensor's f32 bytes each way, plus framing.
+    let payload = 4.0 * inputs[0].iter().map(Vec::len).sum::<usize>() as f64 / 2.0;
+    let mut accepted_total = 0.0;
+    let mut texts = Vec::new();
+    for node in &swarm.nodes {
+        let text = scrape(node).await;
+        assert_eq!(metric(&text, ok), Some(1.0), "{text}");
+        assert_eq!(
+            metric(&text, "hivemesh_rounds_total{result=\"failed\"}"),
+            Some(0.0),
+            "{text}"
+        );
+        assert_eq!(
+            metric(&text, "hivemesh_round_seconds_count"),
+            Some(1.0),
+            "{text}"
+        );
+        assert!(metric(&text, tls_sent).unwrap() > payload, "{text}");
+        assert!(metric(&text, tls_received).unwrap() > payload, "{text}");
+        accepted_total += metric(&text, accepted).unwrap();
+        texts.push(text);
+    }
+    // One link between the two: one of them accepted it.
+    assert_eq!(accepted_total, 1.0, "{texts:?}");
+    // Bytes one sent are bytes the other received (one TLS link, both directions counted at
+    // the socket level of the same stream).
+    assert_eq!(
+        metric(&texts[0], tls_sent),
+        metric(&texts[1], tls_received),
+        "{texts:?}"
+    );
+    let records: f64 = [&swarm.bootstrap]
+        .into_iter()
+        .chain(&swarm.nodes)
+        .map(|n| n.metrics().encode())
+        .map(|t| metric(&t, "hivemesh_dht_records").unwrap())
+        .sum();
+    assert!(
+        records > 0.0,
+        "the group's declarations are stored somewhere"
+    );
+    swarm.shutdown(averagers).await;
+}

@@ -43,10 +43,16 @@ class Node:
         data_plane: bool = ...,
         start_timeout: float = ...,
         swarm_key: Optional[str] = ...,
+        metrics_listen: Optional[str] = ...,
     ) -> None: ...
     @property
     def peer_id(self) -> str:
         """This node's peer id (base58)."""
+    @property
+    def metrics_addr(self) -> Optional[str]:
+        """``HOST:PORT`` of the metrics endpoint, if served."""
+    def metrics_text(self) -> str:
+        """The metrics in the Prometheus text format."""
     @property
     def is_alive(self) -> bool:
         """Whether the node runs."""

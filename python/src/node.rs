@@ -88,9 +88,10 @@ impl Node {
     /// created if missing; `relay`: serve as a relay for peers behind NATs; `external`:
     /// addresses others reach this node at; `data_plane`: listen for TLS data links;
     /// `start_timeout`: seconds to wait for reachability at start; `swarm_key`: a private
-    /// swarm's key file (`hivemesh swarm-key FILE`): only peers holding it connect, over TCP.
+    /// swarm's key file (`hivemesh swarm-key FILE`): only peers holding it connect, over TCP;
+    /// `metrics_listen`: `HOST:PORT` to serve Prometheus metrics at (`/metrics`).
     #[new]
-    #[pyo3(signature = (initial_peers=Vec::new(), listen=None, client_mode=false, identity_path=None, relay=false, external=Vec::new(), data_plane=true, start_timeout=5.0, swarm_key=None))]
+    #[pyo3(signature = (initial_peers=Vec::new(), listen=None, client_mode=false, identity_path=None, relay=false, external=Vec::new(), data_plane=true, start_timeout=5.0, swarm_key=None, metrics_listen=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -103,7 +104,17 @@ impl Node {
         data_plane: bool,
         start_timeout: f64,
         swarm_key: Option<std::path::PathBuf>,
+        metrics_listen: Option<String>,
     ) -> PyResult<Self> {
+        let metrics_listen = metrics_listen
+            .map(|a| {
+                a.parse::<SocketAddr>().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "metrics address {a:?} is not HOST:PORT (an IP address and a port)"
+                    ))
+                })
+            })
+            .transpose()?;
         if !(start_timeout.is_finite() && start_timeout >= 0.0) {
             return Err(PyValueError::new_err(format!(
                 "start_timeout must be a non-negative number of seconds, not {start_timeout}"
@@ -157,6 +168,8 @@ impl Node {
             p2p,
             hub: HubConfig::default(),
             reachability_wait: Duration::from_secs_f64(start_timeout),
+            metrics_listen,
+            rpc: hivemesh::rpc::RpcConfig::default(),
         };
         let node = runtime::block_on(py, RustNode::start(config, keypair))?
             .map_err(|e| DHTError::new_err(format!("starting the node: {e}")))?;
@@ -171,6 +184,23 @@ impl Node {
     #[getter]
     fn peer_id(&self) -> String {
         self.peer_id.clone()
+    }
+
+    /// Where the metrics endpoint listens (`HOST:PORT`), if it runs.
+    #[getter]
+    fn metrics_addr(&self) -> PyResult<Option<String>> {
+        self.owner.check("DHT")?;
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let node = inner
+            .as_ref()
+            .ok_or_else(|| ShutdownError::new_err("the DHT has shut down"))?;
+        Ok(node.metrics_addr().map(|a| a.to_string()))
+    }
+
+    /// The node's metrics in the Prometheus (OpenMetrics) text format, as `/metrics` serves
+    /// them.
+    fn metrics_text(&self) -> PyResult<String> {
+        Ok(self.parts()?.dht.p2p().metrics().encode())
     }
 
     /// Addresses others can join through, each ending with `/p2p/<peer id>`: the listen

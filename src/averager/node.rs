@@ -17,8 +17,10 @@ use tokio::task::JoinHandle;
 
 use crate::dht::{Dht, RelayDirectory};
 use crate::links::{DataPlane, HubConfig, LinkHub};
+use crate::metrics::{Metrics, MetricsServer};
 use crate::p2p::{P2pConfig, Reachability};
 use crate::reach::Reach;
+use crate::rpc::{HandlerResult, Rpc, RpcConfig, RpcError};
 use crate::transport::DataIdentity;
 
 /// What a node runs.
@@ -34,6 +36,11 @@ pub struct NodeConfig {
     /// How long [`Node::start`] waits to learn the node's reachability (and, behind a NAT,
     /// for a relay reservation).
     pub reachability_wait: Duration,
+    /// Where to serve the node's metrics (`http://ADDR/metrics`, Prometheus text format;
+    /// [`crate::metrics`]). `None`: not served (they are still kept: [`Node::metrics`]).
+    pub metrics_listen: Option<SocketAddr>,
+    /// The RPC endpoint's limits ([`Node::serve`], [`Node::call`]).
+    pub rpc: RpcConfig,
 }
 
 impl NodeConfig {
@@ -44,6 +51,8 @@ impl NodeConfig {
             data_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             hub: HubConfig::default(),
             reachability_wait: Duration::from_secs(5),
+            metrics_listen: None,
+            rpc: RpcConfig::default(),
         }
     }
 
@@ -76,6 +85,17 @@ pub enum NodeError {
     /// The node listens nowhere.
     #[error("the node has no listen address")]
     NoAddress,
+    /// The RPC endpoint could not start.
+    #[error(transparent)]
+    Rpc(#[from] RpcError),
+    /// The metrics endpoint could not listen.
+    #[error("serving metrics on {addr}: {source}")]
+    Metrics {
+        /// Where it was to listen.
+        addr: SocketAddr,
+        /// Why it could not.
+        source: std::io::Error,
+    },
 }
 
 /// A running node (see the module docs).
@@ -84,6 +104,8 @@ pub struct Node {
     dht: Dht,
     hub: Arc<LinkHub>,
     relays: RelayDirectory,
+    metrics_server: Option<MetricsServer>,
+    rpc: Rpc,
     swarm: JoinHandle<()>,
 }
 
@@ -101,6 +123,15 @@ impl Node {
         let nat = config.p2p.nat.clone();
         let (dht, swarm) = Dht::start(config.p2p, keypair).await?;
         let hub = LinkHub::start(dht.p2p().clone(), data_plane, config.hub).await?;
+        let metrics_server = match config.metrics_listen {
+            Some(addr) => Some(
+                crate::metrics::serve(addr, dht.p2p().metrics().clone())
+                    .await
+                    .map_err(|source| NodeError::Metrics { addr, source })?,
+            ),
+            None => None,
+        };
+        let rpc = Rpc::start(dht.p2p().clone(), config.rpc)?;
         let relays = RelayDirectory::start(dht.clone(), nat.relay_server.is_some());
         let p2p = dht.p2p();
         if bootstrapped && nat.assume.is_none() {
@@ -120,6 +151,8 @@ impl Node {
             dht,
             hub: Arc::new(hub),
             relays,
+            metrics_server,
+            rpc,
             swarm,
         })
     }
@@ -146,6 +179,43 @@ impl Node {
             .ok_or(NodeError::NoAddress)
     }
 
+    /// Serves `method` to other peers: each call runs `handler(caller, payload)` (see
+    /// [`crate::rpc`] for the protocol and its bounds).
+    pub fn serve<F, Fut>(&self, method: &str, handler: F) -> Result<(), RpcError>
+    where
+        F: Fn(libp2p::PeerId, bytes::Bytes) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = HandlerResult> + Send + 'static,
+    {
+        self.rpc.serve(method, handler)
+    }
+
+    /// Calls `method` on `peer`; the whole call runs under `timeout`.
+    pub async fn call(
+        &self,
+        peer: libp2p::PeerId,
+        method: &str,
+        payload: &[u8],
+        timeout: Duration,
+    ) -> Result<bytes::Bytes, RpcError> {
+        self.rpc.call(peer, method, payload, timeout).await
+    }
+
+    /// The node's RPC endpoint (to hand to tasks, or to stop serving a method).
+    pub fn rpc(&self) -> &Rpc {
+        &self.rpc
+    }
+
+    /// The node's metrics (served at [`Self::metrics_addr`] if
+    /// [`NodeConfig::metrics_listen`] was set).
+    pub fn metrics(&self) -> &Metrics {
+        self.dht.p2p().metrics()
+    }
+
+    /// Where the metrics endpoint listens, if it runs.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_server.as_ref().map(MetricsServer::local_addr)
+    }
+
     /// The node's link hub.
     pub fn hub(&self) -> &Arc<LinkHub> {
         &self.hub
@@ -158,8 +228,14 @@ impl Node {
             dht,
             hub,
             relays,
+            metrics_server,
+            rpc,
             swarm,
         } = self;
+        rpc.shutdown().await;
+        if let Some(server) = metrics_server {
+            server.shutdown().await;
+        }
         relays.shutdown().await;
         if let Ok(hub) = Arc::try_unwrap(hub) {
             hub.shutdown().await;

@@ -12,6 +12,7 @@ use super::hub::{Expectation, Shared, write_link_frame};
 use super::{
     Carrier, EstablishedLinks, HubError, LinkHub, LinkKind, LinkPeer, PART_PROTOCOL, Plan,
 };
+use crate::metrics::CountedLink;
 use crate::p2p::{P2p, Transport};
 use crate::reach::Path;
 use crate::runner::Link;
@@ -115,7 +116,19 @@ impl Expectation {
                 Plan::Open(_) | Plan::Await(_) => Some(HubError::NoLink { peer, timeout }),
             };
         }
-        let carriers = kinds.iter().map(|k| k.map(LinkKind::carrier)).collect();
+        let carriers: Vec<Option<Carrier>> =
+            kinds.iter().map(|k| k.map(LinkKind::carrier)).collect();
+        let metrics = self.shared.p2p.metrics();
+        for (link, carrier) in links.iter_mut().zip(&carriers) {
+            if let Some(carrier) = carrier
+                && let Some(l) = link.take()
+            {
+                *link = Some(Box::new(CountedLink::new(
+                    l,
+                    metrics.link_counters(*carrier),
+                )));
+            }
+        }
         for e in errors.iter().flatten() {
             tracing::info!(error = %e, "member not linked");
         }

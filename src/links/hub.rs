@@ -197,6 +197,7 @@ impl LinkHub {
             stats: watch::Sender::new(HubStats::default()),
             punch_failures: Mutex::new(HashMap::new()),
         });
+        register_metrics(&shared);
         let (tx, rx) = mpsc::channel(shared.config.max_pending_links.max(1));
         let mut tasks = JoinSet::new();
         if let Some(listener) = listener {
@@ -817,4 +818,26 @@ async fn punch(
     ))
     .await;
     Ok(())
+}
+
+/// `inbound_links_total{result}` from the hub's stats (see [`crate::metrics`]).
+fn register_metrics(shared: &Shared) {
+    type Read = fn(&HubStats) -> u64;
+    let results: Vec<(&'static str, Read)> = vec![
+        ("accepted", |s| s.accepted),
+        ("refused", |s| s.refused),
+        ("early", |s| s.early),
+        ("failed", |s| s.failed),
+        ("dropped", |s| s.dropped),
+        ("over_share", |s| s.over_share),
+        ("tls_failed", |s| s.tls_failed),
+        ("not_in_swarm", |s| s.not_in_swarm),
+    ];
+    shared.p2p.metrics().register_collector(
+        crate::metrics::WatchCollector::new(shared.stats.subscribe()).counters(
+            "inbound_links",
+            "Inbound round links (TLS and stream), by what became of them",
+            results,
+        ),
+    );
 }

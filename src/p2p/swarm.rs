@@ -171,6 +171,8 @@ pub(super) struct EventLoop {
     forced_client: bool,
     /// In a private swarm, the peers connected through the key (`private.rs`).
     swarm_peers: Option<SwarmPeers>,
+    /// The node's metrics: this loop sets the connection, store and relay-server ones.
+    metrics: crate::metrics::Metrics,
 }
 
 /// Most addresses of one peer that identify adds to the routing table.
@@ -358,6 +360,7 @@ impl EventLoop {
             nat: Nat::new(&config.nat),
             forced_client: client_mode,
             swarm_peers: config.swarm_key.map(|_| SwarmPeers::default()),
+            metrics: crate::metrics::Metrics::new(),
         };
         for addr in &config.nat.external {
             event_loop.on_external_confirmed(addr.clone());
@@ -366,6 +369,22 @@ impl EventLoop {
     }
 
     /// The watches behind [`super::P2p::reachability`] and [`super::P2p::nat_stats`].
+    /// The node's metrics ([`super::P2p::metrics`]).
+    pub(super) fn metrics(&self) -> crate::metrics::Metrics {
+        self.metrics.clone()
+    }
+
+    /// Sets the gauges this loop owns (connections, the store): cheap, so after every event.
+    fn update_metrics(&mut self) {
+        let info = self.swarm.network_info();
+        self.metrics.set_connections(
+            info.num_peers(),
+            info.connection_counters().num_established() as usize,
+        );
+        let usage = self.swarm.behaviour_mut().kad.store_mut().usage();
+        self.metrics.set_store(&usage);
+    }
+
     pub(super) fn nat_watches(&self) -> (watch::Receiver<Reachability>, watch::Receiver<NatStats>) {
         self.nat.watches()
     }
@@ -430,6 +449,7 @@ impl EventLoop {
                     }
                 }
             }
+            self.update_metrics();
         }
         // Dropping the swarm closes listeners and connections; tell waiters we are gone.
         for (_, p) in self.pending.drain() {
@@ -712,14 +732,12 @@ impl EventLoop {
     /// ever left stayed, and every lookup kept dialing the dead (a QUIC dial to a closed port
     /// waits out its handshake timeout). A live peer dropped by mistake comes back with its
     /// next connection or lookup answer.
+    ///
+    /// Only a failure that says the peer is gone counts ([`peer_is_gone`]): a handshake that
+    /// failed (e.g. both peers dialled each other at once and TCP joined the two dials into
+    /// one connection with two initiators) says nothing about whether it is still there.
     fn forget_unreachable(&mut self, peer: PeerId, error: &libp2p::swarm::DialError) {
-        use libp2p::swarm::DialError;
-        if self.initial_peers.contains(&peer)
-            || !matches!(
-                error,
-                DialError::Transport(_) | DialError::WrongPeerId { .. }
-            )
-        {
+        if self.initial_peers.contains(&peer) || !peer_is_gone(error) {
             return;
         }
         if self.swarm.behaviour_mut().kad.remove_peer(&peer).is_some() {
@@ -883,6 +901,18 @@ impl EventLoop {
                 self.on_relay_client(event)
             }
             SwarmEvent::Behaviour(BehaviourEvent::RelayServer(event)) => {
+                match &event {
+                    relay::Event::CircuitReqAccepted { .. } => self.metrics.relay_circuits_add(1),
+                    relay::Event::CircuitClosed { .. } => self.metrics.relay_circuits_add(-1),
+                    relay::Event::ReservationReqAccepted { renewed: false, .. } => {
+                        self.metrics.relay_reservations_add(1)
+                    }
+                    relay::Event::ReservationClosed { .. }
+                    | relay::Event::ReservationTimedOut { .. } => {
+                        self.metrics.relay_reservations_add(-1)
+                    }
+                    _ => {}
+                }
                 tracing::debug!(?event, "relay server");
             }
             SwarmEvent::Behaviour(BehaviourEvent::Dcutr(event)) => self.on_dcutr(event),
@@ -962,4 +992,42 @@ impl EventLoop {
             _ => {}
         }
     }
+}
+
+/// Whether a failed dial says that the peer is no longer where we looked: another peer answered
+/// there, or every address refused the connection, was unreachable or timed out. Errors of
+/// the handshake or of the protocols negotiated after it (a simultaneous open, a limit
+/// reached on either side, a peer under load) do not count.
+pub(super) fn peer_is_gone(error: &libp2p::swarm::DialError) -> bool {
+    use libp2p::TransportError;
+    use libp2p::swarm::DialError;
+    match error {
+        DialError::WrongPeerId { .. } => true,
+        DialError::Transport(errors) => {
+            !errors.is_empty()
+                && errors.iter().all(|(_, e)| match e {
+                    TransportError::MultiaddrNotSupported(_) => false,
+                    TransportError::Other(e) => says_gone(e),
+                })
+        }
+        _ => false,
+    }
+}
+
+/// Whether an error, or anything it wraps, is an I/O error that means nobody is there
+/// (refused, unreachable, timed out) or QUIC's handshake timeout (a closed UDP port).
+///
+/// Read from the error's `Debug` text: libp2p's transport stack wraps the socket's error in
+/// `Either`s whose `source()` skips the error they hold, so walking the sources does not reach
+/// it; the `Debug` text names every layer, down to the `io::ErrorKind`.
+fn says_gone(error: &std::io::Error) -> bool {
+    let text = format!("{error:?}");
+    [
+        "ConnectionRefused",
+        "HostUnreachable",
+        "NetworkUnreachable",
+        "TimedOut",
+    ]
+    .iter()
+    .any(|kind| text.contains(kind))
 }

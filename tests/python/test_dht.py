@@ -126,3 +126,30 @@ def test_private_swarm(tmp_path):
     (tmp_path / "bad.key").write_text("not a key")
     with pytest.raises(ValueError, match="swarm key"):
         hivemesh.DHT(host_maddrs=loopback, swarm_key=str(tmp_path / "bad.key"))
+
+
+def test_metrics_endpoint(make_dht):
+    import urllib.error
+    import urllib.request
+
+    a = make_dht(metrics_addr="127.0.0.1:0")
+    b = make_dht()
+    assert b.metrics_addr is None
+    host, port = a.metrics_addr.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    assert a.store("metrics-key", b"v", get_dht_time() + 60)
+    with urllib.request.urlopen(f"http://{a.metrics_addr}/metrics", timeout=60) as answer:
+        assert answer.status == 200
+        text = answer.read().decode()
+    assert text.rstrip().endswith("# EOF")
+    series = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert float(series["hivemesh_connected_peers"]) >= 1
+    assert float(series['hivemesh_rounds_total{result="ok"}']) == 0
+    assert "hivemesh_dht_records" in a.metrics_text()
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(f"http://{a.metrics_addr}/other", timeout=60)
+    assert missing.value.code == 404
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        make_dht(metrics_addr="not an address")

@@ -121,7 +121,9 @@ class DHT:
     ``relay`` serves as a relay for peers behind NATs (what ``python -m hivemesh.dht`` does),
     ``external_maddrs`` are addresses others reach this node at, ``start_timeout`` bounds the
     wait to learn this node's reachability, ``swarm_key`` is a private swarm's key file
-    (``hivemesh swarm-key FILE`` writes one): only peers holding it connect (over TCP).
+    (``hivemesh swarm-key FILE`` writes one): only peers holding it connect (over TCP),
+    ``metrics_addr`` (``"HOST:PORT"``, port 0 picks one) serves Prometheus metrics at
+    ``http://HOST:PORT/metrics`` (:attr:`metrics_addr` tells where).
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class DHT:
         external_maddrs: Sequence[Any] = (),
         start_timeout: float = 5.0,
         swarm_key: Optional[str] = None,
+        metrics_addr: Optional[str] = None,
         **hivemind_kwargs: Any,
     ):
         for name, value in hivemind_kwargs.items():
@@ -158,6 +161,7 @@ class DHT:
             external=[str(a) for a in external_maddrs],
             start_timeout=float(start_timeout),
             swarm_key=None if swarm_key is None else str(swarm_key),
+            metrics_listen=None if metrics_addr is None else str(metrics_addr),
         )
         self._node: Optional[_hivemesh.Node] = None
         self.client_mode = bool(client_mode)
@@ -180,6 +184,15 @@ class DHT:
     def peer_id(self) -> PeerID:
         """This node's peer id."""
         return PeerID(self._native.peer_id)
+
+    @property
+    def metrics_addr(self) -> Optional[str]:
+        """``HOST:PORT`` of the metrics endpoint (``None`` if not served)."""
+        return self._native.metrics_addr
+
+    def metrics_text(self) -> str:
+        """The node's metrics in the Prometheus text format (what ``/metrics`` serves)."""
+        return self._native.metrics_text()
 
     def get_visible_maddrs(self, latest: bool = False) -> List[Multiaddr]:
         """Addresses others can join through, each ending with ``/p2p/<peer id>``."""

@@ -11,15 +11,14 @@
 //! whether it is *ours* (same schema) is the newcomer's check. Anything else is a typed
 //! [`WireError`]; nothing panics on arbitrary bytes.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use prost::Message as _;
 use sha2::{Digest, Sha256};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::allreduce::TensorDescriptor;
 use crate::proto_guard::{self, Field, Kind};
 use crate::tensor::DType;
-use crate::wire::FrameDecoder;
 
 /// Generated prost types (do not use outside this boundary).
 #[allow(missing_docs, clippy::all)]
@@ -512,66 +511,36 @@ fn decode_metadata(m: proto::StateMetadata) -> Result<Metadata, WireError> {
 
 /// Writes one length-delimited frame and flushes.
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<(), WireError> {
-    let mut frame = BytesMut::with_capacity(body.len() + 10);
-    crate::wire::put_length_prefix(body.len(), &mut frame);
-    frame.extend_from_slice(body);
-    w.write_all(&frame)
+    crate::wire::write_delimited(w, body)
         .await
-        .map_err(|e| WireError::Io(e.to_string()))?;
-    w.flush().await.map_err(|e| WireError::Io(e.to_string()))
+        .map_err(|e| WireError::Io(e.to_string()))
 }
 
 /// Reads one length-delimited frame of at most `max` bytes: `Ok(None)` if the stream ends
-/// cleanly before a frame begins. The limit is checked from the length prefix, before anything
-/// is buffered, and the buffer grows with the bytes that actually arrive. The protocol is one
-/// request, one answer: bytes after the frame are an error.
+/// cleanly before a frame begins ([`crate::wire::read_delimited`]: the limit is checked from
+/// the length prefix; one request, one answer, so bytes after the frame are an error).
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     max: usize,
 ) -> Result<Option<Bytes>, WireError> {
-    let decoder = FrameDecoder::new(max);
-    let mut buf = BytesMut::with_capacity(64);
-    loop {
-        let peeked = decoder.peek_len(&buf).map_err(|e| match e {
-            crate::wire::WireError::TooLarge { len, max } => WireError::TooLarge { len, max },
-            _ => WireError::BadLength,
-        })?;
-        if let Some((prefix, len)) = peeked {
-            while buf.len() < prefix + len {
-                buf.reserve((prefix + len - buf.len()).min(256 << 10));
-                if r.read_buf(&mut buf)
-                    .await
-                    .map_err(|e| WireError::Io(e.to_string()))?
-                    == 0
-                {
-                    return Err(WireError::Truncated);
-                }
-            }
-            // One request, one answer: nobody writes a second frame before reading the answer
-            // to the first, so bytes beyond this frame are a protocol violation.
-            if buf.len() > prefix + len {
-                return Err(invalid("frame", "bytes beyond the frame before its answer"));
-            }
-            return Ok(Some(buf.split_off(prefix).freeze()));
-        }
-        if r.read_buf(&mut buf)
-            .await
-            .map_err(|e| WireError::Io(e.to_string()))?
-            == 0
-        {
-            return if buf.is_empty() {
-                Ok(None)
-            } else {
-                Err(WireError::Truncated)
-            };
-        }
-    }
+    use crate::wire::DelimitedError as D;
+    crate::wire::read_delimited(r, max)
+        .await
+        .map_err(|e| match e {
+            D::TooLarge { len, max } => WireError::TooLarge { len, max },
+            D::BadLength => WireError::BadLength,
+            D::Truncated => WireError::Truncated,
+            D::Trailing => invalid("frame", "bytes beyond the frame before its answer"),
+            D::Io(e) => WireError::Io(e),
+        })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::BytesMut;
     use proptest::prelude::*;
+    use tokio::io::AsyncWriteExt as _;
 
     fn sample_metadata() -> Metadata {
         let tensors = vec![

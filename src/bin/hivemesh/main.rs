@@ -108,6 +108,10 @@ struct DhtArgs {
     /// Refuse new connections while this process uses more than this much memory (MiB).
     #[arg(long, value_name = "MIB")]
     max_memory_mib: Option<usize>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9100; port 0 picks
+    /// one, printed on stderr).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 /// A fault injected into one peer: `KIND@PEER`.
@@ -305,8 +309,19 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
         // interrupt us right away.
         let mut stop = StopSignal::install()?;
         let (dht, task) = Dht::start(config, keypair).await?;
+        let metrics = match args.metrics {
+            Some(addr) => Some(
+                hivemesh::metrics::serve(addr, dht.p2p().metrics().clone())
+                    .await
+                    .with_context(|| format!("serving metrics on {addr}"))?,
+            ),
+            None => None,
+        };
         for addr in dht.p2p().listen_addrs().await? {
             println!("{addr}");
+        }
+        if let Some(server) = &metrics {
+            eprintln!("metrics at http://{}/metrics", server.local_addr());
         }
         eprintln!(
             "dht peer {} running{}; Ctrl-C to stop",
@@ -349,6 +364,9 @@ fn run_dht(args: DhtArgs) -> anyhow::Result<()> {
             () = report => {}
         }
         eprintln!("shutting down");
+        if let Some(server) = metrics {
+            server.shutdown().await;
+        }
         directory.shutdown().await;
         dht.p2p().clone().shutdown().await?;
         drop(dht);
