@@ -877,6 +877,7 @@ impl Actor {
         step_deadline: Option<tokio::time::Instant>,
     ) -> Result<StepOutcome, AveragerError> {
         let _ = stage.send(Stage::Matchmaking);
+        let started = std::time::Instant::now();
         let group = loop {
             match self
                 .matchmake(options, cancel, shutdown, step_deadline)
@@ -895,6 +896,12 @@ impl Actor {
         if let Some(km) = self.key_manager.as_mut() {
             km.update_on_group_assembled(&group);
         }
+        self.trace("matchmaking", started, || {
+            vec![
+                ("group", hex_id(&group.group_id)),
+                ("members", group.members.len().to_string()),
+            ]
+        });
         // Register the round with the hub at once, so members that start linking while we
         // still wait for our trigger (or are slower to see `Begin`) are not turned away.
         let prepared = self.prepare_links(&group).await?;
@@ -911,6 +918,23 @@ impl Actor {
         let _ = stage.send(Stage::AllReduce);
         self.all_reduce(options, group, prepared, cancel, step_deadline)
             .await
+    }
+
+    /// A timeline span of this node's step lane ([`crate::timeline`]), from `started` to now.
+    fn trace(
+        &self,
+        name: &'static str,
+        started: std::time::Instant,
+        args: impl FnOnce() -> Vec<(&'static str, String)>,
+    ) {
+        let me = self.dht.p2p().peer_id();
+        crate::timeline::span(
+            "step",
+            || format!("node {}", short_id(&me)),
+            || name.to_owned(),
+            started,
+            args,
+        );
     }
 
     /// The members' libp2p ids, the round's members (modes and fractions: members that not
@@ -1209,6 +1233,7 @@ impl Actor {
         cfg.aggregator = self.config.aggregator;
 
         let link_timeout = self.config.link_timeout;
+        let linking = std::time::Instant::now();
         let established = self
             .while_serving(
                 async { Ok(expectation.establish(link_timeout).await) },
@@ -1216,6 +1241,9 @@ impl Actor {
                 options.timeout,
             )
             .await?;
+        self.trace("linking", linking, || {
+            vec![("linked", established.linked().to_string())]
+        });
         let carriers = established.carriers.clone();
         let links = established.kinds.clone();
         let summary: Vec<String> = links
@@ -1231,10 +1259,20 @@ impl Actor {
         tracing::info!(links = %summary, "linked to the group");
         let span = tracing::info_span!("step", links = %summary);
         let snapshot: Vec<Tensor> = self.shared.lock_tensors().clone();
+        let me = self.dht.p2p().peer_id();
+        let lanes = crate::timeline::enabled().then(|| {
+            members
+                .iter()
+                .enumerate()
+                .map(|(i, peer)| format!("node {} ↔ member {i} {}", short_id(&me), short_id(peer)))
+                .collect()
+        });
         let runner_cfg = RunnerConfig {
             pool: self.pool.clone(),
+            lanes,
             ..RunnerConfig::default()
         };
+        let rounding = std::time::Instant::now();
         let round = tracing::Instrument::instrument(
             runner::run_round_cancellable(
                 cfg,
@@ -1260,12 +1298,20 @@ impl Actor {
                 options.timeout,
             )
             .await?;
+        self.trace("round", rounding, || {
+            vec![
+                ("group", hex_id(&group.group_id)),
+                ("me", group.me.to_string()),
+            ]
+        });
+        let applying = std::time::Instant::now();
         {
             let mut tensors = self.shared.lock_tensors_mut();
             outcome
                 .apply(&mut tensors, &start, 1.0)
                 .map_err(|e| AveragerError::Round(e.to_string()))?;
         }
+        self.trace("apply", applying, Vec::new);
         let report = outcome.report.clone();
         outcome.recycle(&self.pool);
         Ok(StepOutcome {
@@ -1285,4 +1331,15 @@ impl Actor {
             key: group.key,
         })
     }
+}
+
+/// The last 8 characters of a peer id (timeline lanes).
+fn short_id(peer: &libp2p::PeerId) -> String {
+    let s = peer.to_base58();
+    s[s.len().saturating_sub(8)..].to_owned()
+}
+
+/// The first 8 bytes of a group id in hex (timeline arguments).
+fn hex_id(id: &[u8]) -> String {
+    id.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }

@@ -46,5 +46,6 @@ pub mod runner;
 mod shares;
 pub mod sim;
 pub mod tensor;
+pub mod timeline;
 pub mod transport;
 pub mod wire;

@@ -35,6 +35,7 @@ use crate::allreduce::{Butterfly, Message, Outcome, RoundConfig, RoundError, Rou
 use crate::buffers::BufferPool;
 use crate::compression::CompressionType;
 use crate::tensor::{DType, Tensor, ops};
+use crate::timeline;
 use crate::wire::{self, Frame, FrameDecoder, WireError};
 
 /// A bidirectional byte stream to one group member.
@@ -61,6 +62,9 @@ pub struct RunnerConfig {
     /// Buffers for payloads, frames and the reduction; keep one config (one pool) across
     /// rounds so that later rounds reuse the first one's memory.
     pub pool: BufferPool,
+    /// Timeline lane of each member's link ([`crate::timeline`]): with them, every frame sent,
+    /// received and handled is a span on its member's lane. `None`: no per-frame spans.
+    pub lanes: Option<Arc<[String]>>,
 }
 
 impl Default for RunnerConfig {
@@ -73,6 +77,7 @@ impl Default for RunnerConfig {
             max_queued_bytes_per_link: 2 * wire::DEFAULT_MAX_FRAME_BYTES,
             close_timeout: Duration::from_secs(5),
             pool: BufferPool::default(),
+            lanes: None,
         }
     }
 }
@@ -204,8 +209,12 @@ async fn run(
         let (read, write) = tokio::io::split(link);
         let (tx, rx) = mpsc::channel(runner.link_queue);
         writers[peer] = Some(tx);
+        let lane = runner.lanes.as_ref().and_then(|l| l.get(peer).cloned());
         readers.spawn(read_link(
-            peer,
+            LinkEnd {
+                peer,
+                lane: lane.clone(),
+            },
             read,
             group_id.clone(),
             in_tx.clone(),
@@ -214,7 +223,7 @@ async fn run(
             runner.pool.clone(),
         ));
         tasks.spawn(write_link(
-            peer,
+            LinkEnd { peer, lane },
             write,
             rx,
             group_id.clone(),
@@ -230,6 +239,7 @@ async fn run(
     let (_abandon_guard, mut abandoned) = oneshot::channel::<()>();
     let handle = tokio::runtime::Handle::current();
     let span = tracing::Span::current();
+    let lanes = runner.lanes.clone();
     let compute = tokio::task::spawn_blocking(move || {
         let _entered = span.enter();
         let mut machine = machine;
@@ -243,6 +253,7 @@ async fn run(
             &mut in_rx,
             &mut cancel,
             &mut abandoned,
+            lanes.as_deref(),
         );
         drop(writers); // closes the link queues: writers flush and close
         result.map(|()| machine)
@@ -263,6 +274,7 @@ fn compute_loop(
     inbound: &mut mpsc::Receiver<Inbound>,
     cancel: &mut watch::Receiver<bool>,
     abandoned: &mut oneshot::Receiver<()>,
+    lanes: Option<&[String]>,
 ) -> Result<(), RunnerError> {
     let mut inbound_open = true;
     let mut cancel_open = true;
@@ -328,7 +340,24 @@ fn compute_loop(
             }
             Some(None) => inbound_open = false,
             Some(Some(Inbound::Message { from, message, .. })) => {
-                machine.handle_message(now, from, message)?;
+                match lanes.and_then(|l| l.get(from)) {
+                    None => machine.handle_message(now, from, message)?,
+                    Some(lane) => {
+                        // A part's reduction runs inside the handling of its last
+                        // contribution, an average's application inside its own.
+                        let what = describe(&message);
+                        let started = std::time::Instant::now();
+                        let handled = machine.handle_message(now, from, message);
+                        timeline::span(
+                            "handle",
+                            || lane.clone(),
+                            || format!("handle {what}"),
+                            started,
+                            Vec::new,
+                        );
+                        handled?;
+                    }
+                }
             }
             Some(Some(Inbound::Failed { from, error })) => {
                 tracing::info!(peer = from, %error, "link failed");
@@ -369,8 +398,14 @@ const STAGING_BYTES: usize = 64 << 10;
 /// arriving: a peer announcing a 16 MiB frame and sending nothing costs at most this much.
 const MAX_RESERVE_AHEAD: usize = 4 << 20;
 
-async fn read_link(
+/// Which member a link task serves, and its timeline lane.
+struct LinkEnd {
     peer: usize,
+    lane: Option<String>,
+}
+
+async fn read_link(
+    LinkEnd { peer, lane }: LinkEnd,
     mut read: impl AsyncRead + Unpin,
     group_id: Bytes,
     tx: mpsc::Sender<Inbound>,
@@ -380,8 +415,10 @@ async fn read_link(
 ) {
     let decoder = FrameDecoder::new(max_frame_bytes);
     let mut staging = BytesMut::with_capacity(STAGING_BYTES);
+    let mut head_at = None;
     let error = loop {
-        let body = match next_frame(&decoder, &mut read, &mut staging, &pool).await {
+        let timed = lane.as_ref().map(|_| &mut head_at);
+        let body = match next_frame(&decoder, &mut read, &mut staging, &pool, timed).await {
             Ok(body) => body,
             Err(e) => break e,
         };
@@ -400,6 +437,17 @@ async fn read_link(
         };
         if g != group_id {
             break LinkError::ForeignGroup;
+        }
+        if let (Some(lane), Some(started)) = (&lane, head_at.take()) {
+            let what = describe(&message);
+            let bytes = message.payload_len();
+            timeline::span(
+                "receive",
+                || lane.clone(),
+                || format!("receive {what}"),
+                started,
+                || vec![("payload_bytes", bytes.to_string())],
+            );
         }
         let mut message = message;
         if let Message::Averaged(m) = &mut message
@@ -433,9 +481,13 @@ async fn next_frame(
     read: &mut (impl AsyncRead + Unpin),
     staging: &mut BytesMut,
     pool: &BufferPool,
+    head_at: Option<&mut Option<std::time::Instant>>,
 ) -> Result<Bytes, LinkError> {
     let (prefix, len) = loop {
         if let Some(header) = decoder.peek_len(staging)? {
+            if let Some(at) = head_at {
+                *at = Some(std::time::Instant::now());
+            }
             break header;
         }
         // Only as much as a frame's head: a large body is read into its own buffer below.
@@ -492,7 +544,7 @@ async fn fill(
 }
 
 async fn write_link(
-    peer: usize,
+    LinkEnd { peer, lane }: LinkEnd,
     mut write: impl AsyncWrite + Unpin,
     mut rx: mpsc::Receiver<Message>,
     group_id: Bytes,
@@ -502,6 +554,13 @@ async fn write_link(
 ) {
     let mut head = BytesMut::new();
     while let Some(message) = rx.recv().await {
+        let traced = lane.as_ref().map(|_| {
+            (
+                describe(&message),
+                message.payload_len(),
+                std::time::Instant::now(),
+            )
+        });
         // The compute thread hands this link a message only while its queue has room. If the
         // queue was full, it may be waiting for room, which this receive just made: wake it.
         // Otherwise it saw room at its last look and needs no wake-up (one saved per frame:
@@ -540,12 +599,30 @@ async fn write_link(
             let _ = events.send(Inbound::Failed { from: peer, error }).await;
             return;
         }
+        if let (Some(lane), Some((what, bytes, started))) = (&lane, traced) {
+            timeline::span(
+                "send",
+                || lane.clone(),
+                || format!("send {what}"),
+                started,
+                || vec![("payload_bytes", bytes.to_string())],
+            );
+        }
     }
     let _ = tokio::time::timeout(close_timeout, async {
         let _ = write.flush().await;
         let _ = write.shutdown().await;
     })
     .await;
+}
+
+/// A message as a timeline span names it.
+fn describe(message: &Message) -> String {
+    match message {
+        Message::Part(p) => format!("part {}", p.part),
+        Message::Averaged(a) => format!("average {}", a.part),
+        Message::Abort { role, reason } => format!("abort {role:?} {reason:?}"),
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -586,7 +663,10 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(64);
         let budget = link_budget(2 * FRAME, FRAME);
         let reader = tokio::spawn(read_link(
-            0,
+            LinkEnd {
+                peer: 0,
+                lane: None,
+            },
             receiver,
             group,
             tx,

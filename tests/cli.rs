@@ -299,6 +299,119 @@ fn bad_arguments_fail_with_a_clear_message() {
     }
 }
 
+/// `HIVEMESH_TIMELINE` makes the demo write a Chrome trace-event file: valid JSON, closed,
+/// with every node's matchmaking, linking, round and apply spans for each round, and for each
+/// part a member sent, the matching receive and handling on the other side's lane.
+#[test]
+fn the_demo_writes_a_timeline() {
+    let dir = std::env::temp_dir().join(format!("hivemesh-timeline-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("trace-{pid}.json");
+    let (code, stdout, stderr) = procs::output(
+        std::process::Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+            .args([
+                "demo",
+                "--peers",
+                "4",
+                "--group-size",
+                "2",
+                "--size",
+                "1000",
+                "--quiet",
+            ])
+            .env("HIVEMESH_TIMELINE", &path),
+    );
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(files.len(), 1, "one file per process, {{pid}} replaced");
+    let name = files[0].file_name().into_string().unwrap();
+    assert!(
+        !name.contains("{pid}") && name.starts_with("trace-"),
+        "{name}"
+    );
+    let text = std::fs::read_to_string(files[0].path()).unwrap();
+    let events: Vec<serde_json::Value> = serde_json::from_str(&text).expect("a JSON array");
+    let lanes: std::collections::HashMap<u64, String> = events
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+        .map(|e| {
+            let tid = e["tid"].as_u64().unwrap();
+            (tid, e["args"]["name"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    let spans: Vec<(String, String)> = events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            assert!(
+                e["ts"].as_f64().is_some() && e["dur"].as_f64().unwrap() >= 0.0,
+                "{e}"
+            );
+            let lane = lanes[&e["tid"].as_u64().unwrap()].clone();
+            (lane, e["name"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    // Two rounds (one per grid dimension) on each of the four nodes.
+    for step in ["matchmaking", "linking", "round", "apply"] {
+        let per_node = spans
+            .iter()
+            .filter(|(lane, name)| name == step && !lane.contains('↔'))
+            .fold(
+                std::collections::HashMap::<&str, usize>::new(),
+                |mut m, (lane, _)| {
+                    *m.entry(lane.as_str()).or_default() += 1;
+                    m
+                },
+            );
+        assert_eq!(per_node.len(), 4, "{step}: {per_node:?}");
+        assert!(per_node.values().all(|&n| n == 2), "{step}: {per_node:?}");
+    }
+    // Lanes are "node A ↔ member i B": a part A sent to B shows up on B's lane for A as
+    // received and handled.
+    let mut checked = 0;
+    for (lane, name) in &spans {
+        let Some(part) = name.strip_prefix("send part ") else {
+            continue;
+        };
+        let (a, rest) = lane
+            .strip_prefix("node ")
+            .unwrap()
+            .split_once(" ↔ member ")
+            .unwrap();
+        let b = rest.rsplit(' ').next().unwrap();
+        let back = |what: &str| {
+            spans.iter().any(|(l, n)| {
+                l.starts_with(&format!("node {b} ↔ "))
+                    && l.ends_with(&format!(" {a}"))
+                    && n == &format!("{what} part {part}")
+            })
+        };
+        assert!(back("receive"), "{lane}: {name} never received");
+        assert!(back("handle"), "{lane}: {name} never handled");
+        // And the average came back: sent on B's lane for A, received and handled on A's.
+        let sent_back = spans.iter().any(|(l, n)| {
+            l.starts_with(&format!("node {b} ↔ "))
+                && l.ends_with(&format!(" {a}"))
+                && n == &format!("send average {part}")
+        });
+        let got_back = |what: &str| {
+            spans
+                .iter()
+                .any(|(l, n)| l == lane && n == &format!("{what} average {part}"))
+        };
+        assert!(
+            sent_back && got_back("receive") && got_back("handle"),
+            "{lane}: {name}"
+        );
+        checked += 1;
+    }
+    // 1,000 values are one part, reduced by one member of each pair: in each of the two
+    // rounds, the other member of each of the two pairs sends it.
+    assert_eq!(checked, 4, "parts sent");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 mod dht {
     use super::procs::{self, Proc};
     use std::process::Command;

@@ -197,6 +197,8 @@ fn main() -> ExitCode {
         Command::BenchChaosWorker(args) => chaos::run_worker(args),
         Command::BenchStepsWorker(args) => steps::run_worker(args),
     };
+    // Everything recorded reaches the timeline file (HIVEMESH_TIMELINE), closed.
+    hivemesh::timeline::flush(true);
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
