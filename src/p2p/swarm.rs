@@ -173,7 +173,18 @@ pub(super) struct EventLoop {
     swarm_peers: Option<SwarmPeers>,
     /// The node's metrics: this loop sets the connection, store and relay-server ones.
     metrics: crate::metrics::Metrics,
+    /// Dials made again for waiting handles after a failed handshake, per peer
+    /// ([`MAX_REDIALS`]); cleared when the peer connects or its waiters are answered.
+    redials: HashMap<PeerId, u32>,
+    /// Pauses before those dials, each ending with its peer.
+    redial_timers: JoinSet<PeerId>,
 }
+
+/// Times a dial for waiting handles is made again after a failed handshake (not after a
+/// failure that says the peer is gone): two peers that dial each other at the same instant
+/// from their listen ports get one TCP connection with two initiators, and both handshakes
+/// fail; a second dial after a random pause almost never meets the other's again.
+const MAX_REDIALS: u32 = 2;
 
 /// Most addresses of one peer that identify adds to the routing table.
 const MAX_ROUTING_ADDRS: usize = 8;
@@ -361,6 +372,8 @@ impl EventLoop {
             forced_client: client_mode,
             swarm_peers: config.swarm_key.map(|_| SwarmPeers::default()),
             metrics: crate::metrics::Metrics::new(),
+            redials: HashMap::new(),
+            redial_timers: JoinSet::new(),
         };
         for addr in &config.nat.external {
             event_loop.on_external_confirmed(addr.clone());
@@ -442,6 +455,9 @@ impl EventLoop {
                     None => break, // every handle dropped
                 },
                 event = self.swarm.select_next_some() => self.on_event(event),
+                Some(Ok(peer)) = self.redial_timers.join_next(), if !self.redial_timers.is_empty() => {
+                    self.redial(peer);
+                }
                 Some(done) = self.prechecks.join_next(), if !self.prechecks.is_empty() => {
                     match done {
                         Ok(checked) => self.on_prechecked(checked),
@@ -562,6 +578,52 @@ impl EventLoop {
                 let _ = reply.send(self.swarm.behaviour_mut().kad.store_mut().usage());
             }
             Command::Shutdown { .. } => unreachable!("handled in run()"),
+        }
+    }
+
+    /// Schedules another dial of `peer` after a random pause, unless it has had its
+    /// [`MAX_REDIALS`] or nobody waits for it. Whether one was scheduled.
+    fn redial_later(&mut self, peer: PeerId) -> bool {
+        let Some(waiters) = self.peer_waiters.get_mut(&peer) else {
+            return false;
+        };
+        waiters.retain(|w| !w.is_closed());
+        if waiters.is_empty() {
+            return false;
+        }
+        let done = self.redials.entry(peer).or_insert(0);
+        if *done >= MAX_REDIALS {
+            return false;
+        }
+        *done += 1;
+        let pause = Duration::from_millis(rand::random_range(20..200));
+        tracing::debug!(%peer, ?pause, "handshake failed: dialing again");
+        self.redial_timers.spawn(async move {
+            tokio::time::sleep(pause).await;
+            peer
+        });
+        true
+    }
+
+    /// The dial [`Self::redial_later`] scheduled (if the peer is still waited for).
+    fn redial(&mut self, peer: PeerId) {
+        if self.swarm.is_connected(&peer) || !self.peer_waiters.contains_key(&peer) {
+            return;
+        }
+        let opts = DialOpts::peer_id(peer)
+            .condition(PeerCondition::DisconnectedAndNotDialing)
+            .build();
+        match self.swarm.dial(opts) {
+            Ok(()) | Err(libp2p::swarm::DialError::DialPeerConditionFalse(_)) => {}
+            Err(e) => {
+                self.redials.remove(&peer);
+                for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
+                    let _ = w.send(Err(P2pError::Dial {
+                        addr: Multiaddr::empty().with(Protocol::P2p(peer)),
+                        detail: e.to_string(),
+                    }));
+                }
+            }
         }
     }
 
@@ -837,6 +899,7 @@ impl EventLoop {
                         let _ = w.send(Ok(()));
                     }
                 }
+                self.redials.remove(&peer_id);
                 for w in self.peer_waiters.remove(&peer_id).unwrap_or_default() {
                     let _ = w.send(Ok(()));
                 }
@@ -865,6 +928,10 @@ impl EventLoop {
                     && !self.swarm.is_connected(&peer)
                 {
                     self.forget_unreachable(peer, &error);
+                    if !peer_is_gone(&error) && self.redial_later(peer) {
+                        return;
+                    }
+                    self.redials.remove(&peer);
                     for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
                         let _ = w.send(Err(P2pError::Dial {
                             addr: Multiaddr::empty().with(Protocol::P2p(peer)),
