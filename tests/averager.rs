@@ -1131,3 +1131,74 @@ async fn metrics_move_with_a_round() {
     );
     swarm.shutdown(averagers).await;
 }
+
+/// All-reduce ops other than the mean over real links: with `Aggregator::Sum`, `Max` and
+/// `Min`, every peer of a full group of four ends with the element-wise sum, maximum or
+/// minimum of the four inputs (computed here independently), losslessly and through float16.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sum_max_and_min_over_real_links() {
+    use hivemesh::allreduce::Aggregator;
+    use hivemesh::compression::{Compression, CompressionType};
+    let _serial = serial().await;
+    let swarm = Swarm::start(4, |_| false).await;
+    let mut rng = StdRng::seed_from_u64(33);
+    let mut all = Vec::new();
+    for (op, compression, tol) in [
+        (
+            Aggregator::Sum,
+            Compression::Fixed(CompressionType::None),
+            1e-5,
+        ),
+        (
+            Aggregator::Max,
+            Compression::Fixed(CompressionType::None),
+            0.0,
+        ),
+        (
+            Aggregator::Min,
+            Compression::Fixed(CompressionType::None),
+            0.0,
+        ),
+        (
+            Aggregator::Max,
+            Compression::Fixed(CompressionType::Float16),
+            2e-3,
+        ),
+    ] {
+        let inputs: Vec<Vec<Vec<f32>>> = (0..4).map(|_| random_tensors(&mut rng)).collect();
+        let prefix = format!("op-{op:?}-{compression:?}");
+        let averagers: Vec<_> = (0..4)
+            .map(|i| {
+                let mut c = config(&prefix, Mode::Node, Some(4));
+                c.aggregator = op;
+                c.compression = compression.clone();
+                swarm.averager(i, inputs[i].clone(), c)
+            })
+            .collect();
+        let results = step_all(&averagers, |_| StepOptions {
+            timeout: Some(Duration::from_secs(60)),
+            ..StepOptions::default()
+        })
+        .await;
+        let want: Vec<Vec<f64>> = (0..inputs[0].len())
+            .map(|t| {
+                (0..inputs[0][t].len())
+                    .map(|e| {
+                        let column = inputs.iter().map(|v| f64::from(v[t][e]));
+                        match op {
+                            Aggregator::Sum => column.sum(),
+                            Aggregator::Max => column.fold(f64::MIN, f64::max),
+                            _ => column.fold(f64::MAX, f64::min),
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        for (i, r) in results.iter().enumerate() {
+            assert_eq!(r.as_ref().unwrap().members.len(), 4, "{prefix} peer {i}");
+            assert_close(&values(&averagers[i]), &want, tol, &prefix);
+        }
+        all.extend(averagers);
+    }
+    swarm.shutdown(all).await;
+}

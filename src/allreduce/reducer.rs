@@ -29,7 +29,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::peer_set::PeerSet;
-use super::robust::{Aggregator, CenteredClip};
+use super::robust::Aggregator;
 use crate::buffers::BufferPool;
 use crate::tensor::ops::{CpuKernel, ReduceKernel, Source};
 use crate::tensor::{PartView, Tensor, ops};
@@ -442,8 +442,9 @@ impl Reducer {
         contributions: &mut Vec<Contribution>,
         non_finite: &mut Vec<usize>,
     ) -> Option<Vec<f32>> {
-        if let Aggregator::CenteredClip(clip) = self.aggregator {
-            return self.centered_clip(clip, len, contributions, non_finite);
+        match self.aggregator {
+            Aggregator::Mean => {}
+            other => return self.combine(other, len, contributions, non_finite),
         }
         let mut out: Option<Vec<f32>> = None;
         loop {
@@ -487,11 +488,13 @@ impl Reducer {
         }
     }
 
-    /// [`Reducer::average`] with [`CenteredClip`]: non-finite contributions are moved out
-    /// first, zero weights take no part, and the rest are combined robustly.
-    fn centered_clip(
+    /// [`Reducer::average`] with an aggregator other than the mean ([`super::CenteredClip`], sum,
+    /// max, min): non-finite contributions are moved out first, zero weights take no part, and
+    /// the rest are combined. The result is a sum of finite values (which may overflow to
+    /// infinity: then no result), a maximum or minimum of them, or a convex combination.
+    fn combine(
         &mut self,
-        clip: CenteredClip,
+        aggregator: Aggregator,
         len: usize,
         contributions: &mut Vec<Contribution>,
         non_finite: &mut Vec<usize>,
@@ -518,7 +521,20 @@ impl Reducer {
             return None;
         }
         let mut out = self.pool.take_f32(len);
-        clip.aggregate(&inputs, &mut out);
+        match aggregator {
+            Aggregator::CenteredClip(clip) => {
+                clip.aggregate(&inputs, &mut out);
+            }
+            other => {
+                other.element_wise(&inputs, &mut out);
+                if !out.iter().all(|v| v.is_finite()) {
+                    // A sum past f32's range: never hand out a non-finite result.
+                    drop(inputs);
+                    self.pool.put_f32(out);
+                    return None;
+                }
+            }
+        }
         Some(out)
     }
 
@@ -547,6 +563,7 @@ impl Reducer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::allreduce::CenteredClip;
     use rand::rngs::StdRng;
     use rand::{RngExt, SeedableRng};
 
@@ -736,6 +753,49 @@ mod tests {
         let done = r.poll_completed().unwrap();
         assert!(done.average.is_none() && done.contributors.is_empty());
         assert_eq!(done.non_finite, vec![0]);
+    }
+
+    /// Sum, max and min: against a reference computed here, with weights (a sum multiplies
+    /// by them; max and min ignore them), a zero weight that takes no part, a non-finite
+    /// contribution left out, and a sum past f32's range that gives no result.
+    #[test]
+    fn element_wise_ops_match_a_reference() {
+        use super::Aggregator::{Max, Min, Sum};
+        let inputs: [(usize, Vec<f32>, f64); 4] = [
+            (0, vec![1.0, -2.0, 3.5, 0.0], 1.0),
+            (1, vec![4.0, 5.0, -6.0, 0.25], 2.0),
+            (2, vec![-7.0, 8.0, 9.0, -0.5], 0.5),
+            (3, vec![100.0, 100.0, -100.0, 100.0], 0.0),
+        ];
+        for op in [Sum, Max, Min] {
+            let mut r = Reducer::new(0..1, vec![4], PeerSet::from_indices([0, 1, 2, 3, 4]))
+                .with_aggregator(op);
+            for (s, x, w) in &inputs {
+                r.accumulate(*s, 0, x.clone(), *w).unwrap();
+            }
+            r.accumulate(4, 0, vec![1.0, f32::NAN, 1.0, 1.0], 1.0)
+                .unwrap();
+            let done = r.poll_completed().unwrap();
+            let want: Vec<f32> = (0..4)
+                .map(|e| {
+                    let live = inputs.iter().filter(|(_, _, w)| *w > 0.0);
+                    match op {
+                        Sum => live.map(|(_, x, w)| w * f64::from(x[e])).sum::<f64>() as f32,
+                        Max => live.map(|(_, x, _)| x[e]).fold(f32::MIN, f32::max),
+                        _ => live.map(|(_, x, _)| x[e]).fold(f32::MAX, f32::min),
+                    }
+                })
+                .collect();
+            assert_eq!(done.average.unwrap(), want, "{op:?}");
+            assert_eq!(done.non_finite, vec![4], "{op:?}");
+        }
+        let mut r = Reducer::new(0..1, vec![1], PeerSet::from_indices([0, 1])).with_aggregator(Sum);
+        r.accumulate(0, 0, vec![f32::MAX], 1.0).unwrap();
+        r.accumulate(1, 0, vec![f32::MAX], 1.0).unwrap();
+        assert!(
+            r.poll_completed().unwrap().average.is_none(),
+            "no infinite sum"
+        );
     }
 
     /// Own values are read in place, in their own dtype.

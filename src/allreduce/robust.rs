@@ -29,7 +29,10 @@
 //! value; the reducer of a part decides, so a member with a different setting changes only
 //! the parts it reduces.
 
-/// How a reducer combines the contributions to a part.
+/// How a reducer combines the contributions to a part: the op of an all-reduce.
+///
+/// Every op leaves non-finite contributions out (their senders are reported as such), and
+/// contributions of weight 0 take no part in any of them.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Aggregator {
     /// `Σ w·x / Σ w` (the default).
@@ -37,6 +40,49 @@ pub enum Aggregator {
     Mean,
     /// The robust CenteredClip aggregator (see the module docs).
     CenteredClip(CenteredClip),
+    /// `Σ w·x` (with the default weight 1, the plain sum).
+    Sum,
+    /// The element-wise maximum.
+    Max,
+    /// The element-wise minimum.
+    Min,
+}
+
+impl Aggregator {
+    /// Combines `inputs` (values and weights, all of one length, weights positive) into
+    /// `out` for the element-wise ops (`Sum`, `Max`, `Min`); `false` for the others.
+    pub(crate) fn element_wise(&self, inputs: &[(&[f32], f64)], out: &mut [f32]) -> bool {
+        match self {
+            Self::Sum => {
+                let mut acc = vec![0.0f64; out.len()];
+                for (x, w) in inputs {
+                    for (a, v) in acc.iter_mut().zip(x.iter()) {
+                        *a += w * f64::from(*v);
+                    }
+                }
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = a as f32;
+                }
+            }
+            Self::Max | Self::Min => {
+                let pick = |a: f32, b: f32| match self {
+                    Self::Max => a.max(b),
+                    _ => a.min(b),
+                };
+                let Some(((first, _), rest)) = inputs.split_first() else {
+                    return true;
+                };
+                out.copy_from_slice(first);
+                for (x, _) in rest {
+                    for (o, v) in out.iter_mut().zip(x.iter()) {
+                        *o = pick(*o, *v);
+                    }
+                }
+            }
+            Self::Mean | Self::CenteredClip(_) => return false,
+        }
+        true
+    }
 }
 
 /// Parameters of [`Aggregator::CenteredClip`].
