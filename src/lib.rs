@@ -49,3 +49,22 @@ pub mod tensor;
 pub mod timeline;
 pub mod transport;
 pub mod wire;
+
+/// The README's Rust snippet, compiled by `cargo test` (doctests) so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeSnippets;
+
+// The types a training loop and a node operator use, at the crate root.
+pub use allreduce::{Aggregator, CenteredClip};
+pub use averager::node::{Node, NodeConfig, NodeError};
+pub use averager::{
+    Averager, AveragerConfig, AveragerError, BlockingAverager, Stage, StepControl, StepOptions,
+    StepOutcome,
+};
+pub use compression::{Compression, CompressionType};
+pub use dht::Dht;
+pub use metrics::Metrics;
+pub use p2p::{P2p, P2pConfig};
+pub use rpc::{Rpc, RpcConfig, RpcError};
+pub use tensor::Tensor;
