@@ -898,7 +898,7 @@ impl Actor {
         }
         self.trace("matchmaking", started, || {
             vec![
-                ("group", hex_id(&group.group_id)),
+                ("group", crate::runner::hex(&group.group_id)),
                 ("members", group.members.len().to_string()),
             ]
         });
@@ -916,8 +916,19 @@ impl Actor {
         self.while_serving(wait, step_deadline, options.timeout)
             .await?;
         let _ = stage.send(Stage::AllReduce);
-        self.all_reduce(options, group, prepared, cancel, step_deadline)
-            .await
+        let started = std::time::Instant::now();
+        let result = self
+            .all_reduce(options, group, prepared, cancel, step_deadline)
+            .await;
+        use crate::metrics::RoundResult;
+        let counted = match &result {
+            Ok(_) => RoundResult::Ok,
+            Err(AveragerError::Cancelled | AveragerError::Shutdown) => RoundResult::Cancelled,
+            Err(_) => RoundResult::Failed,
+        };
+        let metrics = self.dht.p2p().metrics();
+        metrics.round_finished(counted, started.elapsed());
+        result
     }
 
     /// A timeline span of this node's step lane ([`crate::timeline`]), from `started` to now.
@@ -1183,34 +1194,7 @@ impl Actor {
         }
     }
 
-    /// Runs the round of a matched group ([`Self::run_round`]) and counts it in the node's
-    /// metrics.
     async fn all_reduce(
-        &mut self,
-        options: &StepOptions,
-        group: matchmaking::Group,
-        prepared: Prepared,
-        cancel: &mut watch::Receiver<bool>,
-        step_deadline: Option<tokio::time::Instant>,
-    ) -> Result<StepOutcome, AveragerError> {
-        use crate::metrics::RoundResult;
-        let started = std::time::Instant::now();
-        let result = self
-            .run_round(options, group, prepared, cancel, step_deadline)
-            .await;
-        let counted = match &result {
-            Ok(_) => RoundResult::Ok,
-            Err(AveragerError::Cancelled | AveragerError::Shutdown) => RoundResult::Cancelled,
-            Err(_) => RoundResult::Failed,
-        };
-        self.dht
-            .p2p()
-            .metrics()
-            .round_finished(counted, started.elapsed());
-        result
-    }
-
-    async fn run_round(
         &mut self,
         options: &StepOptions,
         group: matchmaking::Group,
@@ -1300,7 +1284,7 @@ impl Actor {
             .await?;
         self.trace("round", rounding, || {
             vec![
-                ("group", hex_id(&group.group_id)),
+                ("group", crate::runner::hex(&group.group_id)),
                 ("me", group.me.to_string()),
             ]
         });
@@ -1337,9 +1321,4 @@ impl Actor {
 fn short_id(peer: &libp2p::PeerId) -> String {
     let s = peer.to_base58();
     s[s.len().saturating_sub(8)..].to_owned()
-}
-
-/// The first 8 bytes of a group id in hex (timeline arguments).
-fn hex_id(id: &[u8]) -> String {
-    id.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }

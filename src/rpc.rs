@@ -37,7 +37,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::FutureExt as _;
 use futures::future::BoxFuture;
 use libp2p::PeerId;
@@ -49,7 +49,7 @@ use tokio::time::Instant;
 
 use crate::p2p::{InboundStreams, P2p, P2pError, P2pStream};
 use crate::shares::Shares;
-use crate::wire::{DelimitedError, read_delimited, write_delimited};
+use crate::wire::{DelimitedError, read_delimited};
 
 /// Generated prost types (network boundary only).
 #[allow(missing_docs, clippy::all)]
@@ -293,11 +293,7 @@ impl Rpc {
     ) -> Result<Bytes, RpcError> {
         check_method(method)?;
         let config = &self.shared.config;
-        let request = proto::Request {
-            method: method.into(),
-            payload: Bytes::copy_from_slice(payload),
-            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-        };
+        let request = request(method, payload, timeout);
         let len = request.encoded_len();
         if len > config.max_request_bytes {
             return Err(RpcError::Oversized {
@@ -306,7 +302,7 @@ impl Rpc {
                 max: config.max_request_bytes,
             });
         }
-        let body = request.encode_to_vec();
+        let body = request.encode_length_delimited_to_vec();
         let deadline = Instant::now() + timeout;
         let timed_out = || RpcError::Timeout {
             method: method.into(),
@@ -399,8 +395,9 @@ enum Exchange {
     Malformed(String),
 }
 
-/// Writes the request while waiting for the marker and the response: a server that answers
-/// without reading the request (`BUSY`) is heard even if the write cannot finish.
+/// Writes the request (length-delimited already) while waiting for the marker and the
+/// response: a server that answers without reading the request (`BUSY`) is heard even if the
+/// write cannot finish.
 async fn exchange(
     stream: P2pStream,
     request: &[u8],
@@ -408,7 +405,8 @@ async fn exchange(
 ) -> Result<proto::Response, Exchange> {
     let (mut read, mut write) = tokio::io::split(stream);
     let send = async {
-        write_delimited(&mut write, request).await?;
+        write.write_all(request).await?;
+        write.flush().await?;
         Ok::<_, std::io::Error>(write)
     };
     let receive = async {
@@ -534,12 +532,13 @@ async fn serve_streams(shared: Arc<Shared>, mut streams: InboundStreams) {
     calls.shutdown().await;
 }
 
-/// Marks a stream taken and answers `BUSY` without reading the request.
+/// Marks a stream taken and answers `BUSY` without reading the request. Answers are encoded
+/// length-delimited ([`error_response`], [`serve_call`]), so they are written as they are.
 async fn refuse_busy(mut stream: P2pStream) -> std::io::Result<()> {
     let answer = error_response(proto::Code::Busy, "busy");
     tokio::time::timeout(WRITE_TIMEOUT, async {
         stream.write_all(&[TAKEN]).await?;
-        write_delimited(&mut stream, &answer).await?;
+        stream.write_all(&answer).await?;
         stream.shutdown().await
     })
     .await
@@ -564,7 +563,7 @@ fn sized_error(code: proto::Code, message: &str, len: u64, max: usize) -> Vec<u8
             max: max as u64,
         })),
     }
-    .encode_to_vec()
+    .encode_length_delimited_to_vec()
 }
 
 /// Why serving one call ended early (for the log).
@@ -654,7 +653,7 @@ async fn serve_call(
                 );
                 error_response(proto::Code::Handler, &message)
             } else {
-                response.encode_to_vec()
+                response.encode_length_delimited_to_vec()
             }
         }
         Err(message) => error_response(proto::Code::Handler, &message),
@@ -664,7 +663,7 @@ async fn serve_call(
 
 async fn write_answer(stream: &mut P2pStream, answer: Vec<u8>) -> Result<(), ServeError> {
     tokio::time::timeout(WRITE_TIMEOUT, async {
-        write_delimited(stream, &answer).await?;
+        stream.write_all(&answer).await?;
         stream.shutdown().await
     })
     .await
@@ -672,17 +671,17 @@ async fn write_answer(stream: &mut P2pStream, answer: Vec<u8>) -> Result<(), Ser
     Ok(())
 }
 
-/// Encodes a request as a caller would (for tests of hostile callers).
-#[doc(hidden)]
-pub fn encode_request(method: &str, payload: &[u8], timeout: Duration) -> Vec<u8> {
-    let mut out = BytesMut::new();
-    let body = proto::Request {
+/// A call's request.
+fn request(method: &str, payload: &[u8], timeout: Duration) -> proto::Request {
+    proto::Request {
         method: method.into(),
         payload: Bytes::copy_from_slice(payload),
         timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
     }
-    .encode_to_vec();
-    crate::wire::put_length_prefix(body.len(), &mut out);
-    out.extend_from_slice(&body);
-    out.to_vec()
+}
+
+/// Encodes a request as a caller would, length-delimited (for tests of hostile callers).
+#[doc(hidden)]
+pub fn encode_request(method: &str, payload: &[u8], timeout: Duration) -> Vec<u8> {
+    request(method, payload, timeout).encode_length_delimited_to_vec()
 }

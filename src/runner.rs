@@ -625,7 +625,8 @@ fn describe(message: &Message) -> String {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// The first 8 bytes of `bytes` in hex (group ids in logs and timelines).
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 

@@ -193,16 +193,20 @@ fn write_events(file: std::fs::File, rx: Receiver<Command>, max_bytes: u64) {
             }
             Command::Span(_) if full || closed => {}
             Command::Span(span) => {
-                let next = lanes.len() as u64 + 1;
-                let tid = *lanes.entry(span.lane.clone()).or_insert_with(|| {
-                    let meta = format!(
-                        "{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":{pid},\"tid\":{next},\
-                         \"args\":{{\"name\":{}}}}}",
-                        json_string(&span.lane)
-                    );
-                    emit(&mut out, &meta, &mut written);
-                    next
-                });
+                let tid = match lanes.get(&span.lane) {
+                    Some(&tid) => tid,
+                    None => {
+                        let tid = lanes.len() as u64 + 1;
+                        let meta = format!(
+                            "{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":{pid},\"tid\":{tid},\
+                             \"args\":{{\"name\":{}}}}}",
+                            json_string(&span.lane)
+                        );
+                        emit(&mut out, &meta, &mut written);
+                        lanes.insert(span.lane.clone(), tid);
+                        tid
+                    }
+                };
                 let ts = span.start.saturating_duration_since(epoch()).as_nanos() as f64 / 1e3;
                 let dur = span.end.saturating_duration_since(span.start).as_nanos() as f64 / 1e3;
                 let mut args = String::new();

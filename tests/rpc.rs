@@ -4,7 +4,7 @@
 mod swarm;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,13 +24,13 @@ async fn swarm_with(n: usize, rpc: RpcConfig) -> Swarm {
     swarm
 }
 
-/// Sets its flag when dropped: held by a handler that never finishes, it says that the
-/// server dropped (abandoned) the handler.
-struct Abandoned(Arc<AtomicBool>);
+/// Says `true` when dropped: held by a handler that never finishes, it tells that the server
+/// dropped (abandoned) the handler.
+struct Abandoned(Arc<watch::Sender<bool>>);
 
 impl Drop for Abandoned {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
+        self.0.send_replace(true);
     }
 }
 
@@ -65,8 +65,8 @@ async fn calls_answer_and_fail_with_typed_errors() {
     server
         .serve("huge", |_, _| async { Ok(Bytes::from(vec![7u8; 1 << 20])) })
         .unwrap();
-    let abandoned = Arc::new(AtomicBool::new(false));
-    let flag = abandoned.clone();
+    let (flag, mut abandoned) = watch::channel(false);
+    let flag = Arc::new(flag);
     server
         .serve("slow", move |_, _| {
             let guard = Abandoned(flag.clone());
@@ -138,14 +138,10 @@ async fn calls_answer_and_fail_with_typed_errors() {
             timeout: short
         })
     );
-    let deadline = tokio::time::Instant::now() + T;
-    while !abandoned.load(Ordering::SeqCst) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "handler never dropped"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    tokio::time::timeout(T, abandoned.wait_for(|&dropped| dropped))
+        .await
+        .expect("the server dropped the handler")
+        .unwrap();
     // Unserved: unknown from now on.
     assert!(server.rpc().unserve("echo"));
     assert!(matches!(
@@ -382,6 +378,19 @@ async fn hostile_callers_get_refusals_and_hold_nothing() {
         assert_eq!(marker[0], TAKEN);
         silent.push(s);
     }
+    // The server closes them at its read timeout, with no answer.
+    for s in &mut silent {
+        let mut rest = Vec::new();
+        tokio::time::timeout(T, s.read_to_end(&mut rest))
+            .await
+            .expect("the server closed the silent stream")
+            .unwrap();
+        assert!(
+            rest.is_empty(),
+            "no answer to a request that never came: {rest:?}"
+        );
+    }
+    // Their share is given back as their tasks end, a moment after the close.
     let deadline = tokio::time::Instant::now() + T;
     let answer = loop {
         match swarm.nodes[0].call(server_id, "ping", b"", T).await {
@@ -396,10 +405,6 @@ async fn hostile_callers_get_refusals_and_hold_nothing() {
         }
     };
     assert_eq!(answer.unwrap().as_ref(), b"pong");
-    for s in &mut silent {
-        let mut rest = Vec::new();
-        let _ = tokio::time::timeout(T, s.read_to_end(&mut rest)).await;
-    }
     // A well-formed request written by hand is served like any call.
     let answer = raw(hivemesh::rpc::encode_request("ping", b"", T)).await;
     assert_eq!(answer.first(), Some(&TAKEN));

@@ -605,6 +605,17 @@ impl EventLoop {
         true
     }
 
+    /// Answers every handle waiting for `peer` with a dial error (and forgets its redials).
+    fn fail_waiters(&mut self, peer: PeerId, detail: &str) {
+        self.redials.remove(&peer);
+        for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
+            let _ = w.send(Err(P2pError::Dial {
+                addr: Multiaddr::empty().with(Protocol::P2p(peer)),
+                detail: detail.to_owned(),
+            }));
+        }
+    }
+
     /// The dial [`Self::redial_later`] scheduled (if the peer is still waited for).
     fn redial(&mut self, peer: PeerId) {
         if self.swarm.is_connected(&peer) || !self.peer_waiters.contains_key(&peer) {
@@ -615,15 +626,7 @@ impl EventLoop {
             .build();
         match self.swarm.dial(opts) {
             Ok(()) | Err(libp2p::swarm::DialError::DialPeerConditionFalse(_)) => {}
-            Err(e) => {
-                self.redials.remove(&peer);
-                for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
-                    let _ = w.send(Err(P2pError::Dial {
-                        addr: Multiaddr::empty().with(Protocol::P2p(peer)),
-                        detail: e.to_string(),
-                    }));
-                }
-            }
+            Err(e) => self.fail_waiters(peer, &e.to_string()),
         }
     }
 
@@ -672,14 +675,7 @@ impl EventLoop {
             .filter(|p| p.peer_id == peer)
             .flat_map(|p| p.addrs)
             .collect();
-        let fail = |this: &mut Self, detail: String| {
-            for w in this.peer_waiters.remove(&peer).unwrap_or_default() {
-                let _ = w.send(Err(P2pError::Dial {
-                    addr: Multiaddr::empty().with(Protocol::P2p(peer)),
-                    detail: detail.clone(),
-                }));
-            }
-        };
+        let fail = |this: &mut Self, detail: String| this.fail_waiters(peer, &detail);
         if self.swarm.is_connected(&peer) {
             for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
                 let _ = w.send(Ok(()));
@@ -931,13 +927,7 @@ impl EventLoop {
                     if !peer_is_gone(&error) && self.redial_later(peer) {
                         return;
                     }
-                    self.redials.remove(&peer);
-                    for w in self.peer_waiters.remove(&peer).unwrap_or_default() {
-                        let _ = w.send(Err(P2pError::Dial {
-                            addr: Multiaddr::empty().with(Protocol::P2p(peer)),
-                            detail: error.to_string(),
-                        }));
-                    }
+                    self.fail_waiters(peer, &error.to_string());
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
