@@ -60,6 +60,7 @@ use crate::compression::{CodecError, Compression, CompressionType};
 use crate::tensor::{DType, Tensor, TensorError, ops};
 
 pub use butterfly::Butterfly;
+pub(crate) use butterfly::encode_part;
 pub use partition::{
     DEFAULT_PART_SIZE_BYTES, PartSpec, Partition, PartitionError, TensorDescriptor,
 };
@@ -580,6 +581,26 @@ impl Outcome {
                 PartResult::Local => {}
                 PartResult::Average(avg) => t.add_average(spec.offset, avg, from, alpha)?,
                 PartResult::Delta(d) => t.add_scaled_f32(spec.offset, d, alpha)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces `tensors` (the values the round started from) by the round's result: the
+    /// average, `start + delta`, or nothing where a part stayed local. No copy of the tensors,
+    /// unlike [`Outcome::apply`], which needs the start values beside the target.
+    pub fn apply_in_place(&self, tensors: &mut [Tensor]) -> Result<(), RoundError> {
+        let Some(results) = &self.results else {
+            return Ok(());
+        };
+        self.check_results()?;
+        check_layout(&self.parts, tensors, "tensors")?;
+        for (spec, result) in self.parts.iter().zip(results) {
+            let t = &mut tensors[spec.tensor];
+            match result {
+                PartResult::Local => {}
+                PartResult::Average(avg) => t.set_from_le(spec.offset, avg)?,
+                PartResult::Delta(d) => t.add_scaled_f32(spec.offset, d, 1.0)?,
             }
         }
         Ok(())

@@ -336,6 +336,8 @@ struct StepRequest {
     trigger: watch::Receiver<bool>,
     cancel: watch::Receiver<bool>,
     result: oneshot::Sender<Result<StepOutcome, AveragerError>>,
+    /// Form a lasting group ([`Averager::form_group`]) instead of averaging.
+    form: Option<oneshot::Sender<Result<crate::Group, AveragerError>>>,
 }
 
 struct Shared {
@@ -514,6 +516,7 @@ impl Averager {
                 trigger: trigger_rx,
                 cancel: cancel_rx,
                 result: result_tx,
+                form: None,
             })
             .await
             .map_err(|_| AveragerError::Shutdown)?;
@@ -523,6 +526,31 @@ impl Averager {
             cancel,
             result,
         })
+    }
+
+    /// Forms a lasting [`Group`](crate::Group) through the same matchmaking as a step (this
+    /// averager's prefix, group size and keys; `options.timeout` bounds matchmaking and
+    /// linking, `options.wait_for_trigger` is ignored) and links every member to every other.
+    /// The group's operations use this averager's timeouts, part size and compression; its
+    /// `round_timeout` bounds each operation.
+    pub async fn form_group(&self, options: StepOptions) -> Result<crate::Group, AveragerError> {
+        let (stage, _) = watch::channel(Stage::Queued);
+        let (_trigger, trigger) = watch::channel(true);
+        let (_cancel, cancel) = watch::channel(false);
+        let (result, _) = oneshot::channel();
+        let (form, formed) = oneshot::channel();
+        self.steps
+            .send(StepRequest {
+                options,
+                stage,
+                trigger,
+                cancel,
+                result,
+                form: Some(form),
+            })
+            .await
+            .map_err(|_| AveragerError::Shutdown)?;
+        formed.await.map_err(|_| AveragerError::Shutdown)?
     }
 
     /// One averaging step: find a group, all-reduce, apply. See [`StepOptions`].
@@ -845,11 +873,20 @@ impl Actor {
             mut trigger,
             mut cancel,
             result,
+            form,
         } = request;
         let started = Instant::now();
         let step_deadline = options
             .timeout
             .map(|t| tokio::time::Instant::from_std(started + t));
+        if let Some(form) = form {
+            let formed = self
+                .form_group(&options, &mut cancel, shutdown, step_deadline)
+                .await;
+            let _ = stage.send(Stage::Finished);
+            let _ = form.send(formed);
+            return;
+        }
         let outcome = self
             .step(
                 &options,
@@ -877,34 +914,12 @@ impl Actor {
         step_deadline: Option<tokio::time::Instant>,
     ) -> Result<StepOutcome, AveragerError> {
         let _ = stage.send(Stage::Matchmaking);
-        let started = std::time::Instant::now();
-        let group = loop {
-            match self
-                .matchmake(options, cancel, shutdown, step_deadline)
-                .await
-            {
-                Ok(group) => break group,
-                Err(AveragerError::Matchmaking(MatchmakingError::NoGroup { .. }))
-                    if options.allow_retries
-                        && step_deadline.is_some_and(|d| tokio::time::Instant::now() < d) =>
-                {
-                    continue;
-                }
-                Err(e) => return Err(e),
-            }
-        };
-        if let Some(km) = self.key_manager.as_mut() {
-            km.update_on_group_assembled(&group);
-        }
-        self.trace("matchmaking", started, || {
-            vec![
-                ("group", crate::runner::hex(&group.group_id)),
-                ("members", group.members.len().to_string()),
-            ]
-        });
+        let group = self
+            .find_group(options, cancel, shutdown, step_deadline)
+            .await?;
         // Register the round with the hub at once, so members that start linking while we
         // still wait for our trigger (or are slower to see `Begin`) are not turned away.
-        let prepared = self.prepare_links(&group).await?;
+        let prepared = self.prepare_links(&group, false).await?;
         let _ = stage.send(Stage::AwaitingTrigger);
         let wait = async {
             tokio::select! {
@@ -931,6 +946,85 @@ impl Actor {
         result
     }
 
+    /// Matchmaking, retried while `options.allow_retries` and the deadline allow.
+    async fn find_group(
+        &mut self,
+        options: &StepOptions,
+        cancel: &mut watch::Receiver<bool>,
+        shutdown: &mut watch::Receiver<bool>,
+        step_deadline: Option<tokio::time::Instant>,
+    ) -> Result<matchmaking::Group, AveragerError> {
+        let started = std::time::Instant::now();
+        let group = loop {
+            match self
+                .matchmake(options, cancel, shutdown, step_deadline)
+                .await
+            {
+                Ok(group) => break group,
+                Err(AveragerError::Matchmaking(MatchmakingError::NoGroup { .. }))
+                    if options.allow_retries
+                        && step_deadline.is_some_and(|d| tokio::time::Instant::now() < d) =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        if let Some(km) = self.key_manager.as_mut() {
+            km.update_on_group_assembled(&group);
+        }
+        self.trace("matchmaking", started, || {
+            vec![
+                ("group", crate::runner::hex(&group.group_id)),
+                ("members", group.members.len().to_string()),
+            ]
+        });
+        Ok(group)
+    }
+
+    /// [`Averager::form_group`]: a group, linked as a full mesh.
+    async fn form_group(
+        &mut self,
+        options: &StepOptions,
+        cancel: &mut watch::Receiver<bool>,
+        shutdown: &mut watch::Receiver<bool>,
+        step_deadline: Option<tokio::time::Instant>,
+    ) -> Result<crate::Group, AveragerError> {
+        let group = self
+            .find_group(options, cancel, shutdown, step_deadline)
+            .await?;
+        let prepared = self.prepare_links(&group, true).await?;
+        let link_timeout = self.config.link_timeout;
+        let linking = std::time::Instant::now();
+        let established = self
+            .while_serving(
+                async { Ok(prepared.expectation.establish(link_timeout).await) },
+                step_deadline,
+                options.timeout,
+            )
+            .await?;
+        self.trace("linking", linking, || {
+            vec![("linked", established.linked().to_string())]
+        });
+        let cfg = crate::group::GroupConfig {
+            sender_timeout: self.config.sender_timeout,
+            reducer_timeout: self.config.reducer_timeout,
+            op_timeout: self.config.round_timeout,
+            part_size_bytes: self.config.part_size_bytes,
+            compression: self.config.compression.clone(),
+            ..Default::default()
+        };
+        crate::Group::new(
+            &group.group_id,
+            prepared.members,
+            group.me,
+            established.links,
+            established.kinds,
+            cfg,
+        )
+        .map_err(|e| AveragerError::Links(e.to_string()))
+    }
+
     /// A timeline span of this node's step lane ([`crate::timeline`]), from `started` to now.
     fn trace(
         &self,
@@ -955,6 +1049,7 @@ impl Actor {
     async fn prepare_links(
         &mut self,
         group: &matchmaking::Group,
+        full_mesh: bool,
     ) -> Result<Prepared, AveragerError> {
         let members: Vec<libp2p::PeerId> = group
             .members
@@ -985,8 +1080,8 @@ impl Actor {
                 data_addr: m.info.addrs.iter().find_map(|a| a.parse().ok()),
                 reach: m.info.reach,
                 relay_data: m.info.relay_data,
-                sends: r.mode.is_sender(),
-                reduces: r.fraction > 0.0 && r.mode != Mode::Client,
+                sends: full_mesh || r.mode.is_sender(),
+                reduces: full_mesh || (r.fraction > 0.0 && r.mode != Mode::Client),
                 relay_addrs: m
                     .info
                     .addrs

@@ -35,6 +35,7 @@ pub mod compression;
 pub mod dht;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod group;
 pub mod links;
 pub mod matchmaking;
 pub mod metrics;
@@ -64,6 +65,7 @@ pub use averager::{
 };
 pub use compression::{Compression, CompressionType};
 pub use dht::Dht;
+pub use group::{FailedMember, Group, GroupConfig, GroupError, Partial, ReduceOp};
 pub use metrics::Metrics;
 pub use p2p::{P2p, P2pConfig};
 pub use rpc::{Rpc, RpcConfig, RpcError};

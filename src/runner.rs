@@ -126,8 +126,9 @@ pub enum LinkError {
     WriteTimeout,
 }
 
+/// What the link tasks hand the compute thread.
 #[derive(Debug)]
-enum Inbound {
+pub(crate) enum Inbound {
     Message {
         from: usize,
         message: Message,
@@ -254,6 +255,7 @@ async fn run(
             &mut cancel,
             &mut abandoned,
             lanes.as_deref(),
+            &mut Vec::new(),
         );
         drop(writers); // closes the link queues: writers flush and close
         result.map(|()| machine)
@@ -267,34 +269,156 @@ async fn run(
     Ok(machine?.into_outcome()?)
 }
 
-fn compute_loop(
+/// A sans-IO protocol the compute loop drives: the butterfly, or a group's
+/// [`crate::group`] exchange.
+pub(crate) trait Machine {
+    /// The next message for a destination `ready` accepts.
+    fn poll_transmit(
+        &mut self,
+        now: Instant,
+        ready: impl FnMut(usize) -> bool,
+    ) -> Option<crate::allreduce::Transmit>;
+    /// The next event.
+    fn poll_event(&mut self) -> Option<RoundEvent>;
+    /// When `handle_timeout` is due next.
+    fn poll_timeout(&self) -> Option<Instant>;
+    /// A message from member `from`.
+    fn handle_message(
+        &mut self,
+        now: Instant,
+        from: usize,
+        message: Message,
+    ) -> Result<(), RoundError>;
+    /// Member `peer`'s link died.
+    fn handle_link_failed(&mut self, now: Instant, peer: usize);
+    /// Time passed.
+    fn handle_timeout(&mut self, now: Instant);
+    /// Cancel: abort to every peer.
+    fn cancel(&mut self, now: Instant);
+    /// Done.
+    fn is_finished(&self) -> bool;
+    /// Cancelled.
+    fn is_cancelled(&self) -> bool;
+    /// Nothing left to send.
+    fn is_drained(&self) -> bool;
+}
+
+impl Machine for Butterfly {
+    fn poll_transmit(
+        &mut self,
+        now: Instant,
+        ready: impl FnMut(usize) -> bool,
+    ) -> Option<crate::allreduce::Transmit> {
+        Butterfly::poll_transmit(self, now, ready)
+    }
+    fn poll_event(&mut self) -> Option<RoundEvent> {
+        Butterfly::poll_event(self)
+    }
+    fn poll_timeout(&self) -> Option<Instant> {
+        Butterfly::poll_timeout(self)
+    }
+    fn handle_message(
+        &mut self,
+        now: Instant,
+        from: usize,
+        message: Message,
+    ) -> Result<(), RoundError> {
+        Butterfly::handle_message(self, now, from, message)
+    }
+    fn handle_link_failed(&mut self, now: Instant, peer: usize) {
+        Butterfly::handle_link_failed(self, now, peer, None)
+    }
+    fn handle_timeout(&mut self, now: Instant) {
+        Butterfly::handle_timeout(self, now)
+    }
+    fn cancel(&mut self, now: Instant) {
+        Butterfly::cancel(self, now)
+    }
+    fn is_finished(&self) -> bool {
+        Butterfly::is_finished(self)
+    }
+    fn is_cancelled(&self) -> bool {
+        Butterfly::is_cancelled(self)
+    }
+    fn is_drained(&self) -> bool {
+        Butterfly::is_drained(self)
+    }
+}
+
+/// Where the compute loop puts a member's outgoing messages: a round's per-link queue, or a
+/// group's long-lived link writer with the operation's id.
+pub(crate) trait Outbox {
+    /// Whether a message fits now.
+    fn has_room(&self) -> bool;
+    /// Queues a message ([`Outbox::has_room`] was checked).
+    fn push(&self, message: Message);
+}
+
+impl Outbox for mpsc::Sender<Message> {
+    fn has_room(&self) -> bool {
+        self.capacity() > 0
+    }
+    fn push(&self, message: Message) {
+        // Room was checked just before and only the compute thread sends.
+        let _ = self.try_send(message);
+    }
+}
+
+/// Drives `machine` to its end on the calling (blocking) thread: see [`compute_loop`].
+/// Returns the members it banned or failed, with why.
+pub(crate) fn drive<M: Machine, O: Outbox>(
     handle: &tokio::runtime::Handle,
-    machine: &mut Butterfly,
-    writers: &mut [Option<mpsc::Sender<Message>>],
+    machine: &mut M,
+    writers: &mut [Option<O>],
+    inbound: &mut mpsc::Receiver<Inbound>,
+    cancel: &mut watch::Receiver<bool>,
+    abandoned: &mut oneshot::Receiver<()>,
+) -> Result<Vec<(usize, String)>, RunnerError> {
+    let mut failures = Vec::new();
+    compute_loop(
+        handle,
+        machine,
+        writers,
+        inbound,
+        cancel,
+        abandoned,
+        None,
+        &mut failures,
+    )?;
+    Ok(failures)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn compute_loop<M: Machine, O: Outbox>(
+    handle: &tokio::runtime::Handle,
+    machine: &mut M,
+    writers: &mut [Option<O>],
     inbound: &mut mpsc::Receiver<Inbound>,
     cancel: &mut watch::Receiver<bool>,
     abandoned: &mut oneshot::Receiver<()>,
     lanes: Option<&[String]>,
+    failures: &mut Vec<(usize, String)>,
 ) -> Result<(), RunnerError> {
     let mut inbound_open = true;
     let mut cancel_open = true;
     loop {
         let now = Instant::now();
-        while let Some(t) = machine.poll_transmit(now, |to| {
-            writers[to].as_ref().is_some_and(|w| w.capacity() > 0)
-        }) {
+        while let Some(t) =
+            machine.poll_transmit(now, |to| writers[to].as_ref().is_some_and(|w| w.has_room()))
+        {
             if let Some(w) = &writers[t.to] {
-                // Room was checked just above and only this thread sends.
-                let _ = w.try_send(t.message);
+                w.push(t.message);
             }
         }
         while let Some(ev) = machine.poll_event() {
             match ev {
                 RoundEvent::Banned { peer, reason } => {
-                    tracing::info!(peer, %reason, "banned sender")
+                    tracing::info!(peer, %reason, "banned sender");
+                    failures.push((peer, reason.to_string()));
                 }
                 RoundEvent::ReducerFailed { peer, reason } => {
-                    tracing::info!(peer, %reason, "reducer failed")
+                    tracing::info!(peer, %reason, "reducer failed");
+                    failures.push((peer, format!("as reducer: {reason}")));
                 }
                 RoundEvent::Rejected { peer, reason } => {
                     tracing::debug!(peer, %reason, "rejected message")
@@ -361,7 +485,7 @@ fn compute_loop(
             }
             Some(Some(Inbound::Failed { from, error })) => {
                 tracing::info!(peer = from, %error, "link failed");
-                machine.handle_link_failed(now, from, None);
+                machine.handle_link_failed(now, from);
             }
             Some(Some(Inbound::Writable)) => {}
             Some(Some(Inbound::Abandoned)) => {
@@ -373,7 +497,7 @@ fn compute_loop(
 }
 
 /// A frame's bytes held in its link's budget ([`RunnerConfig::max_queued_bytes_per_link`]).
-struct QueuedBytes(OwnedSemaphorePermit);
+pub(crate) struct QueuedBytes(pub(crate) OwnedSemaphorePermit);
 
 impl std::fmt::Debug for QueuedBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -382,7 +506,7 @@ impl std::fmt::Debug for QueuedBytes {
 }
 
 /// One link's budget of queued bytes: `max_queued` permits, at least one frame's worth.
-fn link_budget(max_queued: usize, max_frame_bytes: usize) -> Arc<Semaphore> {
+pub(crate) fn link_budget(max_queued: usize, max_frame_bytes: usize) -> Arc<Semaphore> {
     let permits = max_queued.max(max_frame_bytes).max(1);
     Arc::new(Semaphore::new(
         permits.min(u32::MAX as usize).min(Semaphore::MAX_PERMITS),
@@ -476,7 +600,7 @@ async fn read_link(
 /// Reads the next frame body. Small frames are split off `staging`; a large one is read into
 /// a pooled buffer of its length (reserving at most [`MAX_RESERVE_AHEAD`] before its bytes
 /// arrive), which goes back to the pool once its payload is consumed.
-async fn next_frame(
+pub(crate) async fn next_frame(
     decoder: &FrameDecoder,
     read: &mut (impl AsyncRead + Unpin),
     staging: &mut BytesMut,
@@ -570,31 +694,16 @@ async fn write_link(
             // Dropped if the inbound queue is full: the compute thread is awake then anyway.
             let _ = events.try_send(Inbound::Writable);
         }
-        head.clear();
-        // The payload is written from the message's own buffer, after a small head.
-        let payload = wire::encode_frame_split(
-            &Frame {
-                group_id: group_id.clone(),
-                message,
-            },
-            &mut head,
-        );
-        let mut frame = Buf::chain(&head[..], payload);
         // Nothing else queued: flush, so that a buffering carrier does not sit on the frame's
         // tail while the peer waits for it.
         let idle = rx.is_empty();
-        let write_frame = async {
-            write.write_all_buf(&mut frame).await?;
-            if idle {
-                write.flush().await?;
-            }
-            Ok::<(), std::io::Error>(())
+        let frame = Frame {
+            group_id: group_id.clone(),
+            message,
         };
-        let error = match tokio::time::timeout(write_timeout, write_frame).await {
-            Ok(Ok(())) => None,
-            Ok(Err(e)) => Some(LinkError::Io(e.to_string())),
-            Err(_) => Some(LinkError::WriteTimeout),
-        };
+        let error = write_frame(&mut write, &mut head, &frame, idle, write_timeout)
+            .await
+            .err();
         if let Some(error) = error {
             let _ = events.send(Inbound::Failed { from: peer, error }).await;
             return;
@@ -616,8 +725,34 @@ async fn write_link(
     .await;
 }
 
+/// Writes one frame (its payload from the message's own buffer, after a small head encoded
+/// into `head`), flushing when `flush`, within `timeout`.
+pub(crate) async fn write_frame(
+    write: &mut (impl AsyncWrite + Unpin),
+    head: &mut BytesMut,
+    frame: &Frame,
+    flush: bool,
+    timeout: Duration,
+) -> Result<(), LinkError> {
+    head.clear();
+    let payload = wire::encode_frame_split(frame, head);
+    let mut bytes = Buf::chain(&head[..], payload);
+    let write_all = async {
+        write.write_all_buf(&mut bytes).await?;
+        if flush {
+            write.flush().await?;
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    match tokio::time::timeout(timeout, write_all).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(LinkError::Io(e.to_string())),
+        Err(_) => Err(LinkError::WriteTimeout),
+    }
+}
+
 /// A message as a timeline span names it.
-fn describe(message: &Message) -> String {
+pub(crate) fn describe(message: &Message) -> String {
     match message {
         Message::Part(p) => format!("part {}", p.part),
         Message::Averaged(a) => format!("average {}", a.part),

@@ -316,6 +316,41 @@ impl Tensor {
 }
 
 impl Tensor {
+    /// Overwrites `self[offset..]` with little-endian f32 `values` (rounded once for f16 and
+    /// bf16).
+    pub fn set_from_le(&mut self, offset: usize, values: &[u8]) -> Result<(), TensorError> {
+        let n = self.numel();
+        let len = values.len() / 4;
+        if !values.len().is_multiple_of(4) || offset.checked_add(len).is_none_or(|end| end > n) {
+            return Err(TensorError::Mismatch(format!(
+                "{} bytes of values at offset {offset} of {n} elements",
+                values.len()
+            )));
+        }
+        let range = offset..offset + len;
+        let le = values
+            .as_chunks::<4>()
+            .0
+            .iter()
+            .map(|b| f32::from_le_bytes(*b));
+        match self.flat_mut() {
+            PartViewMut::F32(x) => ops::copy_from_le(&mut x[range], values),
+            PartViewMut::F16(x) => {
+                for (v, f) in x[range].iter_mut().zip(le) {
+                    *v = f16::from_f32(f);
+                }
+            }
+            PartViewMut::BF16(x) => {
+                for (v, f) in x[range].iter_mut().zip(le) {
+                    *v = bf16::from_f32(f);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Tensor {
     /// `self[offset..] += alpha · (average − start)` on the flattened data, for an `average`
     /// given as little-endian f32 bytes and the `start` values it is the average of this
     /// peer's contribution against (computed in f32, rounded once): the delta rule.

@@ -87,10 +87,10 @@ fn check_encoding(
 
 /// The bytes of one part of one tensor, kept alive by a share of the round's tensors: the
 /// zero-copy payload of a lossless part.
-struct TensorBytes {
-    tensors: Arc<Vec<Tensor>>,
-    tensor: usize,
-    range: Range<usize>,
+pub(crate) struct TensorBytes {
+    pub(crate) tensors: Arc<Vec<Tensor>>,
+    pub(crate) tensor: usize,
+    pub(crate) range: Range<usize>,
 }
 
 impl AsRef<[u8]> for TensorBytes {
@@ -99,6 +99,31 @@ impl AsRef<[u8]> for TensorBytes {
             .part(self.range.clone())
             .as_bytes()
     }
+}
+
+/// Encodes part `spec` of `tensors` with `codec`: the dtype the payload declares, and the
+/// payload (for the lossless codec the tensor's own bytes, no copy).
+pub(crate) fn encode_part(
+    tensors: &Arc<Vec<Tensor>>,
+    spec: super::PartSpec,
+    codec: &'static dyn Codec,
+    pool: &BufferPool,
+) -> (DType, Bytes) {
+    let view = tensors[spec.tensor].part(spec.range());
+    let dtype = codec.wire_dtype(view.dtype());
+    let payload = if codec.kind() == CompressionType::None && cfg!(target_endian = "little") {
+        // The raw little-endian elements are the encoding: send the tensor's own bytes.
+        Bytes::from_owner(TensorBytes {
+            tensors: Arc::clone(tensors),
+            tensor: spec.tensor,
+            range: spec.range(),
+        })
+    } else {
+        let mut buf = pool.take_bytes(view.as_bytes().len());
+        codec.encode(view, &mut buf);
+        pool.freeze(buf)
+    };
+    (dtype, payload)
 }
 
 /// One peer's side of one butterfly all-reduce round (see the [module docs](super)).
@@ -522,20 +547,7 @@ impl Butterfly {
         }
         let spec = *self.partition.part(g);
         let codec = self.codecs[spec.tensor];
-        let view = self.tensors[spec.tensor].part(spec.range());
-        let dtype = codec.wire_dtype(view.dtype());
-        let payload = if codec.kind() == CompressionType::None && cfg!(target_endian = "little") {
-            // The raw little-endian elements are the encoding: send the tensor's own bytes.
-            Bytes::from_owner(TensorBytes {
-                tensors: Arc::clone(&self.tensors),
-                tensor: spec.tensor,
-                range: spec.range(),
-            })
-        } else {
-            let mut buf = self.pool.take_bytes(view.as_bytes().len());
-            codec.encode(view, &mut buf);
-            self.pool.freeze(buf)
-        };
+        let (dtype, payload) = encode_part(&self.tensors, spec, codec, &self.pool);
         Message::Part(PartMessage {
             part: g as u32,
             weight: self.cfg.weight,

@@ -442,10 +442,12 @@ impl Reducer {
         contributions: &mut Vec<Contribution>,
         non_finite: &mut Vec<usize>,
     ) -> Option<Vec<f32>> {
-        match self.aggregator {
-            Aggregator::Mean => {}
+        // The sum is the mean's one-pass kernel without the division.
+        let sum = match self.aggregator {
+            Aggregator::Mean => false,
+            Aggregator::Sum => true,
             other => return self.combine(other, len, contributions, non_finite),
-        }
+        };
         let mut out: Option<Vec<f32>> = None;
         loop {
             let den: f64 = contributions.iter().map(|(_, w, _)| w).sum();
@@ -461,9 +463,10 @@ impl Reducer {
                 .map(|(_, w, x)| (x.source(), *w as f32))
                 .collect();
             let mut bad = vec![false; sources.len()];
-            let finite =
-                self.kernel
-                    .weighted_mean(&sources, (1.0 / den) as f32, &mut buf, &mut bad);
+            let scale = if sum { 1.0 } else { (1.0 / den) as f32 };
+            let finite = self
+                .kernel
+                .weighted_mean(&sources, scale, &mut buf, &mut bad);
             drop(sources);
             if bad.iter().any(|&b| b) {
                 let all = std::mem::take(contributions);
@@ -478,7 +481,9 @@ impl Reducer {
                 out = Some(buf);
                 continue;
             }
-            if finite || exact_average(&mut buf, contributions) {
+            // A sum past f32's range has no finite result; a mean whose f32 accumulation
+            // overflowed is recomputed exactly.
+            if finite || (!sum && exact_average(&mut buf, contributions)) {
                 return Some(buf);
             }
             // Unreachable with validated weights and finite inputs; never hand out a

@@ -176,25 +176,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         ],
     )?;
 
-    let mut ready: Vec<Option<String>> = vec![None; args.peers];
-    while ready.iter().any(Option::is_none) {
-        let (i, line) = workers
-            .lines
-            .recv_timeout(SETUP_TIMEOUT)
-            .context("workers did not report ready in time")?;
-        let rest = line
-            .strip_prefix("READY ")
-            .with_context(|| format!("worker {i}: unexpected line '{line}'"))?;
-        let fields: Vec<&str> = rest.split(' ').collect();
-        let [id, maddr, data] = fields[..] else {
-            bail!("worker {i}: expected READY <id> <multiaddr> <data addr or ->, got '{line}'");
-        };
-        ready[i] = Some(format!("{id}@{maddr}@{data}"));
-    }
-    workers.broadcast(&format!(
-        "ROSTER {}",
-        ready.into_iter().flatten().collect::<Vec<_>>().join(" ")
-    ))?;
+    exchange_roster(&mut workers, args.peers)?;
 
     let total_rounds = args.rounds + 1;
     let mut times = vec![vec![0.0f64; args.peers]; total_rounds];
@@ -276,7 +258,32 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn compression_name(c: &Compression) -> String {
+/// The parent's side of the roster: every worker's `READY <id> <multiaddr> <data>`, then
+/// `ROSTER <id>@<multiaddr>@<data> ...` to all.
+pub(crate) fn exchange_roster(workers: &mut Workers, peers: usize) -> anyhow::Result<()> {
+    let mut ready: Vec<Option<String>> = vec![None; peers];
+    while ready.iter().any(Option::is_none) {
+        let (i, line) = workers
+            .lines
+            .recv_timeout(SETUP_TIMEOUT)
+            .context("workers did not report ready in time")?;
+        let rest = line
+            .strip_prefix("READY ")
+            .with_context(|| format!("worker {i}: unexpected line '{line}'"))?;
+        let fields: Vec<&str> = rest.split(' ').collect();
+        let [id, maddr, data] = fields[..] else {
+            bail!("worker {i}: expected READY <id> <multiaddr> <data addr or ->, got '{line}'");
+        };
+        ready[i] = Some(format!("{id}@{maddr}@{data}"));
+    }
+    workers.broadcast(&format!(
+        "ROSTER {}",
+        ready.into_iter().flatten().collect::<Vec<_>>().join(" ")
+    ))?;
+    Ok(())
+}
+
+pub(crate) fn compression_name(c: &Compression) -> String {
     match c {
         Compression::Fixed(CompressionType::None) => "none",
         Compression::Fixed(CompressionType::Float16) => "float16",
@@ -303,71 +310,8 @@ pub fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
 }
 
 async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
-    let keypair = libp2p::identity::Keypair::generate_ed25519();
-    let peer_id = keypair.public().to_peer_id();
-    let mut config = NodeConfig::loopback();
-    match bench.transport {
-        Transport::Tcp => {}
-        Transport::Stream => config.data_listen = None,
-        Transport::Quic => {
-            config.data_listen = None;
-            config.p2p.listen = vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse()?];
-        }
-    }
-    let node = Node::start(config, keypair).await?;
-    let maddr = node
-        .dht()
-        .p2p()
-        .listen_addrs()
-        .await?
-        .into_iter()
-        .next()
-        .context("the node has no listen address")?;
-    let data = node
-        .hub()
-        .data_addr()
-        .map_or_else(|| "-".to_owned(), |a| a.to_string());
-    println!("READY {peer_id} {maddr} {data}");
-
-    // Lines from the parent: the roster, then a GO and a CHECK per round.
     let mut lines = stdin_lines();
-    let roster_line = lines.recv().await.context("parent closed stdin")?;
-    let roster: Vec<(PeerId, libp2p::Multiaddr, Option<SocketAddr>)> = roster_line
-        .trim()
-        .strip_prefix("ROSTER ")
-        .context("expected ROSTER")?
-        .split(' ')
-        .map(|entry| {
-            let mut parts = entry.split('@');
-            let (Some(id), Some(maddr), Some(data), None) =
-                (parts.next(), parts.next(), parts.next(), parts.next())
-            else {
-                bail!("roster entry '{entry}' is not id@multiaddr@data");
-            };
-            let data = if data == "-" {
-                None
-            } else {
-                Some(data.parse()?)
-            };
-            Ok((id.parse()?, maddr.parse()?, data))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    ensure!(
-        roster.len() == bench.peers && roster[me].0 == peer_id,
-        "bad roster"
-    );
-    for (i, (id, maddr, _)) in roster.iter().enumerate() {
-        if i != me {
-            node.dht()
-                .p2p()
-                .add_peer_addresses(*id, vec![maddr.clone()])
-                .await?;
-        }
-    }
-    let link_peers: Vec<LinkPeer> = roster
-        .iter()
-        .map(|(peer_id, _, data_addr)| LinkPeer::public(*peer_id, *data_addr))
-        .collect();
+    let (node, link_peers) = join_roster(bench.transport, bench.peers, me, &mut lines).await?;
 
     let descriptors = bench.descriptors();
     let mut tensors = make_tensors(&descriptors, SEED, me)?;
@@ -431,9 +375,85 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A worker's side of the roster: starts its node, prints `READY`, reads the roster, adds
+/// every other worker's address to the swarm; returns the node and the members' link
+/// descriptions in roster order.
+pub(crate) async fn join_roster(
+    transport: Transport,
+    peers: usize,
+    me: usize,
+    lines: &mut tokio::sync::mpsc::Receiver<String>,
+) -> anyhow::Result<(Node, Vec<LinkPeer>)> {
+    let keypair = libp2p::identity::Keypair::generate_ed25519();
+    let peer_id = keypair.public().to_peer_id();
+    let mut config = NodeConfig::loopback();
+    match transport {
+        Transport::Tcp => {}
+        Transport::Stream => config.data_listen = None,
+        Transport::Quic => {
+            config.data_listen = None;
+            config.p2p.listen = vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse()?];
+        }
+    }
+    let node = Node::start(config, keypair).await?;
+    let maddr = node
+        .dht()
+        .p2p()
+        .listen_addrs()
+        .await?
+        .into_iter()
+        .next()
+        .context("the node has no listen address")?;
+    let data = node
+        .hub()
+        .data_addr()
+        .map_or_else(|| "-".to_owned(), |a| a.to_string());
+    println!("READY {peer_id} {maddr} {data}");
+
+    let roster_line = lines.recv().await.context("parent closed stdin")?;
+    let roster: Vec<(PeerId, libp2p::Multiaddr, Option<SocketAddr>)> = roster_line
+        .trim()
+        .strip_prefix("ROSTER ")
+        .context("expected ROSTER")?
+        .split(' ')
+        .map(|entry| {
+            let mut parts = entry.split('@');
+            let (Some(id), Some(maddr), Some(data), None) =
+                (parts.next(), parts.next(), parts.next(), parts.next())
+            else {
+                bail!("roster entry '{entry}' is not id@multiaddr@data");
+            };
+            let data = if data == "-" {
+                None
+            } else {
+                Some(data.parse()?)
+            };
+            Ok((id.parse()?, maddr.parse()?, data))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    ensure!(
+        roster.len() == peers && roster[me].0 == peer_id,
+        "bad roster"
+    );
+    for (i, (id, maddr, _)) in roster.iter().enumerate() {
+        if i != me {
+            node.dht()
+                .p2p()
+                .add_peer_addresses(*id, vec![maddr.clone()])
+                .await?;
+        }
+    }
+    let link_peers: Vec<LinkPeer> = roster
+        .iter()
+        .map(|(peer_id, _, data_addr)| LinkPeer::public(*peer_id, *data_addr))
+        .collect();
+
+    Ok((node, link_peers))
+}
+
 /// CPU time (user + system) this process has used so far, from `/proc/self/stat` (0 where
 /// that is not available; it only feeds a diagnostic line).
-fn process_cpu_seconds() -> f64 {
+pub(crate) fn process_cpu_seconds() -> f64 {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return 0.0;
     };

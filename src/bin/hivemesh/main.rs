@@ -4,6 +4,7 @@
 
 mod bench;
 mod chaos;
+mod collective;
 mod demo;
 mod steps;
 mod workers;
@@ -54,6 +55,9 @@ enum Command {
     /// Internal: one process of `bench steps`.
     #[command(hide = true)]
     BenchStepsWorker(steps::StepsWorkerArgs),
+    /// Internal: one process of `bench collective`.
+    #[command(hide = true)]
+    BenchCollectiveWorker(collective::CollectiveWorkerArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -68,6 +72,12 @@ enum BenchCommand {
     /// restarted (replacements load state); every finished step is checked against its
     /// report; prints `hivemesh_chaos peers=P rounds=R ok=K wrong=W hung=H max_rss_mb=M`.
     Chaos(chaos::ChaosArgs),
+    /// N peers as OS processes on loopback form one lasting group (linked once) and run one
+    /// collective per round (all-reduce and reduce-scatter sum), every result verified; prints
+    /// `hivemesh_collective op=OP world=N mib=M median_s=S algbw_gbs=A busbw_gbs=B`. Sizes as
+    /// nccl-tests: M is the all-reduce and broadcast buffer, the all-gather output and the
+    /// reduce-scatter input.
+    Collective(collective::CollectiveArgs),
 }
 
 #[derive(Args, Debug)]
@@ -196,6 +206,8 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Chaos(args)) => chaos::run(args),
         Command::BenchChaosWorker(args) => chaos::run_worker(args),
         Command::BenchStepsWorker(args) => steps::run_worker(args),
+        Command::Bench(BenchCommand::Collective(args)) => collective::run(args),
+        Command::BenchCollectiveWorker(args) => collective::run_worker(args),
     };
     // Everything recorded reaches the timeline file (HIVEMESH_TIMELINE), closed.
     hivemesh::timeline::flush(true);

@@ -45,15 +45,42 @@ impl Workers {
         Ok(())
     }
 
+    /// Sends `line` to the workers `to` returns true for.
+    pub fn send_to(&mut self, to: impl Fn(usize) -> bool, line: &str) -> anyhow::Result<()> {
+        for (i, c) in self.children.iter_mut().enumerate() {
+            if to(i) {
+                let stdin = c.stdin.as_mut().context("worker stdin")?;
+                writeln!(stdin, "{line}")?;
+                stdin.flush()?;
+            }
+        }
+        Ok(())
+    }
+
     /// Closes every worker's stdin and waits for all of them to exit successfully.
-    pub fn finish(mut self) -> anyhow::Result<()> {
+    pub fn finish(self) -> anyhow::Result<()> {
+        self.finish_except(None)
+    }
+
+    /// Like [`Workers::finish`], except that worker `killed` must have died by SIGKILL.
+    pub fn finish_except(mut self, killed: Option<usize>) -> anyhow::Result<()> {
         for c in &mut self.children {
             drop(c.stdin.take());
         }
         // Every worker is waited for, even after one failed (none is left running).
         let mut failure = None;
-        for mut c in std::mem::take(&mut self.children) {
+        for (i, mut c) in std::mem::take(&mut self.children).into_iter().enumerate() {
             let result = match c.wait() {
+                Ok(status) if Some(i) == killed => {
+                    use std::os::unix::process::ExitStatusExt;
+                    if status.signal() == Some(9) {
+                        Ok(())
+                    } else {
+                        Err(anyhow::anyhow!(
+                            "worker {i} was to die by SIGKILL: {status}"
+                        ))
+                    }
+                }
                 Ok(status) if status.success() => Ok(()),
                 Ok(status) => Err(anyhow::anyhow!("a worker failed: {status}")),
                 Err(e) => Err(e.into()),

@@ -1,0 +1,1068 @@
+//! Groups that last: collectives over one matched group, with its links kept across
+//! operations.
+//!
+//! # Forming a group
+//!
+//! [`crate::Averager::form_group`] finds a group through the same DHT matchmaking as a step
+//! (the averager's prefix, group size and keys: several averagers with different prefixes on
+//! one node are several independent groups, Horovod's process sets, sharing the node's swarm
+//! and link hub) and links every member to every other (TLS data links, or libp2p streams
+//! where those cannot be made). The [`Group`] then keeps the ordered membership and the links
+//! until it is closed or dropped: no matchmaking and no linking per operation.
+//!
+//! # Operations
+//!
+//! Every operation runs on every current member, in the same order on each (like
+//! torch.distributed), except `send`/`recv`, which involve two members:
+//!
+//! * [`Group::all_reduce`] with a [`ReduceOp`]: the butterfly ([`crate::allreduce`]) over the
+//!   group's links, with the group's compression, sender/reducer timeouts and part size;
+//! * [`Group::all_gather`], [`Group::broadcast`], [`Group::reduce_scatter`],
+//!   [`Group::barrier`], [`Group::send`], [`Group::recv`], [`Group::recv_any`]: direct
+//!   exchanges (`exchange`): each flow is cut into parts, encoded with the group's codec,
+//!   streamed under backpressure and checked part by part on arrival.
+//!
+//! Codec and reduction work runs on a blocking compute thread, never on the link tasks (the
+//! same compute loop as a round, [`crate::runner`]). Frames of an operation carry its id (see
+//! `mesh`): a member that runs ahead has its frames held for the operation, within its
+//! link's byte budget.
+//!
+//! # Failures
+//!
+//! A member that dies, stalls past `sender_timeout` (or `reducer_timeout` as an all-reduce
+//! reducer), or sends a bad part ends the operation for the others with
+//! [`GroupError::Failed`], which names every failed member and carries what was completed
+//! ([`Partial`]). The group does not change by itself: the caller decides, and every
+//! survivor calls [`Group::shrink`], which exchanges each survivor's list of failed members
+//! and removes the union (and anyone who does not answer). Later operations run over the
+//! smaller membership, under a new operation-id prefix, so frames of the old membership are
+//! dropped. Shrinking is not consensus: survivors that saw different failures during the
+//! shrink itself end up with different memberships, their next operation fails by timeouts,
+//! and another shrink settles it.
+
+mod exchange;
+mod mesh;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use libp2p::PeerId;
+use sha2::Digest;
+use tokio::sync::{oneshot, watch};
+
+use crate::allreduce::{
+    Aggregator, Butterfly, Member, Mode, RoundConfig, RoundError, RoundReport, TensorDescriptor,
+};
+use crate::buffers::BufferPool;
+use crate::compression::{Compression, CompressionType};
+use crate::links::LinkKind;
+use crate::runner::{Link, Machine, RunnerError};
+use crate::tensor::{DType, Tensor};
+
+use exchange::{Exchange, ExchangeConfig, Plan, Received};
+use mesh::{Mesh, MeshConfig, OpId, OpenOp, PREFIX_BYTES};
+
+/// How an all-reduce or reduce-scatter combines the members' values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean (every member weighs the same).
+    Mean,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+impl ReduceOp {
+    fn aggregator(self) -> Aggregator {
+        match self {
+            Self::Sum => Aggregator::Sum,
+            Self::Mean => Aggregator::Mean,
+            Self::Max => Aggregator::Max,
+            Self::Min => Aggregator::Min,
+        }
+    }
+
+    fn fold(self, acc: &mut [f32], x: &[f32]) {
+        match self {
+            Self::Sum | Self::Mean => acc.iter_mut().zip(x).for_each(|(a, b)| *a += b),
+            Self::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b)),
+            Self::Min => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.min(*b)),
+        }
+    }
+}
+
+impl std::str::FromStr for ReduceOp {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sum" => Ok(Self::Sum),
+            "mean" => Ok(Self::Mean),
+            "max" => Ok(Self::Max),
+            "min" => Ok(Self::Min),
+            other => Err(format!(
+                "unknown reduce op '{other}' (sum, mean, max or min)"
+            )),
+        }
+    }
+}
+
+/// Parameters of a group's operations.
+#[derive(Clone, Debug)]
+pub struct GroupConfig {
+    /// Longest wait for a member's next part.
+    pub sender_timeout: Duration,
+    /// All-reduce: longest wait for a reducer's next reply (larger than `sender_timeout`).
+    pub reducer_timeout: Duration,
+    /// Bound on one whole operation (and on `recv_any`'s wait).
+    pub op_timeout: Duration,
+    /// Target encoded part size.
+    pub part_size_bytes: usize,
+    /// Codec for tensor data (barriers and shrinks always go uncompressed).
+    pub compression: Compression,
+    /// Largest frame accepted from a member.
+    pub max_frame_bytes: usize,
+    /// Bound on one frame write.
+    pub write_timeout: Duration,
+    /// Frames queued per link.
+    pub link_queue: usize,
+    /// Messages queued to an operation's compute thread.
+    pub inbound_queue: usize,
+    /// Bytes read from one link and not yet used (by an operation, or held for one that has
+    /// not started here) at most.
+    pub max_queued_bytes_per_link: usize,
+    /// Bound on flushing and closing each link when the group closes.
+    pub close_timeout: Duration,
+}
+
+impl Default for GroupConfig {
+    fn default() -> Self {
+        let runner = crate::runner::RunnerConfig::default();
+        Self {
+            sender_timeout: crate::allreduce::DEFAULT_SENDER_TIMEOUT,
+            reducer_timeout: crate::allreduce::DEFAULT_REDUCER_TIMEOUT,
+            op_timeout: Duration::from_secs(120),
+            part_size_bytes: crate::allreduce::DEFAULT_PART_SIZE_BYTES,
+            compression: Compression::default(),
+            max_frame_bytes: runner.max_frame_bytes,
+            write_timeout: runner.write_timeout,
+            link_queue: runner.link_queue,
+            inbound_queue: runner.inbound_queue,
+            max_queued_bytes_per_link: runner.max_queued_bytes_per_link,
+            close_timeout: runner.close_timeout,
+        }
+    }
+}
+
+/// A member an operation gave up on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FailedMember {
+    /// Its index in the group when the operation ran.
+    pub index: usize,
+    /// Its peer id.
+    pub peer: PeerId,
+    /// Why (timeout, link failure, bad part, abort).
+    pub reason: String,
+}
+
+/// What an operation completed before it failed.
+#[derive(Clone, Debug)]
+pub enum Partial {
+    /// Nothing to report.
+    Nothing,
+    /// All-reduce: the tensors (parts whose reducer failed keep this member's values) and,
+    /// part by part, whose values each part combines.
+    AllReduce {
+        /// The result as far as it got.
+        tensors: Vec<Tensor>,
+        /// Contributors per part.
+        report: RoundReport,
+    },
+    /// All-gather, broadcast, recv: per member, its tensors if they arrived complete.
+    Gathered(Vec<Option<Vec<Tensor>>>),
+    /// Reduce-scatter: the reduction over the members in `contributors` only.
+    Reduced {
+        /// The partial reduction.
+        tensor: Tensor,
+        /// Member indices whose values it combines.
+        contributors: Vec<usize>,
+    },
+    /// Barrier: the members that arrived.
+    Arrived(Vec<usize>),
+}
+
+/// Why a group operation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum GroupError {
+    /// Members failed during the operation; `partial` holds what completed.
+    #[error("{op}: {} failed ({})", plural(failed.len()), describe(failed))]
+    Failed {
+        /// The operation.
+        op: &'static str,
+        /// Who failed and why.
+        failed: Vec<FailedMember>,
+        /// What completed.
+        partial: Box<Partial>,
+    },
+    /// The arguments do not fit the group (sizes, member indices, shapes).
+    #[error("{op}: {detail}")]
+    Invalid {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+    /// `recv_any` found no message within `op_timeout`.
+    #[error("recv_any: no message within {0:?}")]
+    Timeout(Duration),
+    /// The other members removed this one (see [`Group::shrink`]).
+    #[error("this member was removed from the group")]
+    Expelled,
+    /// The operation could not run (its compute thread failed, or it was abandoned).
+    #[error("{op}: {detail}")]
+    Internal {
+        /// The operation.
+        op: &'static str,
+        /// What happened.
+        detail: String,
+    },
+}
+
+fn plural(n: usize) -> String {
+    if n == 1 {
+        "1 member".into()
+    } else {
+        format!("{n} members")
+    }
+}
+
+fn describe(failed: &[FailedMember]) -> String {
+    failed
+        .iter()
+        .map(|f| format!("member {} {}: {}", f.index, f.peer, f.reason))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// A formed group and its links (see the [module docs](self)).
+pub struct Group {
+    base: [u8; 16],
+    peers: Vec<PeerId>,
+    kinds: Vec<Option<LinkKind>>,
+    /// Original indices of the current members, in order.
+    live: Vec<usize>,
+    /// Our original index.
+    me: usize,
+    mesh: Option<Mesh>,
+    cfg: GroupConfig,
+    seq: u64,
+    send_seq: Vec<u64>,
+    recv_seq: Vec<u64>,
+    /// Members (original indices) that failed an operation since the last shrink.
+    suspects: BTreeSet<usize>,
+    pool: BufferPool,
+    /// What `pool` retains at most.
+    pool_bytes: usize,
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("size", &self.live.len())
+            .field("me", &self.me())
+            .finish_non_exhaustive()
+    }
+}
+
+fn prefix(base: &[u8; 16], peers: &[PeerId], live: &[usize]) -> Bytes {
+    let mut h = sha2::Sha256::new();
+    for &m in live {
+        h.update(peers[m].to_bytes());
+    }
+    let digest = h.finalize();
+    let mut p = Vec::with_capacity(PREFIX_BYTES);
+    p.extend_from_slice(base);
+    p.extend_from_slice(&digest[..PREFIX_BYTES - 16]);
+    Bytes::from(p)
+}
+
+impl Group {
+    /// A group over established links: `links[i]` to member `i` (`None` for `me`; `None`
+    /// for another member means no link, and every operation fails that member).
+    pub fn new(
+        group_id: &[u8],
+        peers: Vec<PeerId>,
+        me: usize,
+        links: Vec<Option<Box<dyn Link>>>,
+        kinds: Vec<Option<LinkKind>>,
+        cfg: GroupConfig,
+    ) -> Result<Self, GroupError> {
+        let n = peers.len();
+        if me >= n || links.len() != n || kinds.len() != n || n > usize::from(u16::MAX) {
+            return Err(GroupError::Invalid {
+                op: "group",
+                detail: format!(
+                    "member {me} of {n} with {} links and {} kinds",
+                    links.len(),
+                    kinds.len()
+                ),
+            });
+        }
+        let digest = sha2::Sha256::digest(group_id);
+        let mut base = [0u8; 16];
+        base.copy_from_slice(&digest[..16]);
+        let live: Vec<usize> = (0..n).collect();
+        let pool = BufferPool::default();
+        let mesh = Mesh::start(
+            links,
+            me,
+            prefix(&base, &peers, &live),
+            &MeshConfig {
+                max_frame_bytes: cfg.max_frame_bytes,
+                write_timeout: cfg.write_timeout,
+                link_queue: cfg.link_queue,
+                inbound_queue: cfg.inbound_queue,
+                max_queued_bytes_per_link: cfg.max_queued_bytes_per_link,
+                close_timeout: cfg.close_timeout,
+            },
+            &pool,
+        );
+        Ok(Self {
+            base,
+            peers,
+            kinds,
+            live,
+            me,
+            mesh: Some(mesh),
+            cfg,
+            seq: 0,
+            send_seq: vec![0; n],
+            recv_seq: vec![0; n],
+            suspects: BTreeSet::new(),
+            pool,
+            pool_bytes: crate::buffers::DEFAULT_RETAIN_BYTES,
+        })
+    }
+
+    /// Number of current members.
+    pub fn size(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Our index among the current members.
+    pub fn me(&self) -> usize {
+        self.local(self.me).unwrap_or(usize::MAX)
+    }
+
+    /// The current members' peer ids, in the group's order.
+    pub fn members(&self) -> Vec<PeerId> {
+        self.live.iter().map(|&m| self.peers[m]).collect()
+    }
+
+    /// How we are linked to each current member (`None` for ourselves and for members we
+    /// have no link to).
+    pub fn links(&self) -> Vec<Option<LinkKind>> {
+        self.live.iter().map(|&m| self.kinds[m]).collect()
+    }
+
+    /// The group's parameters.
+    pub fn config(&self) -> &GroupConfig {
+        &self.cfg
+    }
+
+    fn local(&self, original: usize) -> Option<usize> {
+        self.live.iter().position(|&m| m == original)
+    }
+
+    fn mesh(&self) -> &Mesh {
+        self.mesh.as_ref().expect("the mesh lives until close")
+    }
+
+    /// Makes the pool retain enough for operations on `bytes` of tensors (encoded parts,
+    /// received frames and reductions of one operation), so that the next one reuses them.
+    fn size_pool(&mut self, bytes: usize) {
+        let want = 2 * bytes + crate::buffers::DEFAULT_RETAIN_BYTES;
+        if want > self.pool_bytes {
+            self.pool = BufferPool::new(want);
+            self.pool_bytes = want;
+        }
+    }
+
+    fn next_collective(&mut self) -> OpId {
+        let id = OpId::Collective(self.seq);
+        self.seq += 1;
+        id
+    }
+
+    fn check_member(&self, op: &'static str, index: usize) -> Result<usize, GroupError> {
+        self.live.get(index).copied().ok_or(GroupError::Invalid {
+            op,
+            detail: format!("member {index} of a group of {}", self.live.len()),
+        })
+    }
+
+    /// Runs `machine` for operation `id` over `members` (original indices) on a compute
+    /// thread; returns it and the members it failed (original indices).
+    async fn drive<M: Machine + Send + 'static>(
+        &mut self,
+        op: &'static str,
+        id: OpId,
+        members: &[usize],
+        machine: M,
+    ) -> Result<(M, Vec<FailedMember>), GroupError> {
+        let started = std::time::Instant::now();
+        let open: OpenOp = self.mesh().open(id, members);
+        let (_abandon_guard, mut abandoned) = oneshot::channel::<()>();
+        let (_keep, mut cancel) = watch::channel(false);
+        let handle = tokio::runtime::Handle::current();
+        let joined = tokio::task::spawn_blocking(move || {
+            let mut open = open;
+            let mut machine = machine;
+            let result = crate::runner::drive(
+                &handle,
+                &mut machine,
+                &mut open.outboxes,
+                &mut open.inbound,
+                &mut cancel,
+                &mut abandoned,
+            );
+            drop(open);
+            result.map(|failures| (machine, failures))
+        })
+        .await
+        .map_err(|e| GroupError::Internal {
+            op,
+            detail: e.to_string(),
+        })?;
+        let (machine, failures) = joined.map_err(|e: RunnerError| GroupError::Internal {
+            op,
+            detail: e.to_string(),
+        })?;
+        let mut failed: Vec<FailedMember> = Vec::new();
+        for (local, reason) in failures {
+            let original = members[local];
+            self.suspects.insert(original);
+            if let Some(f) = failed.iter_mut().find(|f| f.peer == self.peers[original]) {
+                f.reason = format!("{}; {reason}", f.reason);
+            } else {
+                failed.push(FailedMember {
+                    index: self.local(original).unwrap_or(local),
+                    peer: self.peers[original],
+                    reason,
+                });
+            }
+        }
+        crate::timeline::span(
+            "group",
+            || format!("node {} group", short(&self.peers[self.me])),
+            || op.to_owned(),
+            started,
+            || vec![("members", members.len().to_string())],
+        );
+        Ok((machine, failed))
+    }
+
+    fn exchange_config(
+        &self,
+        members: usize,
+        me: usize,
+        compression: Compression,
+    ) -> ExchangeConfig {
+        ExchangeConfig {
+            members,
+            me,
+            part_size_bytes: self.cfg.part_size_bytes,
+            compression,
+            sender_timeout: self.cfg.sender_timeout,
+            op_timeout: Some(self.cfg.op_timeout),
+        }
+    }
+
+    async fn exchange(
+        &mut self,
+        op: &'static str,
+        id: OpId,
+        members: Vec<usize>,
+        plan: Plan,
+        compression: Compression,
+    ) -> Result<(Received, Vec<FailedMember>), GroupError> {
+        let me = members
+            .iter()
+            .position(|&m| m == self.me)
+            .ok_or(GroupError::Expelled)?;
+        let cfg = self.exchange_config(members.len(), me, compression);
+        let machine = Exchange::new(cfg, plan, Instant::now(), self.pool.clone()).map_err(|e| {
+            GroupError::Invalid {
+                op,
+                detail: e.to_string(),
+            }
+        })?;
+        let (machine, failed) = self.drive(op, id, &members, machine).await?;
+        let received = machine.into_received().map_err(|e| GroupError::Internal {
+            op,
+            detail: e.to_string(),
+        })?;
+        Ok((received, failed))
+    }
+
+    /// All-reduce `tensors` with `op` over the current members (every member passes tensors
+    /// of the same shapes and dtypes); returns the result.
+    pub async fn all_reduce(
+        &mut self,
+        op: ReduceOp,
+        tensors: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, GroupError> {
+        const OP: &str = "all_reduce";
+        let id = self.next_collective();
+        let members = self.live.clone();
+        let me = self.me();
+        let mut cfg = RoundConfig::new(
+            vec![
+                Member {
+                    mode: Mode::Node,
+                    fraction: 1.0,
+                };
+                members.len()
+            ],
+            me,
+        );
+        cfg.part_size_bytes = self.cfg.part_size_bytes;
+        cfg.compression = self.cfg.compression.clone();
+        cfg.sender_timeout = self.cfg.sender_timeout;
+        cfg.reducer_timeout = self.cfg.reducer_timeout;
+        cfg.round_timeout = Some(self.cfg.op_timeout);
+        cfg.aggregator = op.aggregator();
+        let invalid = |e: RoundError| GroupError::Invalid {
+            op: OP,
+            detail: e.to_string(),
+        };
+        self.size_pool(tensors.iter().map(Tensor::size_bytes).sum());
+        let machine = Butterfly::with_pool(cfg, tensors, Instant::now(), self.pool.clone())
+            .map_err(invalid)?;
+        let (machine, failed) = self.drive(OP, id, &members, machine).await?;
+        let (start, outcome) = machine.into_outcome().map_err(|e| GroupError::Internal {
+            op: OP,
+            detail: e.to_string(),
+        })?;
+        let mut result = start;
+        outcome
+            .apply_in_place(&mut result)
+            .map_err(|e| GroupError::Internal {
+                op: OP,
+                detail: e.to_string(),
+            })?;
+        if failed.is_empty() {
+            outcome.recycle(&self.pool);
+            return Ok(result);
+        }
+        Err(GroupError::Failed {
+            op: OP,
+            failed,
+            partial: Box::new(Partial::AllReduce {
+                tensors: result,
+                report: outcome.report,
+            }),
+        })
+    }
+
+    /// Every member's `tensors` (same shapes and dtypes on every member), in member order.
+    pub async fn all_gather(
+        &mut self,
+        tensors: Vec<Tensor>,
+    ) -> Result<Vec<Vec<Tensor>>, GroupError> {
+        const OP: &str = "all_gather";
+        let id = self.next_collective();
+        let members = self.live.clone();
+        let n = members.len();
+        let me = self.me();
+        let descriptors: Arc<[TensorDescriptor]> =
+            tensors.iter().map(TensorDescriptor::of).collect();
+        let shared = Arc::new(tensors);
+        let plan = Plan {
+            sends: (0..n).map(|d| (d != me).then(|| shared.clone())).collect(),
+            expects: (0..n)
+                .map(|s| (s != me).then(|| descriptors.clone()))
+                .collect(),
+        };
+        let compression = self.cfg.compression.clone();
+        let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
+        let mine = Arc::try_unwrap(shared).unwrap_or_else(|s| (*s).clone());
+        let mut gathered = to_tensors(OP, received)?;
+        gathered[me] = Some(mine);
+        if failed.is_empty() && gathered.iter().all(Option::is_some) {
+            return Ok(gathered.into_iter().flatten().collect());
+        }
+        Err(GroupError::Failed {
+            op: OP,
+            failed,
+            partial: Box::new(Partial::Gathered(gathered)),
+        })
+    }
+
+    /// Member `root`'s `tensors` on every member (the others pass tensors of the shapes and
+    /// dtypes to expect; their values are not used).
+    ///
+    /// Scatter, then all-gather (van de Geijn): the root sends member `j` the `j`-th of `N`
+    /// slices of every tensor, then every member sends its slice to every other non-root
+    /// member (the root its own slice). The root uploads `2(N-1)/N` of the data instead of
+    /// `N-1` times all of it, and every member's uplink carries a share.
+    pub async fn broadcast(
+        &mut self,
+        root: usize,
+        tensors: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, GroupError> {
+        const OP: &str = "broadcast";
+        self.check_member(OP, root)?;
+        let scatter = self.next_collective();
+        let gather = self.next_collective();
+        let members = self.live.clone();
+        let n = members.len();
+        let me = self.me();
+        let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
+        // Slice j of tensor t: elements [numel·j/N, numel·(j+1)/N).
+        let bounds = |t: usize, j: usize| -> std::ops::Range<usize> {
+            let numel = descriptors[t].numel();
+            numel * j / n..numel * (j + 1) / n
+        };
+        let slice_shapes = |j: usize| -> Arc<[TensorDescriptor]> {
+            (0..descriptors.len())
+                .map(|t| TensorDescriptor {
+                    shape: vec![bounds(t, j).len()],
+                    dtype: descriptors[t].dtype,
+                })
+                .collect()
+        };
+        let slices = |j: usize| -> Arc<Vec<Tensor>> {
+            Arc::new(
+                tensors
+                    .iter()
+                    .enumerate()
+                    .map(|(t, x)| slice(x, bounds(t, j)))
+                    .collect(),
+            )
+        };
+        let compression = self.cfg.compression.clone();
+        // Scatter: each non-root member gets its slice from the root.
+        let plan = Plan {
+            sends: (0..n)
+                .map(|d| (me == root && d != me).then(|| slices(d)))
+                .collect(),
+            expects: (0..n)
+                .map(|s| (me != root && s == root).then(|| slice_shapes(me)))
+                .collect(),
+        };
+        let (received, failed) = self
+            .exchange(OP, scatter, members.clone(), plan, compression.clone())
+            .await?;
+        let mine: Arc<Vec<Tensor>> = if me == root {
+            slices(me)
+        } else {
+            match to_tensors(OP, received)?.swap_remove(root) {
+                // Without its slice a member cannot take part in the gather: the others
+                // name it there (it sends them nothing).
+                Some(t) if failed.is_empty() => Arc::new(t),
+                _ => {
+                    return Err(GroupError::Failed {
+                        op: OP,
+                        failed,
+                        partial: Box::new(Partial::Nothing),
+                    });
+                }
+            }
+        };
+        let scatter_failed = failed;
+        // Gather: every member's slice to every non-root member.
+        let plan = Plan {
+            sends: (0..n)
+                .map(|d| (d != me && d != root).then(|| mine.clone()))
+                .collect(),
+            expects: (0..n)
+                .map(|s| (me != root && s != me).then(|| slice_shapes(s)))
+                .collect(),
+        };
+        let (received, mut failed) = self
+            .exchange(OP, gather, members, plan, compression)
+            .await?;
+        for f in scatter_failed {
+            if !failed.iter().any(|g| g.peer == f.peer) {
+                failed.push(f);
+            }
+        }
+        if me == root {
+            return finish(OP, failed, tensors, |_| Partial::Nothing);
+        }
+        if !failed.is_empty() {
+            return Err(GroupError::Failed {
+                op: OP,
+                failed,
+                partial: Box::new(Partial::Nothing),
+            });
+        }
+        let mut values = received.values;
+        let mut out = Vec::with_capacity(descriptors.len());
+        for (t, d) in descriptors.iter().enumerate() {
+            let mut flat = Vec::with_capacity(d.numel());
+            for (j, v) in values.iter_mut().enumerate() {
+                match v {
+                    Some(v) => flat.extend_from_slice(&v[t]),
+                    None if j == me => flat.extend(mine[t].to_f32_vec()),
+                    None => {
+                        return Err(GroupError::Internal {
+                            op: OP,
+                            detail: format!("slice {j} missing"),
+                        });
+                    }
+                }
+            }
+            let tensor = match d.dtype {
+                DType::F32 => Tensor::from_f32(&d.shape, flat),
+                other => Tensor::from_f32_as(&d.shape, &flat, other),
+            };
+            out.push(tensor.map_err(|e| GroupError::Internal {
+                op: OP,
+                detail: e.to_string(),
+            })?);
+        }
+        Ok(out)
+    }
+
+    /// Reduce-scatter: `inputs[j]` goes to member `j` (one tensor per member, the same shape
+    /// and dtype on every member for a given `j`); returns the reduction with `op` of every
+    /// member's `inputs[me]`.
+    pub async fn reduce_scatter(
+        &mut self,
+        op: ReduceOp,
+        mut inputs: Vec<Tensor>,
+    ) -> Result<Tensor, GroupError> {
+        const OP: &str = "reduce_scatter";
+        let n = self.live.len();
+        if inputs.len() != n {
+            return Err(GroupError::Invalid {
+                op: OP,
+                detail: format!("{} inputs for a group of {n}", inputs.len()),
+            });
+        }
+        let id = self.next_collective();
+        let members = self.live.clone();
+        let me = self.me();
+        let own = std::mem::replace(&mut inputs[me], Tensor::zeros(&[0], DType::F32));
+        let descriptor: Arc<[TensorDescriptor]> = vec![TensorDescriptor::of(&own)].into();
+        let plan = Plan {
+            sends: inputs
+                .into_iter()
+                .enumerate()
+                .map(|(d, t)| (d != me).then(|| Arc::new(vec![t])))
+                .collect(),
+            expects: (0..n)
+                .map(|s| (s != me).then(|| descriptor.clone()))
+                .collect(),
+        };
+        let compression = self.cfg.compression.clone();
+        let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
+        let mut acc = own.to_f32_vec();
+        let mut contributors = vec![me];
+        for (s, values) in received.values.iter().enumerate() {
+            if let Some(values) = values {
+                op.fold(&mut acc, &values[0]);
+                contributors.push(s);
+            }
+        }
+        contributors.sort_unstable();
+        if op == ReduceOp::Mean {
+            let k = contributors.len() as f32;
+            acc.iter_mut().for_each(|v| *v /= k);
+        }
+        let tensor = Tensor::from_f32_as(own.shape(), &acc, own.dtype()).map_err(|e| {
+            GroupError::Internal {
+                op: OP,
+                detail: e.to_string(),
+            }
+        })?;
+        finish(OP, failed, tensor, |tensor| Partial::Reduced {
+            tensor,
+            contributors,
+        })
+    }
+
+    /// Waits until every member has reached its barrier.
+    pub async fn barrier(&mut self) -> Result<(), GroupError> {
+        const OP: &str = "barrier";
+        let id = self.next_collective();
+        let members = self.live.clone();
+        let n = members.len();
+        let me = self.me();
+        let empty = Arc::new(vec![Tensor::zeros(&[0], DType::F32)]);
+        let descriptors: Arc<[TensorDescriptor]> = vec![TensorDescriptor::of(&empty[0])].into();
+        let plan = Plan {
+            sends: (0..n).map(|d| (d != me).then(|| empty.clone())).collect(),
+            expects: (0..n)
+                .map(|s| (s != me).then(|| descriptors.clone()))
+                .collect(),
+        };
+        let (received, failed) = self
+            .exchange(
+                OP,
+                id,
+                members,
+                plan,
+                Compression::Fixed(CompressionType::None),
+            )
+            .await?;
+        let arrived: Vec<usize> = (0..n)
+            .filter(|&s| s == me || received.values[s].is_some())
+            .collect();
+        finish(OP, failed, (), |()| Partial::Arrived(arrived))
+    }
+
+    /// Sends `tensors` to member `to`, which receives them with [`Group::recv`] or
+    /// [`Group::recv_any`]. Returns once they are handed to the link (like a buffered send):
+    /// the receiver's side reports their arrival.
+    pub async fn send(&mut self, to: usize, tensors: Vec<Tensor>) -> Result<(), GroupError> {
+        const OP: &str = "send";
+        let dst = self.check_member(OP, to)?;
+        if dst == self.me {
+            return Err(GroupError::Invalid {
+                op: OP,
+                detail: "a member cannot send to itself".into(),
+            });
+        }
+        let id = OpId::Message {
+            src: self.me as u16,
+            dst: dst as u16,
+            seq: self.send_seq[dst],
+        };
+        self.send_seq[dst] += 1;
+        let plan = Plan {
+            sends: vec![None, Some(Arc::new(tensors))],
+            expects: vec![None, None],
+        };
+        let compression = self.cfg.compression.clone();
+        let (_, failed) = self
+            .exchange(OP, id, vec![self.me, dst], plan, compression)
+            .await?;
+        finish(OP, failed, (), |()| Partial::Nothing)
+    }
+
+    /// Receives the next tensors member `from` sent us, of the shapes and dtypes of `like`.
+    pub async fn recv(
+        &mut self,
+        from: usize,
+        like: &[TensorDescriptor],
+    ) -> Result<Vec<Tensor>, GroupError> {
+        const OP: &str = "recv";
+        let src = self.check_member(OP, from)?;
+        if src == self.me {
+            return Err(GroupError::Invalid {
+                op: OP,
+                detail: "a member cannot receive from itself".into(),
+            });
+        }
+        let id = OpId::Message {
+            src: src as u16,
+            dst: self.me as u16,
+            seq: self.recv_seq[src],
+        };
+        self.recv_seq[src] += 1;
+        let plan = Plan {
+            sends: vec![None, None],
+            expects: vec![Some(like.to_vec().into()), None],
+        };
+        let compression = self.cfg.compression.clone();
+        let (received, failed) = self
+            .exchange(OP, id, vec![src, self.me], plan, compression)
+            .await?;
+        let mut gathered = to_tensors(OP, received)?;
+        match gathered[0].take() {
+            Some(t) if failed.is_empty() => Ok(t),
+            _ => Err(GroupError::Failed {
+                op: OP,
+                failed,
+                partial: Box::new(Partial::Nothing),
+            }),
+        }
+    }
+
+    /// Receives the next message from whichever member sends first (waiting at most
+    /// `op_timeout`); returns the sender's index and its tensors.
+    pub async fn recv_any(
+        &mut self,
+        like: &[TensorDescriptor],
+    ) -> Result<(usize, Vec<Tensor>), GroupError> {
+        let arrivals = self.mesh().arrivals();
+        let deadline = tokio::time::Instant::now() + self.cfg.op_timeout;
+        loop {
+            let notified = arrivals.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(from) = self.mesh().pending_message().and_then(|s| self.local(s)) {
+                return Ok((from, self.recv(from, like).await?));
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(GroupError::Timeout(self.cfg.op_timeout));
+            }
+        }
+    }
+
+    /// Removes the members that failed since the last change (see the [module docs](self)):
+    /// every survivor calls it; returns the removed members' peer ids.
+    pub async fn shrink(&mut self) -> Result<Vec<PeerId>, GroupError> {
+        const OP: &str = "shrink";
+        let n_all = self.peers.len();
+        let mut suspects = self.suspects.clone();
+        suspects.extend(self.mesh().failed());
+        suspects.remove(&self.me);
+        let candidates: Vec<usize> = self
+            .live
+            .iter()
+            .copied()
+            .filter(|m| !suspects.contains(m))
+            .collect();
+        let mut mask = vec![0.0f32; n_all];
+        for &s in &suspects {
+            mask[s] = 1.0;
+        }
+        let mask = Arc::new(vec![Tensor::from_f32(&[n_all], mask).map_err(|e| {
+            GroupError::Internal {
+                op: OP,
+                detail: e.to_string(),
+            }
+        })?]);
+        let descriptors: Arc<[TensorDescriptor]> = vec![TensorDescriptor::of(&mask[0])].into();
+        let k = candidates.len();
+        let me = candidates
+            .iter()
+            .position(|&m| m == self.me)
+            .ok_or(GroupError::Expelled)?;
+        let plan = Plan {
+            sends: (0..k).map(|d| (d != me).then(|| mask.clone())).collect(),
+            expects: (0..k)
+                .map(|s| (s != me).then(|| descriptors.clone()))
+                .collect(),
+        };
+        let id = self.next_collective();
+        let (received, _) = self
+            .exchange(
+                OP,
+                id,
+                candidates.clone(),
+                plan,
+                Compression::Fixed(CompressionType::None),
+            )
+            .await?;
+        let mut removed = suspects;
+        for (s, values) in received.values.iter().enumerate() {
+            match values {
+                Some(v) => removed.extend(
+                    v[0].iter()
+                        .enumerate()
+                        .filter(|(_, x)| **x != 0.0)
+                        .map(|(i, _)| i),
+                ),
+                None if s != me => {
+                    removed.insert(candidates[s]);
+                }
+                None => {}
+            }
+        }
+        if removed.contains(&self.me) {
+            return Err(GroupError::Expelled);
+        }
+        let gone: Vec<PeerId> = self
+            .live
+            .iter()
+            .filter(|m| removed.contains(m))
+            .map(|&m| self.peers[m])
+            .collect();
+        self.live.retain(|m| !removed.contains(m));
+        self.suspects.clear();
+        self.seq = 0;
+        let prefix = prefix(&self.base, &self.peers, &self.live);
+        self.mesh().set_prefix(prefix);
+        Ok(gone)
+    }
+
+    /// Closes the links (flushing what is queued) and ends the group.
+    pub async fn close(mut self) {
+        if let Some(mesh) = self.mesh.take() {
+            mesh.close().await;
+        }
+    }
+}
+
+/// Per source, its received values as tensors of the declared shapes and dtypes.
+fn to_tensors(
+    op: &'static str,
+    received: Received,
+) -> Result<Vec<Option<Vec<Tensor>>>, GroupError> {
+    received
+        .values
+        .into_iter()
+        .zip(received.descriptors)
+        .map(|(values, descriptors)| {
+            let (Some(values), Some(descriptors)) = (values, descriptors) else {
+                return Ok(None);
+            };
+            values
+                .into_iter()
+                .zip(descriptors.iter())
+                .map(|(v, d)| match d.dtype {
+                    DType::F32 => Tensor::from_f32(&d.shape, v),
+                    other => Tensor::from_f32_as(&d.shape, &v, other),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some)
+                .map_err(|e| GroupError::Internal {
+                    op,
+                    detail: e.to_string(),
+                })
+        })
+        .collect()
+}
+
+fn finish<T>(
+    op: &'static str,
+    failed: Vec<FailedMember>,
+    value: T,
+    partial: impl FnOnce(T) -> Partial,
+) -> Result<T, GroupError> {
+    if failed.is_empty() {
+        Ok(value)
+    } else {
+        Err(GroupError::Failed {
+            op,
+            failed,
+            partial: Box::new(partial(value)),
+        })
+    }
+}
+
+/// Elements `range` of `t`'s flattened values, as a 1-D tensor of its dtype.
+fn slice(t: &Tensor, range: std::ops::Range<usize>) -> Tensor {
+    use crate::tensor::PartView;
+    fn array<T: Clone>(v: &[T]) -> ndarray::ArrayD<T> {
+        ndarray::ArrayD::from_shape_vec(ndarray::IxDyn(&[v.len()]), v.to_vec())
+            .expect("a 1-D shape of the slice's length")
+    }
+    match t.part(range) {
+        PartView::F32(v) => Tensor::from_array_f32(array(v)),
+        PartView::F16(v) => Tensor::from_array_f16(array(v)),
+        PartView::BF16(v) => Tensor::from_array_bf16(array(v)),
+    }
+}
+
+fn short(peer: &PeerId) -> String {
+    let s = peer.to_base58();
+    s[s.len().saturating_sub(8)..].to_owned()
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // The mesh's tasks are aborted with their JoinSets; nothing else to do.
+        let _ = self.mesh.take();
+    }
+}

@@ -1,0 +1,569 @@
+//! A group's long-lived links: one reader and one writer task per member, kept across
+//! operations, and the router that hands each frame to the operation it belongs to.
+//!
+//! Every frame names its operation in the round frame's group id ([`OpId`]): the group's
+//! prefix (a random base and a digest of the current membership), then either a collective's
+//! sequence number or a point-to-point message's (source, destination, sequence). A reader
+//! decodes a frame (size-checked, within its link's byte budget, as the round runner does) and
+//! asks the [`Router`]: a frame of an open operation goes to that operation's compute loop; a
+//! frame of a finished one (a member still sending after our side ended) is dropped; a frame
+//! of an operation not yet opened here (a faster member) waits in the router, still counted in
+//! its link's budget, so a member running ahead cannot make us buffer more than that budget;
+//! a frame with another prefix or a forged source fails the link.
+//!
+//! A link that fails (read error, malformed frame, write timeout) stays failed for the group's
+//! life: every open operation is told at once, and every later one starts with it failed.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::task::JoinSet;
+
+use crate::allreduce::Message;
+use crate::buffers::BufferPool;
+use crate::compression::CompressionType;
+use crate::runner::{Inbound, Link, LinkError, Outbox, QueuedBytes};
+use crate::tensor::{DType, ops};
+use crate::wire::{self, Frame, FrameDecoder};
+
+/// Bytes of the group prefix: a 16-byte base and an 8-byte membership digest.
+pub(crate) const PREFIX_BYTES: usize = 24;
+
+/// What an operation id names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OpId {
+    /// The `seq`-th collective of the current membership.
+    Collective(u64),
+    /// The `seq`-th message from member `src` to member `dst` (original indices).
+    Message {
+        /// Sender.
+        src: u16,
+        /// Receiver.
+        dst: u16,
+        /// Sequence number of this pair.
+        seq: u64,
+    },
+}
+
+impl OpId {
+    /// The frame group id of this operation under `prefix`.
+    pub(crate) fn encode(self, prefix: &[u8]) -> Bytes {
+        let mut out = Vec::with_capacity(PREFIX_BYTES + 13);
+        out.extend_from_slice(prefix);
+        match self {
+            Self::Collective(seq) => {
+                out.push(b'c');
+                out.extend_from_slice(&seq.to_be_bytes());
+            }
+            Self::Message { src, dst, seq } => {
+                out.push(b'p');
+                out.extend_from_slice(&src.to_be_bytes());
+                out.extend_from_slice(&dst.to_be_bytes());
+                out.extend_from_slice(&seq.to_be_bytes());
+            }
+        }
+        Bytes::from(out)
+    }
+
+    /// Parses the part of a group id after the prefix.
+    pub(crate) fn decode(rest: &[u8]) -> Option<Self> {
+        match rest {
+            [b'c', seq @ ..] => Some(Self::Collective(u64::from_be_bytes(seq.try_into().ok()?))),
+            [b'p', a, b, c, d, seq @ ..] => Some(Self::Message {
+                src: u16::from_be_bytes([*a, *b]),
+                dst: u16::from_be_bytes([*c, *d]),
+                seq: u64::from_be_bytes(seq.try_into().ok()?),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// An open operation: its id, where its frames go, and member index translation.
+struct Route {
+    id: OpId,
+    tx: mpsc::Sender<Inbound>,
+    /// Original member index -> index in the operation.
+    local: Arc<[Option<usize>]>,
+}
+
+/// A frame that arrived before its operation opened here.
+struct Early {
+    from: usize,
+    id: OpId,
+    message: Message,
+    queued: QueuedBytes,
+}
+
+/// Where frames go (see the module docs).
+pub(crate) struct Router {
+    me: usize,
+    prefix: Bytes,
+    old_prefixes: Vec<Bytes>,
+    routes: Vec<Route>,
+    early: VecDeque<Early>,
+    /// Collectives opened so far under the current prefix.
+    next_collective: u64,
+    /// Per source: messages from it received (opened) so far.
+    next_message: Vec<u64>,
+    failed: Vec<Option<LinkError>>,
+}
+
+/// What a reader does with a frame.
+enum Routed {
+    Deliver(mpsc::Sender<Inbound>, Inbound),
+    Kept,
+    Dropped,
+}
+
+impl Router {
+    fn route(
+        &mut self,
+        from: usize,
+        frame: Frame,
+        queued: QueuedBytes,
+    ) -> Result<Routed, LinkError> {
+        let g = &frame.group_id;
+        if g.len() < PREFIX_BYTES || g[..PREFIX_BYTES] != self.prefix[..] {
+            if self
+                .old_prefixes
+                .iter()
+                .any(|p| g.len() >= PREFIX_BYTES && g[..PREFIX_BYTES] == p[..])
+            {
+                return Ok(Routed::Dropped); // from before a membership change
+            }
+            return Err(LinkError::ForeignGroup);
+        }
+        let id = OpId::decode(&g[PREFIX_BYTES..]).ok_or(LinkError::ForeignGroup)?;
+        let old = match id {
+            OpId::Collective(seq) => seq < self.next_collective,
+            // A message to us from the link's member, or that member's abort of one we sent.
+            OpId::Message { src, dst, seq }
+                if usize::from(src) == from && usize::from(dst) == self.me =>
+            {
+                seq < self.next_message[from]
+            }
+            OpId::Message { src, dst, .. }
+                if usize::from(src) == self.me && usize::from(dst) == from =>
+            {
+                !self.routes.iter().any(|r| r.id == id)
+            }
+            // Forged or misdirected.
+            OpId::Message { .. } => return Err(LinkError::ForeignGroup),
+        };
+        if let Some(route) = self.routes.iter().find(|r| r.id == id) {
+            let Some(local) = route.local.get(from).copied().flatten() else {
+                return Ok(Routed::Dropped);
+            };
+            return Ok(Routed::Deliver(
+                route.tx.clone(),
+                Inbound::Message {
+                    from: local,
+                    message: frame.message,
+                    _queued: queued,
+                },
+            ));
+        }
+        if old {
+            return Ok(Routed::Dropped);
+        }
+        self.early.push_back(Early {
+            from,
+            id,
+            message: frame.message,
+            queued,
+        });
+        Ok(Routed::Kept)
+    }
+}
+
+/// A group's links (see the module docs).
+pub(crate) struct Mesh {
+    writers: Vec<Option<mpsc::Sender<Frame>>>,
+    router: Arc<Mutex<Router>>,
+    arrivals: Arc<Notify>,
+    writer_tasks: JoinSet<()>,
+    reader_tasks: JoinSet<()>,
+    inbound_queue: usize,
+    close_timeout: Duration,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh")
+            .field(
+                "links",
+                &self.writers.iter().filter(|w| w.is_some()).count(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// Link parameters of a mesh.
+#[derive(Clone, Debug)]
+pub(crate) struct MeshConfig {
+    pub max_frame_bytes: usize,
+    pub write_timeout: Duration,
+    pub link_queue: usize,
+    pub inbound_queue: usize,
+    pub max_queued_bytes_per_link: usize,
+    pub close_timeout: Duration,
+}
+
+/// A writer of one link, with the id of the operation its messages belong to.
+pub(crate) struct OpOutbox {
+    tx: mpsc::Sender<Frame>,
+    id: Bytes,
+}
+
+impl Outbox for OpOutbox {
+    fn has_room(&self) -> bool {
+        self.tx.capacity() > 0
+    }
+    fn push(&self, message: Message) {
+        let _ = self.tx.try_send(Frame {
+            group_id: self.id.clone(),
+            message,
+        });
+    }
+}
+
+/// An open operation's inbound queue; closing it (drop) ends its route.
+pub(crate) struct OpenOp {
+    pub inbound: mpsc::Receiver<Inbound>,
+    pub outboxes: Vec<Option<OpOutbox>>,
+    router: Arc<Mutex<Router>>,
+    id: OpId,
+}
+
+impl Drop for OpenOp {
+    fn drop(&mut self) {
+        lock(&self.router).routes.retain(|r| r.id != self.id);
+    }
+}
+
+fn lock(router: &Mutex<Router>) -> MutexGuard<'_, Router> {
+    // The router's state stays consistent across a panic elsewhere (each method finishes its
+    // update before anything can panic), so a poisoned lock is used as is.
+    router.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Mesh {
+    /// Starts the link tasks: `links[i]` to member `i` (original index; `None` for `me` and
+    /// for members we have no link to, which start failed).
+    pub(crate) fn start(
+        links: Vec<Option<Box<dyn Link>>>,
+        me: usize,
+        prefix: Bytes,
+        cfg: &MeshConfig,
+        pool: &BufferPool,
+    ) -> Self {
+        let n = links.len();
+        let failed = (0..n)
+            .map(|i| (i != me && links[i].is_none()).then_some(LinkError::Closed))
+            .collect();
+        let router = Arc::new(Mutex::new(Router {
+            me,
+            prefix,
+            old_prefixes: Vec::new(),
+            routes: Vec::new(),
+            early: VecDeque::new(),
+            next_collective: 0,
+            next_message: vec![0; n],
+            failed,
+        }));
+        let arrivals = Arc::new(Notify::new());
+        let mut writers = Vec::with_capacity(n);
+        let mut writer_tasks = JoinSet::new();
+        let mut reader_tasks = JoinSet::new();
+        for (peer, link) in links.into_iter().enumerate() {
+            let Some(link) = link else {
+                writers.push(None);
+                continue;
+            };
+            let (read, write) = tokio::io::split(link);
+            let (tx, rx) = mpsc::channel(cfg.link_queue.max(1));
+            writers.push(Some(tx));
+            reader_tasks.spawn(read_loop(
+                peer,
+                read,
+                router.clone(),
+                arrivals.clone(),
+                cfg.max_frame_bytes,
+                crate::runner::link_budget(cfg.max_queued_bytes_per_link, cfg.max_frame_bytes),
+                pool.clone(),
+            ));
+            writer_tasks.spawn(write_loop(
+                peer,
+                write,
+                rx,
+                router.clone(),
+                cfg.write_timeout,
+                cfg.close_timeout,
+            ));
+        }
+        Self {
+            writers,
+            router,
+            arrivals,
+            writer_tasks,
+            reader_tasks,
+            inbound_queue: cfg.inbound_queue.max(1),
+            close_timeout: cfg.close_timeout,
+        }
+    }
+
+    /// Members whose link has failed (original indices).
+    pub(crate) fn failed(&self) -> Vec<usize> {
+        let r = lock(&self.router);
+        (0..r.failed.len())
+            .filter(|&i| r.failed[i].is_some())
+            .collect()
+    }
+
+    /// Opens operation `id` over `members` (original indices, in the operation's order):
+    /// frames for it that arrived early are queued first, then a failure note for each member
+    /// whose link is down.
+    pub(crate) fn open(&self, id: OpId, members: &[usize]) -> OpenOp {
+        let n = self.writers.len();
+        let mut local = vec![None; n];
+        for (l, &m) in members.iter().enumerate() {
+            local[m] = Some(l);
+        }
+        let local: Arc<[Option<usize>]> = local.into();
+        let mut r = lock(&self.router);
+        let early: Vec<Early> = {
+            let (mine, rest): (VecDeque<Early>, VecDeque<Early>) =
+                r.early.drain(..).partition(|e| e.id == id);
+            r.early = rest;
+            mine.into_iter().collect()
+        };
+        match id {
+            OpId::Collective(seq) => {
+                r.next_collective = r.next_collective.max(seq + 1);
+                // Frames of collectives that were skipped here can never be used.
+                r.early
+                    .retain(|e| !matches!(e.id, OpId::Collective(s) if s < seq));
+            }
+            OpId::Message { src, seq, .. } => {
+                let src = usize::from(src);
+                r.next_message[src] = r.next_message[src].max(seq + 1);
+            }
+        }
+        let (tx, inbound) = mpsc::channel(self.inbound_queue + early.len() + members.len());
+        for e in early {
+            if let Some(from) = local[e.from] {
+                let _ = tx.try_send(Inbound::Message {
+                    from,
+                    message: e.message,
+                    _queued: e.queued,
+                });
+            }
+        }
+        for (l, &m) in members.iter().enumerate() {
+            if let Some(error) = &r.failed[m] {
+                let _ = tx.try_send(Inbound::Failed {
+                    from: l,
+                    error: error.clone(),
+                });
+            }
+        }
+        r.routes.push(Route {
+            id,
+            tx,
+            local: local.clone(),
+        });
+        let prefix = r.prefix.clone();
+        drop(r);
+        let group_id = id.encode(&prefix);
+        let outboxes = members
+            .iter()
+            .map(|&m| {
+                self.writers[m].as_ref().map(|tx| OpOutbox {
+                    tx: tx.clone(),
+                    id: group_id.clone(),
+                })
+            })
+            .collect();
+        OpenOp {
+            inbound,
+            outboxes,
+            router: self.router.clone(),
+            id,
+        }
+    }
+
+    /// The source of the oldest message waiting for us that its sender sent next in order
+    /// (original index), if any.
+    pub(crate) fn pending_message(&self) -> Option<usize> {
+        let r = lock(&self.router);
+        r.early.iter().find_map(|e| match e.id {
+            OpId::Message { src, seq, .. } if seq == r.next_message[usize::from(src)] => {
+                Some(usize::from(src))
+            }
+            _ => None,
+        })
+    }
+
+    /// Notified whenever a frame arrives early (e.g. a message nobody receives yet).
+    pub(crate) fn arrivals(&self) -> Arc<Notify> {
+        self.arrivals.clone()
+    }
+
+    /// Switches to a new membership's prefix: frames under the old one are dropped from now
+    /// on, and collective numbering starts again.
+    pub(crate) fn set_prefix(&self, prefix: Bytes) {
+        let mut r = lock(&self.router);
+        let old = std::mem::replace(&mut r.prefix, prefix);
+        r.old_prefixes.push(old);
+        r.next_collective = 0;
+        r.early.retain(|e| !matches!(e.id, OpId::Collective(_)));
+    }
+
+    /// Closes every link: writers flush what they hold (each within the close timeout), then
+    /// readers stop.
+    pub(crate) async fn close(mut self) {
+        self.writers.clear();
+        let close_timeout = self.close_timeout;
+        let writers = async { while self.writer_tasks.join_next().await.is_some() {} };
+        let _ = tokio::time::timeout(close_timeout * 2, writers).await;
+        self.writer_tasks.shutdown().await;
+        self.reader_tasks.shutdown().await;
+    }
+}
+
+/// Marks `peer`'s link failed and tells every open operation.
+async fn fail(router: &Mutex<Router>, peer: usize, error: LinkError) {
+    let targets: Vec<(mpsc::Sender<Inbound>, usize)> = {
+        let mut r = lock(router);
+        if r.failed[peer].is_some() {
+            return;
+        }
+        tracing::info!(peer, %error, "group link failed");
+        r.failed[peer] = Some(error.clone());
+        r.routes
+            .iter()
+            .filter_map(|route| Some((route.tx.clone(), route.local.get(peer).copied().flatten()?)))
+            .collect()
+    };
+    for (tx, from) in targets {
+        let _ = tx
+            .send(Inbound::Failed {
+                from,
+                error: error.clone(),
+            })
+            .await;
+    }
+}
+
+async fn read_loop(
+    peer: usize,
+    mut read: impl AsyncRead + Unpin,
+    router: Arc<Mutex<Router>>,
+    arrivals: Arc<Notify>,
+    max_frame_bytes: usize,
+    budget: Arc<Semaphore>,
+    pool: BufferPool,
+) {
+    let decoder = FrameDecoder::new(max_frame_bytes);
+    let mut staging = BytesMut::with_capacity(64 << 10);
+    let error = loop {
+        let body =
+            match crate::runner::next_frame(&decoder, &mut read, &mut staging, &pool, None).await {
+                Ok(body) => body,
+                Err(e) => break e,
+            };
+        let cost = u32::try_from(body.len().max(1)).unwrap_or(u32::MAX);
+        let Ok(queued) = budget.clone().acquire_many_owned(cost).await else {
+            return;
+        };
+        let mut frame = match wire::decode_frame(body) {
+            Ok(frame) => frame,
+            Err(e) => break LinkError::Wire(e),
+        };
+        if let Message::Averaged(m) = &mut frame.message
+            && m.codec == CompressionType::None
+            && m.dtype == DType::F32
+        {
+            // Checked here, while the bytes are in this core's cache (as the round runner
+            // does), not by the compute thread.
+            m.finite = Some(ops::all_finite_le(&m.payload));
+        }
+        let routed = lock(&router).route(peer, frame, QueuedBytes(queued));
+        match routed {
+            Ok(Routed::Deliver(tx, inbound)) => {
+                // A closed operation drops it.
+                let _ = tx.send(inbound).await;
+            }
+            Ok(Routed::Kept) => arrivals.notify_waiters(),
+            Ok(Routed::Dropped) => {}
+            Err(e) => break e,
+        }
+    };
+    fail(&router, peer, error).await;
+}
+
+async fn write_loop(
+    peer: usize,
+    mut write: impl AsyncWrite + Unpin,
+    mut rx: mpsc::Receiver<Frame>,
+    router: Arc<Mutex<Router>>,
+    write_timeout: Duration,
+    close_timeout: Duration,
+) {
+    let mut head = BytesMut::new();
+    while let Some(frame) = rx.recv().await {
+        if rx.len() + 1 >= rx.max_capacity() {
+            // The compute loop may be waiting for room on this link: wake the open operations.
+            let routes: Vec<mpsc::Sender<Inbound>> =
+                lock(&router).routes.iter().map(|r| r.tx.clone()).collect();
+            for tx in routes {
+                let _ = tx.try_send(Inbound::Writable);
+            }
+        }
+        let idle = rx.is_empty();
+        let error = crate::runner::write_frame(&mut write, &mut head, &frame, idle, write_timeout)
+            .await
+            .err();
+        if let Some(error) = error {
+            fail(&router, peer, error).await;
+            return;
+        }
+    }
+    let _ = tokio::time::timeout(close_timeout, async {
+        let _ = write.flush().await;
+        let _ = write.shutdown().await;
+    })
+    .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_ids_round_trip() {
+        let prefix = [7u8; PREFIX_BYTES];
+        for id in [
+            OpId::Collective(0),
+            OpId::Collective(u64::MAX),
+            OpId::Message {
+                src: 3,
+                dst: 1,
+                seq: 9,
+            },
+        ] {
+            let g = id.encode(&prefix);
+            assert!(g.len() <= wire::MAX_GROUP_ID_BYTES);
+            assert_eq!(&g[..PREFIX_BYTES], &prefix[..]);
+            assert_eq!(OpId::decode(&g[PREFIX_BYTES..]), Some(id));
+        }
+        assert_eq!(OpId::decode(b"c123"), None);
+        assert_eq!(OpId::decode(b"x"), None);
+        assert_eq!(OpId::decode(b""), None);
+    }
+}
