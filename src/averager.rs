@@ -401,6 +401,10 @@ pub struct Averager {
     server: JoinHandle<()>,
     shutdown: watch::Sender<bool>,
     state: state::StateSharing,
+    /// For [`Averager::join_group`].
+    dht: Dht,
+    hub: Arc<LinkHub>,
+    config: AveragerConfig,
 }
 
 impl std::fmt::Debug for Averager {
@@ -467,6 +471,7 @@ impl Averager {
                 return Err(e);
             }
         };
+        let joining = (dht.clone(), hub.clone(), config.clone());
         let actor = Actor {
             schema_hash,
             descriptors,
@@ -490,6 +495,9 @@ impl Averager {
             server,
             shutdown,
             state,
+            dht: joining.0,
+            hub: joining.1,
+            config: joining.2,
         })
     }
 
@@ -551,6 +559,25 @@ impl Averager {
             .await
             .map_err(|_| AveragerError::Shutdown)?;
         formed.await.map_err(|_| AveragerError::Shutdown)?
+    }
+
+    /// Joins a group that members formed under this averager's prefix, at their next
+    /// [`Group::admit`](crate::Group::admit): finds the group's invitation in the DHT (retrying
+    /// until `timeout`), asks its leader through `node`'s RPC, and links to every member.
+    pub async fn join_group(
+        &self,
+        node: &crate::Node,
+        timeout: Duration,
+    ) -> Result<crate::Group, crate::GroupError> {
+        let info = member_info(&self.dht, &self.hub, &self.config, Bytes::new()).await;
+        crate::group::join(
+            node,
+            &self.config.prefix,
+            info,
+            group_config(&self.config),
+            timeout,
+        )
+        .await
     }
 
     /// One averaging step: find a group, all-reduce, apply. See [`StepOptions`].
@@ -813,28 +840,7 @@ impl Actor {
     /// are public) and our contact multiaddrs ([`contact_addrs`]: listen addresses when public,
     /// relay circuit addresses when not), so members that never talked to us can link.
     async fn member_info(&self, options: &StepOptions) -> MemberInfo {
-        let reachability = self.dht.p2p().reachability();
-        let reach = reachability.class();
-        let mut info = MemberInfo::new(self.config.resolved_mode(reach));
-        info.reach = reach;
-        info.relay_data = self.config.allow_relayed_data;
-        info.bandwidth = self.config.bandwidth;
-        info.gathered = options.gather.clone();
-        if reach == Reach::Public
-            && let Some(addr) = advertised_data_addr(self.hub.data_addr(), &reachability)
-        {
-            info.addrs.push(addr.to_string());
-        }
-        let contact = contact_addrs(self.dht.p2p()).await;
-        let room = matchmaking::MAX_ADDRS - info.addrs.len();
-        info.addrs.extend(
-            contact
-                .into_iter()
-                .map(|a| a.to_string())
-                .filter(|a| a.len() <= matchmaking::MAX_ADDR_BYTES)
-                .take(room),
-        );
-        info
+        member_info(&self.dht, &self.hub, &self.config, options.gather.clone()).await
     }
 
     /// Tells the swarm where the peers declared in `value` can be reached (the contact
@@ -1006,13 +1012,11 @@ impl Actor {
         self.trace("linking", linking, || {
             vec![("linked", established.linked().to_string())]
         });
-        let cfg = crate::group::GroupConfig {
-            sender_timeout: self.config.sender_timeout,
-            reducer_timeout: self.config.reducer_timeout,
-            op_timeout: self.config.round_timeout,
-            part_size_bytes: self.config.part_size_bytes,
-            compression: self.config.compression.clone(),
-            ..Default::default()
+        let cfg = group_config(&self.config);
+        let formation = crate::group::Formation {
+            group_id: group.group_id.clone(),
+            name: self.config.prefix.clone(),
+            infos: group.members.iter().map(|m| m.info.clone()).collect(),
         };
         crate::Group::new(
             &group.group_id,
@@ -1022,6 +1026,7 @@ impl Actor {
             established.kinds,
             cfg,
         )
+        .map(|g| g.with_formation(formation))
         .map_err(|e| AveragerError::Links(e.to_string()))
     }
 
@@ -1075,23 +1080,13 @@ impl Actor {
             .iter()
             .zip(&members)
             .zip(&round_members)
-            .map(|((m, &peer_id), r)| LinkPeer {
-                peer_id,
-                data_addr: m.info.addrs.iter().find_map(|a| a.parse().ok()),
-                reach: m.info.reach,
-                relay_data: m.info.relay_data,
-                sends: full_mesh || r.mode.is_sender(),
-                reduces: full_mesh || (r.fraction > 0.0 && r.mode != Mode::Client),
-                relay_addrs: m
-                    .info
-                    .addrs
-                    .iter()
-                    .filter_map(|a| a.parse::<libp2p::Multiaddr>().ok())
-                    .filter(|a| {
-                        a.iter()
-                            .any(|p| p == libp2p::multiaddr::Protocol::P2pCircuit)
-                    })
-                    .collect(),
+            .map(|((m, &peer_id), r)| {
+                link_peer(
+                    peer_id,
+                    &m.info,
+                    full_mesh || r.mode.is_sender(),
+                    full_mesh || (r.fraction > 0.0 && r.mode != Mode::Client),
+                )
             })
             .collect();
         let expectation = self
@@ -1100,11 +1095,9 @@ impl Actor {
             .map_err(|e| AveragerError::Links(e.to_string()))?;
         let p2p = self.dht.p2p().clone();
         for (i, (m, &peer)) in group.members.iter().zip(&members).enumerate() {
-            let maddrs: Vec<libp2p::Multiaddr> =
-                m.info.addrs.iter().filter_map(|a| a.parse().ok()).collect();
-            if i != group.me && !maddrs.is_empty() {
+            if i != group.me {
                 // Best effort: the swarm may know the peer already.
-                let _ = p2p.add_peer_addresses(peer, maddrs).await;
+                add_addresses(&p2p, peer, &m.info).await;
             }
         }
         Ok(Prepared {
@@ -1409,6 +1402,89 @@ impl Actor {
             report,
             key: group.key,
         })
+    }
+}
+
+/// What this node brings to a group: its mode, reach, addresses (the data address where it is
+/// public, then its contact addresses) and `gathered` bytes.
+pub(crate) async fn member_info(
+    dht: &Dht,
+    hub: &LinkHub,
+    config: &AveragerConfig,
+    gathered: Bytes,
+) -> MemberInfo {
+    let reachability = dht.p2p().reachability();
+    let reach = reachability.class();
+    let mut info = MemberInfo::new(config.resolved_mode(reach));
+    info.reach = reach;
+    info.relay_data = config.allow_relayed_data;
+    info.bandwidth = config.bandwidth;
+    info.gathered = gathered;
+    if reach == Reach::Public
+        && let Some(addr) = advertised_data_addr(hub.data_addr(), &reachability)
+    {
+        info.addrs.push(addr.to_string());
+    }
+    let contact = contact_addrs(dht.p2p()).await;
+    let room = matchmaking::MAX_ADDRS - info.addrs.len();
+    info.addrs.extend(
+        contact
+            .into_iter()
+            .map(|a| a.to_string())
+            .filter(|a| a.len() <= matchmaking::MAX_ADDR_BYTES)
+            .take(room),
+    );
+    info
+}
+
+/// A group's parameters from an averager's: its timeouts (`round_timeout` bounds each
+/// operation), part size and compression.
+pub(crate) fn group_config(config: &AveragerConfig) -> crate::group::GroupConfig {
+    crate::group::GroupConfig {
+        sender_timeout: config.sender_timeout,
+        reducer_timeout: config.reducer_timeout,
+        op_timeout: config.round_timeout,
+        part_size_bytes: config.part_size_bytes,
+        compression: config.compression.clone(),
+        ..Default::default()
+    }
+}
+
+/// How to link with a member that brought `info`, and whether it sends and reduces.
+pub(crate) fn link_peer(
+    peer_id: libp2p::PeerId,
+    info: &matchmaking::MemberInfo,
+    sends: bool,
+    reduces: bool,
+) -> LinkPeer {
+    LinkPeer {
+        peer_id,
+        data_addr: info.addrs.iter().find_map(|a| a.parse().ok()),
+        reach: info.reach,
+        relay_data: info.relay_data,
+        sends,
+        reduces,
+        relay_addrs: info
+            .addrs
+            .iter()
+            .filter_map(|a| a.parse::<libp2p::Multiaddr>().ok())
+            .filter(|a| {
+                a.iter()
+                    .any(|p| p == libp2p::multiaddr::Protocol::P2pCircuit)
+            })
+            .collect(),
+    }
+}
+
+/// Hands the multiaddresses among `info`'s addresses to the swarm (best effort).
+pub(crate) async fn add_addresses(
+    p2p: &crate::p2p::P2p,
+    peer: libp2p::PeerId,
+    info: &matchmaking::MemberInfo,
+) {
+    let maddrs: Vec<libp2p::Multiaddr> = info.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+    if !maddrs.is_empty() {
+        let _ = p2p.add_peer_addresses(peer, maddrs).await;
     }
 }
 

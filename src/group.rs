@@ -39,9 +39,20 @@
 //! dropped. Shrinking is not consensus: survivors that saw different failures during the
 //! shrink itself end up with different memberships, their next operation fails by timeouts,
 //! and another shrink settles it.
+//!
+//! # Admission
+//!
+//! New members join at an operation boundary: every member calls [`Group::admit`], the
+//! newcomer [`crate::Averager::join_group`] (the protocol is in `admit`'s module docs: an
+//! invitation in the DHT, an RPC to the leader, the new membership broadcast over the group,
+//! links to the newcomers only).
 
+mod admit;
 mod exchange;
 mod mesh;
+
+pub use admit::Formation;
+pub(crate) use admit::join;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -268,6 +279,8 @@ pub struct Group {
     pool: BufferPool,
     /// What `pool` retains at most.
     pool_bytes: usize,
+    /// What matchmaking said about the group ([`Group::admit`] needs it).
+    formation: Option<Formation>,
 }
 
 impl std::fmt::Debug for Group {
@@ -346,6 +359,7 @@ impl Group {
             suspects: BTreeSet::new(),
             pool,
             pool_bytes: crate::buffers::DEFAULT_RETAIN_BYTES,
+            formation: None,
         })
     }
 
@@ -616,6 +630,17 @@ impl Group {
         root: usize,
         tensors: Vec<Tensor>,
     ) -> Result<Vec<Tensor>, GroupError> {
+        let compression = self.cfg.compression.clone();
+        self.broadcast_with(root, tensors, compression).await
+    }
+
+    /// [`Group::broadcast`] with the given codec.
+    async fn broadcast_with(
+        &mut self,
+        root: usize,
+        tensors: Vec<Tensor>,
+        compression: Compression,
+    ) -> Result<Vec<Tensor>, GroupError> {
         const OP: &str = "broadcast";
         self.check_member(OP, root)?;
         let scatter = self.next_collective();
@@ -646,7 +671,6 @@ impl Group {
                     .collect(),
             )
         };
-        let compression = self.cfg.compression.clone();
         // Scatter: each non-root member gets its slice from the root.
         let plan = Plan {
             sends: (0..n)
@@ -979,11 +1003,17 @@ impl Group {
             .map(|&m| self.peers[m])
             .collect();
         self.live.retain(|m| !removed.contains(m));
+        self.renumber();
+        Ok(gone)
+    }
+
+    /// After a membership change: the new membership's prefix, collectives counted from 0,
+    /// no suspects.
+    fn renumber(&mut self) {
         self.suspects.clear();
         self.seq = 0;
         let prefix = prefix(&self.base, &self.peers, &self.live);
         self.mesh().set_prefix(prefix);
-        Ok(gone)
     }
 
     /// Closes the links (flushing what is queued) and ends the group.

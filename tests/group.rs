@@ -384,3 +384,74 @@ async fn a_member_gone_mid_group_is_named_and_shrunk_away() {
     }
     swarm.shutdown(all).await;
 }
+
+/// The node a group member runs on.
+fn node_of<'a>(swarm: &'a Swarm, g: &Group) -> &'a hivemesh::Node {
+    let me = g.members()[g.me()];
+    swarm
+        .nodes
+        .iter()
+        .find(|n| n.dht().p2p().peer_id() == me)
+        .expect("a member of the swarm")
+}
+
+/// Three members admit a fourth at an operation boundary: it finds the group's invitation in
+/// the DHT, the leader admits it, everyone links to it, and the next all-reduce is over four.
+/// An admission nobody asks for changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newcomer_is_admitted_at_an_operation_boundary() {
+    let _serial = SERIAL.lock().await;
+    let swarm = Swarm::start(4, |_| false).await;
+    let (mut averagers, mut groups) = form(&swarm, 3, "admit", |_| {}).await;
+    // Nobody asks: the members go on as they were.
+    let admitted = futures::future::join_all(groups.iter_mut().map(|g| {
+        let node = node_of(&swarm, g);
+        async move { g.admit(node, Duration::from_millis(500)).await }
+    }))
+    .await;
+    for a in admitted {
+        assert_eq!(a.unwrap(), Vec::new());
+    }
+    let newcomer = swarm.averager(
+        3,
+        vec![vec![0.0f32; 4]],
+        config("admit", 3, CompressionType::None),
+    );
+    let joining = newcomer.join_group(&swarm.nodes[3], Duration::from_secs(60));
+    let admitting = futures::future::join_all(groups.iter_mut().map(|g| {
+        let node = node_of(&swarm, g);
+        async move { g.admit(node, Duration::from_secs(60)).await }
+    }));
+    let (joined, admitted) = tokio::join!(joining, admitting);
+    let joined = joined.expect("the newcomer joins");
+    for a in admitted {
+        assert_eq!(a.unwrap(), vec![swarm.peer(3)]);
+    }
+    groups.push(joined);
+    for g in &groups {
+        assert_eq!(g.size(), 4);
+        assert_eq!(g.members(), groups[0].members());
+        assert_eq!(g.members()[3], swarm.peer(3), "newcomers come last");
+    }
+    let results = futures::future::join_all(groups.iter_mut().map(|g| async move {
+        let me = g.me() as f32;
+        g.all_reduce(
+            ReduceOp::Sum,
+            vec![Tensor::from_f32(&[2], vec![me, 1.0]).unwrap()],
+        )
+        .await
+    }))
+    .await;
+    for r in results {
+        assert_eq!(
+            r.unwrap()[0].to_f32_vec(),
+            vec![6.0, 4.0],
+            "0+1+2+3 and four ones"
+        );
+    }
+    for g in groups {
+        g.close().await;
+    }
+    averagers.push(newcomer);
+    swarm.shutdown(averagers).await;
+}

@@ -190,6 +190,8 @@ pub(crate) struct Mesh {
     reader_tasks: JoinSet<()>,
     inbound_queue: usize,
     close_timeout: Duration,
+    cfg: MeshConfig,
+    pool: BufferPool,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -277,44 +279,62 @@ impl Mesh {
             failed,
         }));
         let arrivals = Arc::new(Notify::new());
-        let mut writers = Vec::with_capacity(n);
-        let mut writer_tasks = JoinSet::new();
-        let mut reader_tasks = JoinSet::new();
-        for (peer, link) in links.into_iter().enumerate() {
-            let Some(link) = link else {
-                writers.push(None);
-                continue;
-            };
-            let (read, write) = tokio::io::split(link);
-            let (tx, rx) = mpsc::channel(cfg.link_queue.max(1));
-            writers.push(Some(tx));
-            reader_tasks.spawn(read_loop(
-                peer,
-                read,
-                router.clone(),
-                arrivals.clone(),
-                cfg.max_frame_bytes,
-                crate::runner::link_budget(cfg.max_queued_bytes_per_link, cfg.max_frame_bytes),
-                pool.clone(),
-            ));
-            writer_tasks.spawn(write_loop(
-                peer,
-                write,
-                rx,
-                router.clone(),
-                cfg.write_timeout,
-                cfg.close_timeout,
-            ));
-        }
-        Self {
-            writers,
+        let mut mesh = Self {
+            writers: Vec::with_capacity(n),
             router,
             arrivals,
-            writer_tasks,
-            reader_tasks,
+            writer_tasks: JoinSet::new(),
+            reader_tasks: JoinSet::new(),
             inbound_queue: cfg.inbound_queue.max(1),
             close_timeout: cfg.close_timeout,
+            cfg: cfg.clone(),
+            pool: pool.clone(),
+        };
+        for link in links {
+            mesh.spawn(link);
         }
+        mesh
+    }
+
+    /// Starts the tasks of the next member's link (`None`: no link).
+    fn spawn(&mut self, link: Option<Box<dyn Link>>) {
+        let peer = self.writers.len();
+        let Some(link) = link else {
+            self.writers.push(None);
+            return;
+        };
+        let cfg = &self.cfg;
+        let (read, write) = tokio::io::split(link);
+        let (tx, rx) = mpsc::channel(cfg.link_queue.max(1));
+        self.writers.push(Some(tx));
+        self.reader_tasks.spawn(read_loop(
+            peer,
+            read,
+            self.router.clone(),
+            self.arrivals.clone(),
+            cfg.max_frame_bytes,
+            crate::runner::link_budget(cfg.max_queued_bytes_per_link, cfg.max_frame_bytes),
+            self.pool.clone(),
+        ));
+        self.writer_tasks.spawn(write_loop(
+            peer,
+            write,
+            rx,
+            self.router.clone(),
+            cfg.write_timeout,
+            cfg.close_timeout,
+        ));
+    }
+
+    /// Adds a member (the next original index) with its link (`None`: none, so it starts
+    /// failed).
+    pub(crate) fn add_member(&mut self, link: Option<Box<dyn Link>>) {
+        {
+            let mut r = lock(&self.router);
+            r.failed.push(link.is_none().then_some(LinkError::Closed));
+            r.next_message.push(0);
+        }
+        self.spawn(link);
     }
 
     /// Members whose link has failed (original indices).
