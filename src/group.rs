@@ -331,6 +331,7 @@ impl Group {
         base.copy_from_slice(&digest[..16]);
         let live: Vec<usize> = (0..n).collect();
         let pool = BufferPool::default();
+        let lanes = (0..n).map(|i| lane(&peers, me, i)).collect();
         let mesh = Mesh::start(
             links,
             me,
@@ -344,6 +345,7 @@ impl Group {
                 close_timeout: cfg.close_timeout,
             },
             &pool,
+            lanes,
         );
         Ok(Self {
             base,
@@ -431,6 +433,7 @@ impl Group {
     ) -> Result<(M, Vec<FailedMember>), GroupError> {
         let started = std::time::Instant::now();
         let open: OpenOp = self.mesh().open(id, members);
+        let lanes = self.mesh().lanes_of(members);
         let (_abandon_guard, mut abandoned) = oneshot::channel::<()>();
         let (_keep, mut cancel) = watch::channel(false);
         let handle = tokio::runtime::Handle::current();
@@ -444,6 +447,7 @@ impl Group {
                 &mut open.inbound,
                 &mut cancel,
                 &mut abandoned,
+                lanes.as_deref(),
             );
             drop(open);
             result.map(|failures| (machine, failures))
@@ -1083,6 +1087,18 @@ fn slice(t: &Tensor, range: std::ops::Range<usize>) -> Tensor {
         PartView::F16(v) => Tensor::from_array_f16(array(v)),
         PartView::BF16(v) => Tensor::from_array_bf16(array(v)),
     }
+}
+
+/// The timeline lane of our link to member `i` (when the timeline is on).
+fn lane(peers: &[PeerId], me: usize, i: usize) -> Option<String> {
+    (crate::timeline::enabled() && i != me).then(|| {
+        format!(
+            "node {} ↔ group member {} {}",
+            short(&peers[me]),
+            i,
+            short(&peers[i])
+        )
+    })
 }
 
 fn short(peer: &PeerId) -> String {

@@ -366,6 +366,7 @@ impl Outbox for mpsc::Sender<Message> {
 
 /// Drives `machine` to its end on the calling (blocking) thread: see [`compute_loop`].
 /// Returns the members it banned or failed, with why.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn drive<M: Machine, O: Outbox>(
     handle: &tokio::runtime::Handle,
     machine: &mut M,
@@ -373,6 +374,7 @@ pub(crate) fn drive<M: Machine, O: Outbox>(
     inbound: &mut mpsc::Receiver<Inbound>,
     cancel: &mut watch::Receiver<bool>,
     abandoned: &mut oneshot::Receiver<()>,
+    lanes: Option<&[String]>,
 ) -> Result<Vec<(usize, String)>, RunnerError> {
     let mut failures = Vec::new();
     compute_loop(
@@ -382,7 +384,7 @@ pub(crate) fn drive<M: Machine, O: Outbox>(
         inbound,
         cancel,
         abandoned,
-        None,
+        lanes,
         &mut failures,
     )?;
     Ok(failures)

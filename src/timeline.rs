@@ -8,7 +8,9 @@
 //! frame received from it, and every frame handled from it (a part's reduction runs inside the
 //! handling of its last contribution; an average's application inside the handling of the
 //! average). Lanes are named `node <peer>` for the step and `<node> ↔ member <i> <peer>` for a
-//! link, so one file from several in-process nodes stays readable.
+//! link, so one file from several in-process nodes stays readable. Group operations
+//! ([`crate::group`]) write a span per operation on `node <peer> group` and the same per-frame
+//! spans on `<node> ↔ group member <i> <peer>`.
 //!
 //! # Cost and bounds
 //!

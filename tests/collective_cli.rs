@@ -114,3 +114,85 @@ fn bad_arguments_are_refused_clearly() {
         "{stderr}"
     );
 }
+
+/// With `HIVEMESH_TIMELINE`, every member process of a group writes its operations and, per
+/// other member, every part it sent, received and handled.
+#[test]
+fn group_operations_write_a_timeline_per_member() {
+    let dir = std::env::temp_dir().join(format!("hivemesh-group-timeline-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+        .args([
+            "bench",
+            "collective",
+            "--op",
+            "all-gather",
+            "--peers",
+            "3",
+            "--mib",
+            "3",
+        ])
+        .args(["--rounds", "1", "--part-bytes", "65536"])
+        .env("HIVEMESH_TIMELINE", dir.join("trace-{pid}.json"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(
+        files.len(),
+        4,
+        "one file per process: the parent and 3 workers"
+    );
+    let mut members = 0;
+    for file in files {
+        let text = std::fs::read_to_string(file.path()).unwrap();
+        let events: Vec<serde_json::Value> = serde_json::from_str(&text).expect("a JSON array");
+        if !events.iter().any(|e| e["ph"] == "X") {
+            continue; // the parent: no operations
+        }
+        members += 1;
+        let lanes: std::collections::HashMap<u64, String> = events
+            .iter()
+            .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+            .map(|e| {
+                (
+                    e["tid"].as_u64().unwrap(),
+                    e["args"]["name"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        let spans: Vec<(String, String)> = events
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .map(|e| {
+                let lane = lanes[&e["tid"].as_u64().unwrap()].clone();
+                (lane, e["name"].as_str().unwrap().to_owned())
+            })
+            .collect();
+        // Two all-gathers (warm-up and the timed round), each an operation span.
+        let ops = spans.iter().filter(|(_, n)| n == "all_gather").count();
+        assert_eq!(ops, 2, "{spans:?}");
+        // Two other members, each with its own lane of parts sent, received and handled.
+        let member_lanes: std::collections::HashSet<&String> = spans
+            .iter()
+            .filter(|(l, _)| l.contains("↔ group member"))
+            .map(|(l, _)| l)
+            .collect();
+        assert_eq!(member_lanes.len(), 2, "{member_lanes:?}");
+        for lane in member_lanes {
+            for what in ["send part", "receive part", "handle part"] {
+                assert!(
+                    spans.iter().any(|(l, n)| l == lane && n.starts_with(what)),
+                    "{lane}: no '{what}' span"
+                );
+            }
+        }
+    }
+    assert_eq!(members, 3, "every worker wrote its operations");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -455,3 +455,39 @@ async fn a_newcomer_is_admitted_at_an_operation_boundary() {
     averagers.push(newcomer);
     swarm.shutdown(averagers).await;
 }
+
+/// Two groups (different prefixes: process sets) on the same three nodes share the nodes'
+/// swarms and link hubs and run their operations at the same time, each on its own data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_groups_on_the_same_nodes_run_side_by_side() {
+    let _serial = SERIAL.lock().await;
+    let swarm = Swarm::start(3, |_| false).await;
+    let (mut averagers, mut a) = form(&swarm, 3, "set-a", |_| {}).await;
+    let (more, mut b) = form(&swarm, 3, "set-b", |_| {}).await;
+    averagers.extend(more);
+    let (ra, rb) = tokio::join!(side(&mut a, 1.0), side(&mut b, 10.0));
+    for (results, scale) in [(ra, 1.0f32), (rb, 10.0)] {
+        for (sum, all) in results {
+            assert_eq!(sum[0].to_f32_vec(), vec![3.0 * scale, 3.0 * scale, 3.0]);
+            for (m, t) in all.iter().enumerate() {
+                assert_eq!(t[0].to_f32_vec(), vec![m as f32 * scale, scale, 1.0]);
+            }
+        }
+    }
+    for g in a.into_iter().chain(b) {
+        g.close().await;
+    }
+    swarm.shutdown(averagers).await;
+}
+
+/// One group's side of `two_groups_on_the_same_nodes_run_side_by_side`.
+async fn side(groups: &mut [Group], scale: f32) -> Vec<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
+    futures::future::join_all(groups.iter_mut().map(|g| async move {
+        let me = g.me() as f32;
+        let x = vec![Tensor::from_f32(&[3], vec![me * scale, scale, 1.0]).unwrap()];
+        let sum = g.all_reduce(ReduceOp::Sum, x.clone()).await.unwrap();
+        let all = g.all_gather(x).await.unwrap();
+        (sum, all)
+    }))
+    .await
+}

@@ -302,10 +302,11 @@ impl Group {
             self.send_seq.push(0);
             self.recv_seq.push(0);
             formation.infos.push(m.info.clone());
+            let lane = super::lane(&self.peers, self.me, original);
             self.mesh
                 .as_mut()
                 .expect("the mesh lives until close")
-                .add_member(established.links[k].take());
+                .add_member(established.links[k].take(), lane);
             self.live.push(original);
         }
         self.renumber();

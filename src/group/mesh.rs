@@ -192,6 +192,8 @@ pub(crate) struct Mesh {
     close_timeout: Duration,
     cfg: MeshConfig,
     pool: BufferPool,
+    /// Timeline lane of each member's link (when the timeline is on).
+    lanes: Vec<Option<String>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -263,6 +265,7 @@ impl Mesh {
         prefix: Bytes,
         cfg: &MeshConfig,
         pool: &BufferPool,
+        lanes: Vec<Option<String>>,
     ) -> Self {
         let n = links.len();
         let failed = (0..n)
@@ -289,11 +292,22 @@ impl Mesh {
             close_timeout: cfg.close_timeout,
             cfg: cfg.clone(),
             pool: pool.clone(),
+            lanes,
         };
         for link in links {
             mesh.spawn(link);
         }
         mesh
+    }
+
+    /// The timeline lanes of `members` (original indices), when the timeline is on.
+    pub(crate) fn lanes_of(&self, members: &[usize]) -> Option<Arc<[String]>> {
+        crate::timeline::enabled().then(|| {
+            members
+                .iter()
+                .map(|&m| self.lanes.get(m).cloned().flatten().unwrap_or_default())
+                .collect()
+        })
     }
 
     /// Starts the tasks of the next member's link (`None`: no link).
@@ -304,11 +318,13 @@ impl Mesh {
             return;
         };
         let cfg = &self.cfg;
+        let lane = self.lanes.get(peer).cloned().flatten();
         let (read, write) = tokio::io::split(link);
         let (tx, rx) = mpsc::channel(cfg.link_queue.max(1));
         self.writers.push(Some(tx));
         self.reader_tasks.spawn(read_loop(
             peer,
+            lane.clone(),
             read,
             self.router.clone(),
             self.arrivals.clone(),
@@ -318,6 +334,7 @@ impl Mesh {
         ));
         self.writer_tasks.spawn(write_loop(
             peer,
+            lane,
             write,
             rx,
             self.router.clone(),
@@ -328,7 +345,8 @@ impl Mesh {
 
     /// Adds a member (the next original index) with its link (`None`: none, so it starts
     /// failed).
-    pub(crate) fn add_member(&mut self, link: Option<Box<dyn Link>>) {
+    pub(crate) fn add_member(&mut self, link: Option<Box<dyn Link>>, lane: Option<String>) {
+        self.lanes.push(lane);
         {
             let mut r = lock(&self.router);
             r.failed.push(link.is_none().then_some(LinkError::Closed));
@@ -480,8 +498,10 @@ async fn fail(router: &Mutex<Router>, peer: usize, error: LinkError) {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn read_loop(
     peer: usize,
+    lane: Option<String>,
     mut read: impl AsyncRead + Unpin,
     router: Arc<Mutex<Router>>,
     arrivals: Arc<Notify>,
@@ -491,12 +511,15 @@ async fn read_loop(
 ) {
     let decoder = FrameDecoder::new(max_frame_bytes);
     let mut staging = BytesMut::with_capacity(64 << 10);
+    let mut head_at = None;
     let error = loop {
-        let body =
-            match crate::runner::next_frame(&decoder, &mut read, &mut staging, &pool, None).await {
-                Ok(body) => body,
-                Err(e) => break e,
-            };
+        let timed = lane.as_ref().map(|_| &mut head_at);
+        let body = match crate::runner::next_frame(&decoder, &mut read, &mut staging, &pool, timed)
+            .await
+        {
+            Ok(body) => body,
+            Err(e) => break e,
+        };
         let cost = u32::try_from(body.len().max(1)).unwrap_or(u32::MAX);
         let Ok(queued) = budget.clone().acquire_many_owned(cost).await else {
             return;
@@ -505,6 +528,17 @@ async fn read_loop(
             Ok(frame) => frame,
             Err(e) => break LinkError::Wire(e),
         };
+        if let (Some(lane), Some(started)) = (&lane, head_at.take()) {
+            let what = crate::runner::describe(&frame.message);
+            let bytes = frame.message.payload_len();
+            crate::timeline::span(
+                "receive",
+                || lane.clone(),
+                || format!("receive {what}"),
+                started,
+                || vec![("payload_bytes", bytes.to_string())],
+            );
+        }
         if let Message::Averaged(m) = &mut frame.message
             && m.codec == CompressionType::None
             && m.dtype == DType::F32
@@ -529,6 +563,7 @@ async fn read_loop(
 
 async fn write_loop(
     peer: usize,
+    lane: Option<String>,
     mut write: impl AsyncWrite + Unpin,
     mut rx: mpsc::Receiver<Frame>,
     router: Arc<Mutex<Router>>,
@@ -546,9 +581,21 @@ async fn write_loop(
             }
         }
         let idle = rx.is_empty();
+        let started = std::time::Instant::now();
         let error = crate::runner::write_frame(&mut write, &mut head, &frame, idle, write_timeout)
             .await
             .err();
+        if let (Some(lane), None) = (&lane, &error) {
+            let what = crate::runner::describe(&frame.message);
+            let bytes = frame.message.payload_len();
+            crate::timeline::span(
+                "send",
+                || lane.clone(),
+                || format!("send {what}"),
+                started,
+                || vec![("payload_bytes", bytes.to_string())],
+            );
+        }
         if let Some(error) = error {
             fail(&router, peer, error).await;
             return;
