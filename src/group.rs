@@ -1011,11 +1011,13 @@ impl Group {
         Ok(gone)
     }
 
-    /// After a membership change: the new membership's prefix, collectives counted from 0,
-    /// no suspects.
+    /// After a membership change: the new membership's prefix, collectives and messages
+    /// counted from 0 (messages not received by then are dropped), no suspects.
     fn renumber(&mut self) {
         self.suspects.clear();
         self.seq = 0;
+        self.send_seq.iter_mut().for_each(|n| *n = 0);
+        self.recv_seq.iter_mut().for_each(|n| *n = 0);
         let prefix = prefix(&self.base, &self.peers, &self.live);
         self.mesh().set_prefix(prefix);
     }

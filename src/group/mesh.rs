@@ -94,6 +94,9 @@ struct Route {
 /// A frame that arrived before its operation opened here.
 struct Early {
     from: usize,
+    /// The prefix it came under: the current one, or (from a member that finished a
+    /// membership change first) the next one.
+    prefix: Bytes,
     id: OpId,
     message: Message,
     queued: QueuedBytes,
@@ -121,6 +124,17 @@ enum Routed {
 }
 
 impl Router {
+    /// See [`Mesh::set_prefix`].
+    fn change_prefix(&mut self, prefix: Bytes) {
+        let old = std::mem::replace(&mut self.prefix, prefix);
+        self.old_prefixes.push(old);
+        self.next_collective = 0;
+        self.next_message.iter_mut().for_each(|n| *n = 0);
+        // Frames that came early under the new prefix stay; the rest can never be used.
+        let current = self.prefix.clone();
+        self.early.retain(|e| e.prefix == current);
+    }
+
     fn route(
         &mut self,
         from: usize,
@@ -128,17 +142,33 @@ impl Router {
         queued: QueuedBytes,
     ) -> Result<Routed, LinkError> {
         let g = &frame.group_id;
-        if g.len() < PREFIX_BYTES || g[..PREFIX_BYTES] != self.prefix[..] {
-            if self
-                .old_prefixes
-                .iter()
-                .any(|p| g.len() >= PREFIX_BYTES && g[..PREFIX_BYTES] == p[..])
-            {
-                return Ok(Routed::Dropped); // from before a membership change
-            }
+        if g.len() < PREFIX_BYTES {
             return Err(LinkError::ForeignGroup);
         }
+        let prefix = g.slice(..PREFIX_BYTES);
+        if self.old_prefixes.contains(&prefix) {
+            return Ok(Routed::Dropped); // from before a membership change
+        }
         let id = OpId::decode(&g[PREFIX_BYTES..]).ok_or(LinkError::ForeignGroup)?;
+        if prefix != self.prefix {
+            // A member that finished a membership change (shrink, admit) before us already
+            // runs the next operation: held, within the link's budget, until we change too
+            // (then frames of any other prefix are dropped).
+            if let OpId::Message { src, dst, .. } = id
+                && !((usize::from(src) == from && usize::from(dst) == self.me)
+                    || (usize::from(src) == self.me && usize::from(dst) == from))
+            {
+                return Err(LinkError::ForeignGroup);
+            }
+            self.early.push_back(Early {
+                from,
+                prefix,
+                id,
+                message: frame.message,
+                queued,
+            });
+            return Ok(Routed::Kept);
+        }
         let old = match id {
             OpId::Collective(seq) => seq < self.next_collective,
             // A message to us from the link's member, or that member's abort of one we sent.
@@ -173,6 +203,7 @@ impl Router {
         }
         self.early.push_back(Early {
             from,
+            prefix,
             id,
             message: frame.message,
             queued,
@@ -374,9 +405,12 @@ impl Mesh {
         }
         let local: Arc<[Option<usize>]> = local.into();
         let mut r = lock(&self.router);
+        let prefix = r.prefix.clone();
         let early: Vec<Early> = {
-            let (mine, rest): (VecDeque<Early>, VecDeque<Early>) =
-                r.early.drain(..).partition(|e| e.id == id);
+            let (mine, rest): (VecDeque<Early>, VecDeque<Early>) = r
+                .early
+                .drain(..)
+                .partition(|e| e.id == id && e.prefix == prefix);
             r.early = rest;
             mine.into_iter().collect()
         };
@@ -384,8 +418,9 @@ impl Mesh {
             OpId::Collective(seq) => {
                 r.next_collective = r.next_collective.max(seq + 1);
                 // Frames of collectives that were skipped here can never be used.
-                r.early
-                    .retain(|e| !matches!(e.id, OpId::Collective(s) if s < seq));
+                r.early.retain(|e| {
+                    e.prefix != prefix || !matches!(e.id, OpId::Collective(s) if s < seq)
+                });
             }
             OpId::Message { src, seq, .. } => {
                 let src = usize::from(src);
@@ -415,7 +450,6 @@ impl Mesh {
             tx,
             local: local.clone(),
         });
-        let prefix = r.prefix.clone();
         drop(r);
         let group_id = id.encode(&prefix);
         let outboxes = members
@@ -440,7 +474,11 @@ impl Mesh {
     pub(crate) fn pending_message(&self) -> Option<usize> {
         let r = lock(&self.router);
         r.early.iter().find_map(|e| match e.id {
-            OpId::Message { src, seq, .. } if seq == r.next_message[usize::from(src)] => {
+            OpId::Message { src, dst, seq }
+                if e.prefix == r.prefix
+                    && usize::from(dst) == r.me
+                    && seq == r.next_message[usize::from(src)] =>
+            {
                 Some(usize::from(src))
             }
             _ => None,
@@ -453,13 +491,10 @@ impl Mesh {
     }
 
     /// Switches to a new membership's prefix: frames under the old one are dropped from now
-    /// on, and collective numbering starts again.
+    /// on (messages not received by then too), and collectives and messages are numbered
+    /// from 0 again.
     pub(crate) fn set_prefix(&self, prefix: Bytes) {
-        let mut r = lock(&self.router);
-        let old = std::mem::replace(&mut r.prefix, prefix);
-        r.old_prefixes.push(old);
-        r.next_collective = 0;
-        r.early.retain(|e| !matches!(e.id, OpId::Collective(_)));
+        lock(&self.router).change_prefix(prefix);
     }
 
     /// Closes every link: writers flush what they hold (each within the close timeout), then
@@ -611,6 +646,72 @@ async fn write_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn router(me: usize, n: usize, prefix: &[u8]) -> Router {
+        Router {
+            me,
+            prefix: Bytes::copy_from_slice(prefix),
+            old_prefixes: Vec::new(),
+            routes: Vec::new(),
+            early: VecDeque::new(),
+            next_collective: 0,
+            next_message: vec![0; n],
+            failed: vec![None; n],
+        }
+    }
+
+    fn frame(prefix: &[u8], id: OpId) -> Frame {
+        Frame {
+            group_id: id.encode(prefix),
+            message: Message::Abort {
+                role: crate::allreduce::Role::Sender,
+                reason: crate::allreduce::AbortReason::Cancelled,
+            },
+        }
+    }
+
+    fn permit() -> QueuedBytes {
+        QueuedBytes(
+            Arc::new(Semaphore::new(1))
+                .try_acquire_owned()
+                .expect("a free permit"),
+        )
+    }
+
+    /// A member that finished a membership change first sends under the next prefix: its
+    /// frames are held (not a link failure) and used once we change too; frames of a prefix we
+    /// never take are dropped then, and frames of a prefix we left are dropped at once.
+    #[test]
+    fn frames_under_the_next_prefix_wait_for_the_change() {
+        let (a, b, c) = (
+            [1u8; PREFIX_BYTES],
+            [2u8; PREFIX_BYTES],
+            [3u8; PREFIX_BYTES],
+        );
+        let mut r = router(0, 3, &a);
+        for (prefix, from) in [(&b, 1), (&c, 2)] {
+            let routed = r.route(from, frame(prefix, OpId::Collective(0)), permit());
+            assert!(matches!(routed, Ok(Routed::Kept)));
+        }
+        // A forged message under an unknown prefix still fails its link.
+        let forged = OpId::Message {
+            src: 2,
+            dst: 0,
+            seq: 0,
+        };
+        assert!(matches!(
+            r.route(1, frame(&b, forged), permit()),
+            Err(LinkError::ForeignGroup)
+        ));
+        // The change to `b`: its frame stays, `c`'s goes.
+        r.change_prefix(Bytes::copy_from_slice(&b));
+        assert_eq!(r.early.len(), 1);
+        assert_eq!(r.early[0].from, 1);
+        assert!(matches!(
+            r.route(1, frame(&a, OpId::Collective(5)), permit()),
+            Ok(Routed::Dropped)
+        ));
+    }
 
     #[test]
     fn op_ids_round_trip() {

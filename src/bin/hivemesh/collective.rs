@@ -210,6 +210,10 @@ pub fn run(args: CollectiveArgs) -> anyhow::Result<()> {
         let mut slowest = 0.0f64;
         let mut ended = 0;
         let mut failed = 0;
+        // A survivor shrinks right after it fails: its SHRUNK may come before the others'
+        // FAILED or the victim's end.
+        let mut shrunk = 0;
+        let survivors = live.len().saturating_sub(1).to_string();
         while ended < live.len() {
             let (i, f) = next(&mut workers)?;
             let f: Vec<&str> = f.iter().map(String::as_str).collect();
@@ -231,6 +235,10 @@ pub fn run(args: CollectiveArgs) -> anyhow::Result<()> {
                     failed += 1;
                     ended += 1;
                 }
+                ["SHRUNK", n] if round == 1 && args.kill_member.is_some() => {
+                    ensure!(*n == survivors, "worker {i} shrank to {n}, not {survivors}");
+                    shrunk += 1;
+                }
                 ["EOF"] if Some(i) == args.kill_member && round == 1 => {
                     killed = Some(i);
                     ended += 1;
@@ -245,7 +253,6 @@ pub fn run(args: CollectiveArgs) -> anyhow::Result<()> {
                 live.len() - 1
             );
             live.retain(|&i| i != k);
-            let mut shrunk = 0;
             while shrunk < live.len() {
                 match next(&mut workers)? {
                     (_, f) if f == ["SHRUNK".to_owned(), live.len().to_string()] => shrunk += 1,
