@@ -8,8 +8,12 @@
 //! asks the [`Router`]: a frame of an open operation goes to that operation's compute loop; a
 //! frame of a finished one (a member still sending after our side ended) is dropped; a frame
 //! of an operation not yet opened here (a faster member) waits in the router, still counted in
-//! its link's budget, so a member running ahead cannot make us buffer more than that budget;
-//! a frame with another prefix or a forged source fails the link.
+//! its link's budget, so a member running ahead cannot make us buffer more than that budget.
+//! The same holds for frames under an unknown prefix: a member that finished a membership
+//! change (shrink, admit) before us already sends under the next one; when we change, frames
+//! of the new prefix are used and any others dropped. Frames under a prefix we left are
+//! dropped at once; an unparseable operation id or a message naming another source fails the
+//! link.
 //!
 //! A link that fails (read error, malformed frame, write timeout) stays failed for the group's
 //! life: every open operation is told at once, and every later one starts with it failed.
@@ -160,14 +164,7 @@ impl Router {
             {
                 return Err(LinkError::ForeignGroup);
             }
-            self.early.push_back(Early {
-                from,
-                prefix,
-                id,
-                message: frame.message,
-                queued,
-            });
-            return Ok(Routed::Kept);
+            return Ok(self.hold(from, prefix, id, frame.message, queued));
         }
         let old = match id {
             OpId::Collective(seq) => seq < self.next_collective,
@@ -201,14 +198,26 @@ impl Router {
         if old {
             return Ok(Routed::Dropped);
         }
+        Ok(self.hold(from, prefix, id, frame.message, queued))
+    }
+
+    /// Keeps a frame for an operation not open yet.
+    fn hold(
+        &mut self,
+        from: usize,
+        prefix: Bytes,
+        id: OpId,
+        message: Message,
+        queued: QueuedBytes,
+    ) -> Routed {
         self.early.push_back(Early {
             from,
             prefix,
             id,
-            message: frame.message,
+            message,
             queued,
         });
-        Ok(Routed::Kept)
+        Routed::Kept
     }
 }
 
