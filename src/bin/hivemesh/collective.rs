@@ -552,8 +552,8 @@ async fn worker(b: CollectiveArgs, me: usize) -> anyhow::Result<()> {
     println!("LINKED");
     let total = b.elements();
     for round in 0..=b.rounds_run() {
-        let go = lines.recv().await.context("parent closed stdin")?;
-        ensure!(go == "GO", "expected GO, got '{go}'");
+        // Inputs are made before the GO barrier, so that no member spends the timed round's
+        // first moments (and the others' CPU) on them.
         let members: Vec<usize> = group
             .members()
             .iter()
@@ -566,6 +566,8 @@ async fn worker(b: CollectiveArgs, me: usize) -> anyhow::Result<()> {
             _ => 0,
         };
         let inputs = prepare(b.op, total, &members, me, root)?;
+        let go = lines.recv().await.context("parent closed stdin")?;
+        ensure!(go == "GO", "expected GO, got '{go}'");
         if victim && round == 1 {
             armed.store(true, std::sync::atomic::Ordering::Relaxed);
         }
