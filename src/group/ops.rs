@@ -1,0 +1,560 @@
+//! The operations of a [`Group`] (see the [module docs](super)): the butterfly for
+//! all-reduce, plans of the exchange machine for the others, and `shrink`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use libp2p::PeerId;
+
+use super::exchange::{Plan, Received};
+use super::mesh::OpId;
+use super::{FailedMember, Group, GroupError, Partial, ReduceOp};
+use crate::allreduce::{Butterfly, Member, Mode, RoundConfig, RoundError, TensorDescriptor};
+use crate::compression::{Compression, CompressionType};
+use crate::tensor::{DType, Tensor};
+
+impl Group {
+    /// All-reduce `tensors` with `op` over the current members (every member passes tensors
+    /// of the same shapes and dtypes); returns the result.
+    pub async fn all_reduce(
+        &mut self,
+        op: ReduceOp,
+        tensors: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, GroupError> {
+        const OP: &str = "all_reduce";
+        let id = self.next_collective();
+        let members = self.live.clone();
+        let me = self.me();
+        let mut cfg = RoundConfig::new(
+            vec![
+                Member {
+                    mode: Mode::Node,
+                    fraction: 1.0,
+                };
+                members.len()
+            ],
+            me,
+        );
+        cfg.part_size_bytes = self.cfg.part_size_bytes;
+        cfg.compression = self.cfg.compression.clone();
+        cfg.sender_timeout = self.cfg.sender_timeout;
+        cfg.reducer_timeout = self.cfg.reducer_timeout;
+        cfg.round_timeout = Some(self.cfg.op_timeout);
+        cfg.aggregator = op.aggregator();
+        let invalid = |e: RoundError| GroupError::Invalid {
+            op: OP,
+            detail: e.to_string(),
+        };
+        self.size_pool(tensors.iter().map(Tensor::size_bytes).sum());
+        let machine = Butterfly::with_pool(cfg, tensors, Instant::now(), self.pool.clone())
+            .map_err(invalid)?;
+        let (machine, failed) = self.drive(OP, id, &members, machine).await?;
+        let (start, outcome) = machine.into_outcome().map_err(|e| GroupError::Internal {
+            op: OP,
+            detail: e.to_string(),
+        })?;
+        let mut result = start;
+        outcome
+            .apply_in_place(&mut result)
+            .map_err(|e| GroupError::Internal {
+                op: OP,
+                detail: e.to_string(),
+            })?;
+        if failed.is_empty() {
+            outcome.recycle(&self.pool);
+            return Ok(result);
+        }
+        Err(GroupError::Failed {
+            op: OP,
+            failed,
+            partial: Box::new(Partial::AllReduce {
+                tensors: result,
+                report: outcome.report,
+            }),
+        })
+    }
+
+    /// Every member's `tensors` (same shapes and dtypes on every member), in member order.
+    pub async fn all_gather(
+        &mut self,
+        tensors: Vec<Tensor>,
+    ) -> Result<Vec<Vec<Tensor>>, GroupError> {
+        const OP: &str = "all_gather";
+        let id = self.next_collective();
+        let members = self.live.clone();
+        let n = members.len();
+        let me = self.me();
+        let descriptors: Arc<[TensorDescriptor]> =
+            tensors.iter().map(TensorDescriptor::of).collect();
+        let shared = Arc::new(tensors);
+        let plan = Plan {
+            sends: (0..n).map(|d| (d != me).then(|| shared.clone())).collect(),
+            expects: (0..n)
+                .map(|s| (s != me).then(|| descriptors.clone()))
+                .collect(),
+        };
+        let compression = self.cfg.compression.clone();
+        let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
+        let mine = Arc::try_unwrap(shared).unwrap_or_else(|s| (*s).clone());
+        let mut gathered = to_tensors(OP, received)?;
+        gathered[me] = Some(mine);
+        if failed.is_empty() && gathered.iter().all(Option::is_some) {
+            return Ok(gathered.into_iter().flatten().collect());
+        }
+        Err(GroupError::Failed {
+            op: OP,
+            failed,
+            partial: Box::new(Partial::Gathered(gathered)),
+        })
+    }
+
+    /// Member `root`'s `tensors` on every member (the others pass tensors of the shapes and
+    /// dtypes to expect; their values are not used).
+    ///
+    /// Scatter, then all-gather (van de Geijn): the root sends member `j` the `j`-th of `N`
+    /// slices of every tensor, then every member sends its slice to every other non-root
+    /// member (the root its own slice). The root uploads `2(N-1)/N` of the data instead of
+    /// `N-1` times all of it, and every member's uplink carries a share.
+    pub async fn broadcast(
+        &mut self,
+        root: usize,
+        tensors: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, GroupError> {
+        let compression = self.cfg.compression.clone();
+        self.broadcast_with(root, tensors, compression).await
+    }
+
+    /// [`Group::broadcast`] with the given codec.
+    pub(super) async fn broadcast_with(
+        &mut self,
+        root: usize,
+        tensors: Vec<Tensor>,
+        compression: Compression,
+    ) -> Result<Vec<Tensor>, GroupError> {
+        const OP: &str = "broadcast";
+        self.check_member(OP, root)?;
+        let scatter = self.next_collective();
+        let gather = self.next_collective();
+        let members = self.live.clone();
+        let n = members.len();
+        let me = self.me();
+        let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
+        // Slice j of tensor t: elements [numel·j/N, numel·(j+1)/N).
+        let bounds = |t: usize, j: usize| -> std::ops::Range<usize> {
+            let numel = descriptors[t].numel();
+            numel * j / n..numel * (j + 1) / n
+        };
+        let slice_shapes = |j: usize| -> Arc<[TensorDescriptor]> {
+            (0..descriptors.len())
+                .map(|t| TensorDescriptor {
+                    shape: vec![bounds(t, j).len()],
+                    dtype: descriptors[t].dtype,
+                })
+                .collect()
+        };
+        let slices = |j: usize| -> Arc<Vec<Tensor>> {
+            Arc::new(
+                tensors
+                    .iter()
+                    .enumerate()
+                    .map(|(t, x)| slice(x, bounds(t, j)))
+                    .collect(),
+            )
+        };
+        // Scatter: each non-root member gets its slice from the root.
+        let plan = Plan {
+            sends: (0..n)
+                .map(|d| (me == root && d != me).then(|| slices(d)))
+                .collect(),
+            expects: (0..n)
+                .map(|s| (me != root && s == root).then(|| slice_shapes(me)))
+                .collect(),
+        };
+        let (received, failed) = self
+            .exchange(OP, scatter, members.clone(), plan, compression.clone())
+            .await?;
+        let mine: Arc<Vec<Tensor>> = if me == root {
+            slices(me)
+        } else {
+            match to_tensors(OP, received)?.swap_remove(root) {
+                // Without its slice a member cannot take part in the gather: the others
+                // name it there (it sends them nothing).
+                Some(t) if failed.is_empty() => Arc::new(t),
+                _ => {
+                    return Err(GroupError::Failed {
+                        op: OP,
+                        failed,
+                        partial: Box::new(Partial::Nothing),
+                    });
+                }
+            }
+        };
+        let scatter_failed = failed;
+        // Gather: every member's slice to every non-root member.
+        let plan = Plan {
+            sends: (0..n)
+                .map(|d| (d != me && d != root).then(|| mine.clone()))
+                .collect(),
+            expects: (0..n)
+                .map(|s| (me != root && s != me).then(|| slice_shapes(s)))
+                .collect(),
+        };
+        let (received, mut failed) = self
+            .exchange(OP, gather, members, plan, compression)
+            .await?;
+        for f in scatter_failed {
+            if !failed.iter().any(|g| g.peer == f.peer) {
+                failed.push(f);
+            }
+        }
+        if me == root {
+            return finish(OP, failed, tensors, |_| Partial::Nothing);
+        }
+        if !failed.is_empty() {
+            return Err(GroupError::Failed {
+                op: OP,
+                failed,
+                partial: Box::new(Partial::Nothing),
+            });
+        }
+        let mut values = received.values;
+        let mut out = Vec::with_capacity(descriptors.len());
+        for (t, d) in descriptors.iter().enumerate() {
+            let mut flat = Vec::with_capacity(d.numel());
+            for (j, v) in values.iter_mut().enumerate() {
+                match v {
+                    Some(v) => flat.extend_from_slice(&v[t]),
+                    None if j == me => flat.extend(mine[t].to_f32_vec()),
+                    None => {
+                        return Err(GroupError::Internal {
+                            op: OP,
+                            detail: format!("slice {j} missing"),
+                        });
+                    }
+                }
+            }
+            let tensor = match d.dtype {
+                DType::F32 => Tensor::from_f32(&d.shape, flat),
+                other => Tensor::from_f32_as(&d.shape, &flat, other),
+            };
+            out.push(tensor.map_err(|e| GroupError::Internal {
+                op: OP,
+                detail: e.to_string(),
+            })?);
+        }
+        Ok(out)
+    }
+
+    /// Reduce-scatter: `inputs[j]` goes to member `j` (one tensor per member, the same shape
+    /// and dtype on every member for a given `j`); returns the reduction with `op` of every
+    /// member's `inputs[me]`.
+    pub async fn reduce_scatter(
+        &mut self,
+        op: ReduceOp,
+        mut inputs: Vec<Tensor>,
+    ) -> Result<Tensor, GroupError> {
+        const OP: &str = "reduce_scatter";
+        let n = self.live.len();
+        if inputs.len() != n {
+            return Err(GroupError::Invalid {
+                op: OP,
+                detail: format!("{} inputs for a group of {n}", inputs.len()),
+            });
+        }
+        let id = self.next_collective();
+        let members = self.live.clone();
+        let me = self.me();
+        let own = std::mem::replace(&mut inputs[me], Tensor::zeros(&[0], DType::F32));
+        let descriptor: Arc<[TensorDescriptor]> = vec![TensorDescriptor::of(&own)].into();
+        let plan = Plan {
+            sends: inputs
+                .into_iter()
+                .enumerate()
+                .map(|(d, t)| (d != me).then(|| Arc::new(vec![t])))
+                .collect(),
+            expects: (0..n)
+                .map(|s| (s != me).then(|| descriptor.clone()))
+                .collect(),
+        };
+        let compression = self.cfg.compression.clone();
+        let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
+        let mut acc = own.to_f32_vec();
+        let mut contributors = vec![me];
+        for (s, values) in received.values.iter().enumerate() {
+            if let Some(values) = values {
+                op.fold(&mut acc, &values[0]);
+                contributors.push(s);
+            }
+        }
+        contributors.sort_unstable();
+        if op == ReduceOp::Mean {
+            let k = contributors.len() as f32;
+            acc.iter_mut().for_each(|v| *v /= k);
+        }
+        let tensor = Tensor::from_f32_as(own.shape(), &acc, own.dtype()).map_err(|e| {
+            GroupError::Internal {
+                op: OP,
+                detail: e.to_string(),
+            }
+        })?;
+        finish(OP, failed, tensor, |tensor| Partial::Reduced {
+            tensor,
+            contributors,
+        })
+    }
+
+    /// Waits until every member has reached its barrier.
+    pub async fn barrier(&mut self) -> Result<(), GroupError> {
+        const OP: &str = "barrier";
+        let id = self.next_collective();
+        let members = self.live.clone();
+        let n = members.len();
+        let me = self.me();
+        let empty = Arc::new(vec![Tensor::zeros(&[0], DType::F32)]);
+        let descriptors: Arc<[TensorDescriptor]> = vec![TensorDescriptor::of(&empty[0])].into();
+        let plan = Plan {
+            sends: (0..n).map(|d| (d != me).then(|| empty.clone())).collect(),
+            expects: (0..n)
+                .map(|s| (s != me).then(|| descriptors.clone()))
+                .collect(),
+        };
+        let (received, failed) = self
+            .exchange(
+                OP,
+                id,
+                members,
+                plan,
+                Compression::Fixed(CompressionType::None),
+            )
+            .await?;
+        let arrived: Vec<usize> = (0..n)
+            .filter(|&s| s == me || received.values[s].is_some())
+            .collect();
+        finish(OP, failed, (), |()| Partial::Arrived(arrived))
+    }
+
+    /// Sends `tensors` to member `to`, which receives them with [`Group::recv`] or
+    /// [`Group::recv_any`]. Returns once they are handed to the link (like a buffered send):
+    /// the receiver's side reports their arrival.
+    pub async fn send(&mut self, to: usize, tensors: Vec<Tensor>) -> Result<(), GroupError> {
+        const OP: &str = "send";
+        let dst = self.check_member(OP, to)?;
+        if dst == self.me {
+            return Err(GroupError::Invalid {
+                op: OP,
+                detail: "a member cannot send to itself".into(),
+            });
+        }
+        let id = OpId::Message {
+            src: self.me as u16,
+            dst: dst as u16,
+            seq: self.send_seq[dst],
+        };
+        self.send_seq[dst] += 1;
+        let plan = Plan {
+            sends: vec![None, Some(Arc::new(tensors))],
+            expects: vec![None, None],
+        };
+        let compression = self.cfg.compression.clone();
+        let (_, failed) = self
+            .exchange(OP, id, vec![self.me, dst], plan, compression)
+            .await?;
+        finish(OP, failed, (), |()| Partial::Nothing)
+    }
+
+    /// Receives the next tensors member `from` sent us, of the shapes and dtypes of `like`.
+    pub async fn recv(
+        &mut self,
+        from: usize,
+        like: &[TensorDescriptor],
+    ) -> Result<Vec<Tensor>, GroupError> {
+        const OP: &str = "recv";
+        let src = self.check_member(OP, from)?;
+        if src == self.me {
+            return Err(GroupError::Invalid {
+                op: OP,
+                detail: "a member cannot receive from itself".into(),
+            });
+        }
+        let id = OpId::Message {
+            src: src as u16,
+            dst: self.me as u16,
+            seq: self.recv_seq[src],
+        };
+        self.recv_seq[src] += 1;
+        let plan = Plan {
+            sends: vec![None, None],
+            expects: vec![Some(like.to_vec().into()), None],
+        };
+        let compression = self.cfg.compression.clone();
+        let (received, failed) = self
+            .exchange(OP, id, vec![src, self.me], plan, compression)
+            .await?;
+        let mut gathered = to_tensors(OP, received)?;
+        match gathered[0].take() {
+            Some(t) if failed.is_empty() => Ok(t),
+            _ => Err(GroupError::Failed {
+                op: OP,
+                failed,
+                partial: Box::new(Partial::Nothing),
+            }),
+        }
+    }
+
+    /// Receives the next message from whichever member sends first (waiting at most
+    /// `op_timeout`); returns the sender's index and its tensors.
+    pub async fn recv_any(
+        &mut self,
+        like: &[TensorDescriptor],
+    ) -> Result<(usize, Vec<Tensor>), GroupError> {
+        let arrivals = self.mesh().arrivals();
+        let deadline = tokio::time::Instant::now() + self.cfg.op_timeout;
+        loop {
+            let notified = arrivals.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(from) = self.mesh().pending_message().and_then(|s| self.local(s)) {
+                return Ok((from, self.recv(from, like).await?));
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(GroupError::Timeout(self.cfg.op_timeout));
+            }
+        }
+    }
+
+    /// Removes the members that failed since the last change (see the [module docs](super)):
+    /// every survivor calls it; returns the removed members' peer ids.
+    pub async fn shrink(&mut self) -> Result<Vec<PeerId>, GroupError> {
+        const OP: &str = "shrink";
+        let n_all = self.peers.len();
+        let mut suspects = self.suspects.clone();
+        suspects.extend(self.mesh().failed());
+        suspects.remove(&self.me);
+        let candidates: Vec<usize> = self
+            .live
+            .iter()
+            .copied()
+            .filter(|m| !suspects.contains(m))
+            .collect();
+        let mut mask = vec![0.0f32; n_all];
+        for &s in &suspects {
+            mask[s] = 1.0;
+        }
+        let mask = Arc::new(vec![Tensor::from_f32(&[n_all], mask).map_err(|e| {
+            GroupError::Internal {
+                op: OP,
+                detail: e.to_string(),
+            }
+        })?]);
+        let descriptors: Arc<[TensorDescriptor]> = vec![TensorDescriptor::of(&mask[0])].into();
+        let k = candidates.len();
+        let me = candidates
+            .iter()
+            .position(|&m| m == self.me)
+            .ok_or(GroupError::Expelled)?;
+        let plan = Plan {
+            sends: (0..k).map(|d| (d != me).then(|| mask.clone())).collect(),
+            expects: (0..k)
+                .map(|s| (s != me).then(|| descriptors.clone()))
+                .collect(),
+        };
+        let id = self.next_collective();
+        let (received, _) = self
+            .exchange(
+                OP,
+                id,
+                candidates.clone(),
+                plan,
+                Compression::Fixed(CompressionType::None),
+            )
+            .await?;
+        let mut removed = suspects;
+        for (s, values) in received.values.iter().enumerate() {
+            match values {
+                Some(v) => removed.extend(
+                    v[0].iter()
+                        .enumerate()
+                        .filter(|(_, x)| **x != 0.0)
+                        .map(|(i, _)| i),
+                ),
+                None if s != me => {
+                    removed.insert(candidates[s]);
+                }
+                None => {}
+            }
+        }
+        if removed.contains(&self.me) {
+            return Err(GroupError::Expelled);
+        }
+        let gone: Vec<PeerId> = self
+            .live
+            .iter()
+            .filter(|m| removed.contains(m))
+            .map(|&m| self.peers[m])
+            .collect();
+        self.live.retain(|m| !removed.contains(m));
+        self.renumber();
+        Ok(gone)
+    }
+}
+
+/// Per source, its received values as tensors of the declared shapes and dtypes.
+fn to_tensors(
+    op: &'static str,
+    received: Received,
+) -> Result<Vec<Option<Vec<Tensor>>>, GroupError> {
+    received
+        .values
+        .into_iter()
+        .zip(received.descriptors)
+        .map(|(values, descriptors)| {
+            let (Some(values), Some(descriptors)) = (values, descriptors) else {
+                return Ok(None);
+            };
+            values
+                .into_iter()
+                .zip(descriptors.iter())
+                .map(|(v, d)| match d.dtype {
+                    DType::F32 => Tensor::from_f32(&d.shape, v),
+                    other => Tensor::from_f32_as(&d.shape, &v, other),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some)
+                .map_err(|e| GroupError::Internal {
+                    op,
+                    detail: e.to_string(),
+                })
+        })
+        .collect()
+}
+
+fn finish<T>(
+    op: &'static str,
+    failed: Vec<FailedMember>,
+    value: T,
+    partial: impl FnOnce(T) -> Partial,
+) -> Result<T, GroupError> {
+    if failed.is_empty() {
+        Ok(value)
+    } else {
+        Err(GroupError::Failed {
+            op,
+            failed,
+            partial: Box::new(partial(value)),
+        })
+    }
+}
+
+/// Elements `range` of `t`'s flattened values, as a 1-D tensor of its dtype.
+fn slice(t: &Tensor, range: std::ops::Range<usize>) -> Tensor {
+    use crate::tensor::PartView;
+    fn array<T: Clone>(v: &[T]) -> ndarray::ArrayD<T> {
+        ndarray::ArrayD::from_shape_vec(ndarray::IxDyn(&[v.len()]), v.to_vec())
+            .expect("a 1-D shape of the slice's length")
+    }
+    match t.part(range) {
+        PartView::F32(v) => Tensor::from_array_f32(array(v)),
+        PartView::F16(v) => Tensor::from_array_f16(array(v)),
+        PartView::BF16(v) => Tensor::from_array_bf16(array(v)),
+    }
+}
