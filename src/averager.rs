@@ -706,11 +706,11 @@ fn advertised_data_addr(
     Some(addr)
 }
 
-fn to_mm(peer: &libp2p::PeerId) -> matchmaking::PeerId {
+pub(crate) fn to_mm(peer: &libp2p::PeerId) -> matchmaking::PeerId {
     matchmaking::PeerId::from_bytes(peer.to_bytes()).expect("libp2p peer ids are 1..=128 bytes")
 }
 
-fn from_mm(peer: &matchmaking::PeerId) -> Option<libp2p::PeerId> {
+pub(crate) fn from_mm(peer: &matchmaking::PeerId) -> Option<libp2p::PeerId> {
     libp2p::PeerId::from_bytes(peer.as_bytes()).ok()
 }
 
@@ -988,6 +988,28 @@ impl Actor {
         Ok(group)
     }
 
+    /// Links to the group's members (refusing join requests meanwhile), traced.
+    async fn link(
+        &mut self,
+        expectation: crate::links::Expectation,
+        options: &StepOptions,
+        step_deadline: Option<tokio::time::Instant>,
+    ) -> Result<crate::links::EstablishedLinks, AveragerError> {
+        let link_timeout = self.config.link_timeout;
+        let linking = std::time::Instant::now();
+        let established = self
+            .while_serving(
+                async { Ok(expectation.establish(link_timeout).await) },
+                step_deadline,
+                options.timeout,
+            )
+            .await?;
+        self.trace("linking", linking, || {
+            vec![("linked", established.linked().to_string())]
+        });
+        Ok(established)
+    }
+
     /// [`Averager::form_group`]: a group, linked as a full mesh.
     async fn form_group(
         &mut self,
@@ -1000,18 +1022,9 @@ impl Actor {
             .find_group(options, cancel, shutdown, step_deadline)
             .await?;
         let prepared = self.prepare_links(&group, true).await?;
-        let link_timeout = self.config.link_timeout;
-        let linking = std::time::Instant::now();
         let established = self
-            .while_serving(
-                async { Ok(prepared.expectation.establish(link_timeout).await) },
-                step_deadline,
-                options.timeout,
-            )
+            .link(prepared.expectation, options, step_deadline)
             .await?;
-        self.trace("linking", linking, || {
-            vec![("linked", established.linked().to_string())]
-        });
         let cfg = group_config(&self.config);
         let formation = crate::group::Formation {
             group_id: group.group_id.clone(),
@@ -1304,18 +1317,7 @@ impl Actor {
         cfg.round_timeout = Some(self.config.round_timeout);
         cfg.aggregator = self.config.aggregator;
 
-        let link_timeout = self.config.link_timeout;
-        let linking = std::time::Instant::now();
-        let established = self
-            .while_serving(
-                async { Ok(expectation.establish(link_timeout).await) },
-                step_deadline,
-                options.timeout,
-            )
-            .await?;
-        self.trace("linking", linking, || {
-            vec![("linked", established.linked().to_string())]
-        });
+        let established = self.link(expectation, options, step_deadline).await?;
         let carriers = established.carriers.clone();
         let links = established.kinds.clone();
         let summary: Vec<String> = links
@@ -1489,7 +1491,7 @@ pub(crate) async fn add_addresses(
 }
 
 /// The last 8 characters of a peer id (timeline lanes).
-fn short_id(peer: &libp2p::PeerId) -> String {
+pub(crate) fn short_id(peer: &libp2p::PeerId) -> String {
     let s = peer.to_base58();
     s[s.len().saturating_sub(8)..].to_owned()
 }

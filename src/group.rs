@@ -71,7 +71,7 @@ use crate::runner::{Link, Machine, RunnerError};
 use crate::tensor::Tensor;
 
 use exchange::{Exchange, ExchangeConfig, Plan, Received};
-use mesh::{Mesh, MeshConfig, OpId, OpenOp, PREFIX_BYTES};
+use mesh::{Mesh, OpId, OpenOp, PREFIX_BYTES};
 
 /// How an all-reduce or reduce-scatter combines the members' values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -330,21 +330,7 @@ impl Group {
         let live: Vec<usize> = (0..n).collect();
         let pool = BufferPool::default();
         let lanes = (0..n).map(|i| lane(&peers, me, i)).collect();
-        let mesh = Mesh::start(
-            links,
-            me,
-            prefix(&base, &peers, &live),
-            &MeshConfig {
-                max_frame_bytes: cfg.max_frame_bytes,
-                write_timeout: cfg.write_timeout,
-                link_queue: cfg.link_queue,
-                inbound_queue: cfg.inbound_queue,
-                max_queued_bytes_per_link: cfg.max_queued_bytes_per_link,
-                close_timeout: cfg.close_timeout,
-            },
-            &pool,
-            lanes,
-        );
+        let mesh = Mesh::start(links, me, prefix(&base, &peers, &live), &cfg, &pool, lanes);
         Ok(Self {
             base,
             peers,
@@ -475,7 +461,12 @@ impl Group {
         }
         crate::timeline::span(
             "group",
-            || format!("node {} group", short(&self.peers[self.me])),
+            || {
+                format!(
+                    "node {} group",
+                    crate::averager::short_id(&self.peers[self.me])
+                )
+            },
             || op.to_owned(),
             started,
             || vec![("members", members.len().to_string())],
@@ -550,16 +541,11 @@ fn lane(peers: &[PeerId], me: usize, i: usize) -> Option<String> {
     (crate::timeline::enabled() && i != me).then(|| {
         format!(
             "node {} ↔ group member {} {}",
-            short(&peers[me]),
+            crate::averager::short_id(&peers[me]),
             i,
-            short(&peers[i])
+            crate::averager::short_id(&peers[i])
         )
     })
-}
-
-fn short(peer: &PeerId) -> String {
-    let s = peer.to_base58();
-    s[s.len().saturating_sub(8)..].to_owned()
 }
 
 impl Drop for Group {

@@ -25,7 +25,7 @@ use sha2::Digest;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Group, GroupConfig, GroupError};
-use crate::averager::{add_addresses, link_peer};
+use crate::averager::{add_addresses, from_mm, link_peer, to_mm};
 use crate::compression::{Compression, CompressionType};
 use crate::matchmaking::wire::{decode, encode};
 use crate::matchmaking::{self, Begin, GroupMember, MemberInfo, Message, Reply, ReplyBody};
@@ -87,11 +87,7 @@ fn decode_members(bytes: &[u8]) -> Result<Begin, String> {
 }
 
 fn to_libp2p(peer: &matchmaking::PeerId) -> Result<PeerId, String> {
-    PeerId::from_bytes(peer.as_bytes()).map_err(|e| e.to_string())
-}
-
-fn to_mm(peer: &PeerId) -> matchmaking::PeerId {
-    matchmaking::PeerId::from_bytes(peer.to_bytes()).expect("libp2p peer ids are 1..=128 bytes")
+    from_mm(peer).ok_or_else(|| "a member id is not a libp2p peer id".to_owned())
 }
 
 /// Bytes as a tensor of their values (what the group's broadcast carries).

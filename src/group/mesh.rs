@@ -27,6 +27,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::task::JoinSet;
 
+use super::GroupConfig;
 use crate::allreduce::Message;
 use crate::buffers::BufferPool;
 use crate::compression::CompressionType;
@@ -228,9 +229,7 @@ pub(crate) struct Mesh {
     arrivals: Arc<Notify>,
     writer_tasks: JoinSet<()>,
     reader_tasks: JoinSet<()>,
-    inbound_queue: usize,
-    close_timeout: Duration,
-    cfg: MeshConfig,
+    cfg: GroupConfig,
     pool: BufferPool,
     /// Timeline lane of each member's link (when the timeline is on).
     lanes: Vec<Option<String>>,
@@ -245,17 +244,6 @@ impl std::fmt::Debug for Mesh {
             )
             .finish_non_exhaustive()
     }
-}
-
-/// Link parameters of a mesh.
-#[derive(Clone, Debug)]
-pub(crate) struct MeshConfig {
-    pub max_frame_bytes: usize,
-    pub write_timeout: Duration,
-    pub link_queue: usize,
-    pub inbound_queue: usize,
-    pub max_queued_bytes_per_link: usize,
-    pub close_timeout: Duration,
 }
 
 /// A writer of one link, with the id of the operation its messages belong to.
@@ -303,7 +291,7 @@ impl Mesh {
         links: Vec<Option<Box<dyn Link>>>,
         me: usize,
         prefix: Bytes,
-        cfg: &MeshConfig,
+        cfg: &GroupConfig,
         pool: &BufferPool,
         lanes: Vec<Option<String>>,
     ) -> Self {
@@ -328,8 +316,6 @@ impl Mesh {
             arrivals,
             writer_tasks: JoinSet::new(),
             reader_tasks: JoinSet::new(),
-            inbound_queue: cfg.inbound_queue.max(1),
-            close_timeout: cfg.close_timeout,
             cfg: cfg.clone(),
             pool: pool.clone(),
             lanes,
@@ -436,7 +422,8 @@ impl Mesh {
                 r.next_message[src] = r.next_message[src].max(seq + 1);
             }
         }
-        let (tx, inbound) = mpsc::channel(self.inbound_queue + early.len() + members.len());
+        let (tx, inbound) =
+            mpsc::channel(self.cfg.inbound_queue.max(1) + early.len() + members.len());
         for e in early {
             if let Some(from) = local[e.from] {
                 let _ = tx.try_send(Inbound::Message {
@@ -510,7 +497,7 @@ impl Mesh {
     /// readers stop.
     pub(crate) async fn close(mut self) {
         self.writers.clear();
-        let close_timeout = self.close_timeout;
+        let close_timeout = self.cfg.close_timeout;
         let writers = async { while self.writer_tasks.join_next().await.is_some() {} };
         let _ = tokio::time::timeout(close_timeout * 2, writers).await;
         self.writer_tasks.shutdown().await;

@@ -278,25 +278,30 @@ impl Group {
         };
         let compression = self.cfg.compression.clone();
         let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
-        let mut acc = own.to_f32_vec();
-        let mut contributors = vec![me];
-        for (s, values) in received.values.iter().enumerate() {
-            if let Some(values) = values {
-                op.fold(&mut acc, &values[0]);
-                contributors.push(s);
+        // The reduction runs on a blocking thread, as a round's does, not on the runtime.
+        let reduced = tokio::task::spawn_blocking(move || {
+            let mut acc = own.to_f32_vec();
+            let mut contributors = vec![me];
+            for (s, values) in received.values.iter().enumerate() {
+                if let Some(values) = values {
+                    op.fold(&mut acc, &values[0]);
+                    contributors.push(s);
+                }
             }
-        }
-        contributors.sort_unstable();
-        if op == ReduceOp::Mean {
-            let k = contributors.len() as f32;
-            acc.iter_mut().for_each(|v| *v /= k);
-        }
-        let tensor = Tensor::from_f32_as(own.shape(), &acc, own.dtype()).map_err(|e| {
-            GroupError::Internal {
-                op: OP,
-                detail: e.to_string(),
+            contributors.sort_unstable();
+            if op == ReduceOp::Mean {
+                let k = contributors.len() as f32;
+                acc.iter_mut().for_each(|v| *v /= k);
             }
-        })?;
+            Tensor::from_f32_as(own.shape(), &acc, own.dtype())
+                .map(|tensor| (tensor, contributors))
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        let (tensor, contributors) =
+            reduced.map_err(|detail| GroupError::Internal { op: OP, detail })?;
         finish(OP, failed, tensor, |tensor| Partial::Reduced {
             tensor,
             contributors,

@@ -102,23 +102,7 @@ pub struct WorkerArgs {
 
 impl BenchArgs {
     fn validate(&self) -> anyhow::Result<()> {
-        ensure!(
-            self.peers >= 1 && self.peers <= 64,
-            "--peers must be between 1 and 64"
-        );
-        ensure!(
-            self.mib >= 1 && self.mib <= 4096,
-            "--mib must be between 1 and 4096"
-        );
-        ensure!(
-            self.rounds >= 1 && self.rounds <= 1000,
-            "--rounds must be between 1 and 1000"
-        );
-        ensure!(
-            self.part_bytes >= 1024,
-            "--part-bytes must be at least 1024"
-        );
-        Ok(())
+        validate_sizes(self.peers, self.mib, self.rounds, self.part_bytes)
     }
 
     fn elements(&self) -> usize {
@@ -158,6 +142,30 @@ impl BenchArgs {
             _ => 0.1,
         }
     }
+}
+
+/// The size flags every multi-process bench shares: `--peers`, `--mib`, `--rounds`,
+/// `--part-bytes`.
+pub(crate) fn validate_sizes(
+    peers: usize,
+    mib: usize,
+    rounds: usize,
+    part_bytes: usize,
+) -> anyhow::Result<()> {
+    ensure!(
+        (1..=64).contains(&peers),
+        "--peers must be between 1 and 64"
+    );
+    ensure!(
+        (1..=4096).contains(&mib),
+        "--mib must be between 1 and 4096"
+    );
+    ensure!(
+        (1..=1000).contains(&rounds),
+        "--rounds must be between 1 and 1000"
+    );
+    ensure!(part_bytes >= 1024, "--part-bytes must be at least 1024");
+    Ok(())
 }
 
 /// The parent: spawns the workers, relays the roster, prints the result line.

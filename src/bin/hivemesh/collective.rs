@@ -36,7 +36,7 @@ use libp2p::PeerId;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::bench::{
-    Transport, compression_name, exchange_roster, join_roster, process_cpu_seconds,
+    Transport, compression_name, exchange_roster, join_roster, process_cpu_seconds, validate_sizes,
 };
 use crate::workers::{Workers, runtime, stdin_lines};
 
@@ -116,22 +116,7 @@ pub struct CollectiveWorkerArgs {
 
 impl CollectiveArgs {
     fn validate(&self) -> anyhow::Result<()> {
-        ensure!(
-            (1..=64).contains(&self.peers),
-            "--peers must be between 1 and 64"
-        );
-        ensure!(
-            (1..=4096).contains(&self.mib),
-            "--mib must be between 1 and 4096"
-        );
-        ensure!(
-            (1..=1000).contains(&self.rounds),
-            "--rounds must be between 1 and 1000"
-        );
-        ensure!(
-            self.part_bytes >= 1024,
-            "--part-bytes must be at least 1024"
-        );
+        validate_sizes(self.peers, self.mib, self.rounds, self.part_bytes)?;
         if let Some(k) = self.kill_member {
             ensure!(
                 self.peers >= 3 && k < self.peers,

@@ -126,8 +126,10 @@ fn a_silent_member_fails_by_timeout_and_the_rest_complete() {
         })
         .collect();
     let mut machines = run(machines, Some(2));
-    let silent = machines.remove(2);
-    assert!(!silent.is_finished() || silent.into_received().is_ok());
+    // The silent member's own parts were dropped by the driver, but it got everyone else's.
+    let silent = machines.remove(2).into_received().expect("it finished");
+    assert!(silent.failed.is_empty());
+    assert!(silent.values[0].is_some() && silent.values[1].is_some());
     for (me, m) in machines.into_iter().enumerate() {
         let r = m.into_received().unwrap();
         assert_eq!(r.failed.len(), 1, "member {me}: {:?}", r.failed);
