@@ -546,7 +546,7 @@ impl PartResult {
 
 impl Outcome {
     /// Checks that `results` (if any) match `parts`, one fitting result per part.
-    fn check_results(&self) -> Result<(), RoundError> {
+    pub(crate) fn check_results(&self) -> Result<(), RoundError> {
         let Some(results) = &self.results else {
             return Ok(());
         };
@@ -568,15 +568,35 @@ impl Outcome {
         start: &[Tensor],
         alpha: f32,
     ) -> Result<(), RoundError> {
+        let all: Vec<usize> = (0..tensors.len()).collect();
+        self.apply_mapped(tensors, &all, start, alpha)
+    }
+
+    /// [`Outcome::apply`] where `tensors` holds only some of the round's tensors: `tensors[k]`
+    /// is round tensor `round_index[k]` (ascending); parts of the others are left out (an
+    /// averager's device tensors, applied on the device).
+    pub(crate) fn apply_mapped(
+        &self,
+        tensors: &mut [Tensor],
+        round_index: &[usize],
+        start: &[Tensor],
+        alpha: f32,
+    ) -> Result<(), RoundError> {
         let Some(results) = &self.results else {
             return Ok(());
         };
         self.check_results()?;
-        check_layout(&self.parts, tensors, "tensors")?;
         check_layout(&self.parts, start, "start values")?;
+        if round_index.len() != tensors.len() {
+            return Err(TensorError::Mismatch("a tensor map of another length".into()).into());
+        }
         for (spec, result) in self.parts.iter().zip(results) {
+            let Ok(k) = round_index.binary_search(&spec.tensor) else {
+                continue;
+            };
+            check_layout(&[PartSpec { tensor: k, ..*spec }], tensors, "tensors")?;
             let from = start[spec.tensor].part(spec.range());
-            let t = &mut tensors[spec.tensor];
+            let t = &mut tensors[k];
             match result {
                 PartResult::Local => {}
                 PartResult::Average(avg) => t.add_average(spec.offset, avg, from, alpha)?,

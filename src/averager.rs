@@ -37,8 +37,11 @@
 //! [`state`]).
 
 pub mod control;
+mod devices;
 pub mod node;
 pub mod state;
+
+pub use devices::AveragedTensor;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -341,7 +344,10 @@ struct StepRequest {
 }
 
 struct Shared {
+    /// The host tensors, in order.
     tensors: Mutex<Vec<Tensor>>,
+    /// The device tensors, and where host and device tensors sit in the round's order.
+    devices: devices::Devices,
     /// Bumped whenever the tensors may have changed (a guard handed out mutably, a step's
     /// result, an installed state): a donor rebuilds its state snapshot only when it moved.
     version: AtomicU64,
@@ -414,13 +420,17 @@ impl std::fmt::Debug for Averager {
 }
 
 impl Averager {
-    /// Starts an averager over `tensors` on a node's DHT and link hub.
-    pub fn start(
+    /// Starts an averager over `tensors` on a node's DHT and link hub: host [`Tensor`]s, or
+    /// with the `cuda` feature a mix of host and device tensors ([`AveragedTensor`]; an
+    /// averager with device tensors does not share state, so `allow_state_sharing` must be
+    /// off).
+    pub fn start<T: Into<AveragedTensor>>(
         dht: Dht,
         hub: Arc<LinkHub>,
-        tensors: Vec<Tensor>,
+        tensors: Vec<T>,
         config: AveragerConfig,
     ) -> Result<Self, AveragerError> {
+        let tensors: Vec<AveragedTensor> = tensors.into_iter().map(Into::into).collect();
         let protocol = control::protocol(&config.prefix);
         let key_manager = match &config.keys {
             KeySchedule::Bits { initial_bits } => Some(
@@ -450,9 +460,23 @@ impl Averager {
         let (inbox_tx, inbox) = mpsc::channel(256);
         let serve_timeout = config.request_timeout;
         let server = tokio::spawn(control::serve(inbound, inbox_tx, serve_timeout));
-        let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
+        let (tensors, descriptors, devices) =
+            match devices::Devices::split(tensors, &config.compression) {
+                Ok(split) => split,
+                Err(e) => {
+                    server.abort();
+                    return Err(e);
+                }
+            };
+        if !devices.is_empty() && config.allow_state_sharing {
+            server.abort();
+            return Err(AveragerError::Config(
+                "device tensors are not shared as state: set allow_state_sharing = false".into(),
+            ));
+        }
         let shared = Arc::new(Shared {
             tensors: Mutex::new(tensors),
+            devices,
             version: AtomicU64::new(0),
         });
         let (steps_tx, steps) = mpsc::channel(16);
@@ -1317,6 +1341,8 @@ impl Actor {
         cfg.round_timeout = Some(self.config.round_timeout);
         cfg.aggregator = self.config.aggregator;
 
+        // Device snapshots copy to the host while the links are made.
+        self.shared.devices.begin()?;
         let established = self.link(expectation, options, step_deadline).await?;
         let carriers = established.carriers.clone();
         let links = established.kinds.clone();
@@ -1333,6 +1359,7 @@ impl Actor {
         tracing::info!(links = %summary, "linked to the group");
         let span = tracing::info_span!("step", links = %summary);
         let snapshot: Vec<Tensor> = self.shared.lock_tensors().clone();
+        let snapshot = devices::Devices::finish(&self.shared, snapshot).await?;
         let me = self.dht.p2p().peer_id();
         let lanes = crate::timeline::enabled().then(|| {
             members
@@ -1381,10 +1408,11 @@ impl Actor {
         let applying = std::time::Instant::now();
         {
             let mut tensors = self.shared.lock_tensors_mut();
-            outcome
-                .apply(&mut tensors, &start, 1.0)
-                .map_err(|e| AveragerError::Round(e.to_string()))?;
+            self.shared
+                .devices
+                .apply_host(&outcome, &mut tensors, &start, 1.0)?;
         }
+        devices::Devices::apply_devices(&self.shared, &outcome, &start, 1.0).await?;
         self.trace("apply", applying, Vec::new);
         let report = outcome.report.clone();
         outcome.recycle(&self.pool);

@@ -25,6 +25,9 @@
 //! streams, and [`runner`] runs the round over them. Behind NATs, [`reach`] says how each peer
 //! can be reached and, for a group, who links with whom, who opens and who may reduce; the p2p
 //! layer finds a node's reachability, keeps relay reservations and hole-punches.
+//!
+//! With the `cuda` feature, the `cuda` module lets an averager average tensors in GPU memory in place:
+//! snapshot by an asynchronous device-to-host copy, the delta rule applied on the device.
 #![warn(missing_docs)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
@@ -32,6 +35,8 @@ pub mod allreduce;
 pub mod averager;
 pub mod buffers;
 pub mod compression;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dht;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -60,10 +65,12 @@ struct ReadmeSnippets;
 pub use allreduce::{Aggregator, CenteredClip};
 pub use averager::node::{Node, NodeConfig, NodeError};
 pub use averager::{
-    Averager, AveragerConfig, AveragerError, BlockingAverager, Stage, StepControl, StepOptions,
-    StepOutcome,
+    AveragedTensor, Averager, AveragerConfig, AveragerError, BlockingAverager, Stage, StepControl,
+    StepOptions, StepOutcome,
 };
 pub use compression::{Compression, CompressionType};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaDevice, CudaError, DeviceTensor};
 pub use dht::Dht;
 pub use group::{FailedMember, Group, GroupConfig, GroupError, Partial, ReduceOp};
 pub use metrics::Metrics;

@@ -6,6 +6,7 @@
 //! few numeric kernels the reducer needs, behind the [`ops::ReduceKernel`] trait that a GPU
 //! kernel can implement as well.
 
+pub mod dlpack;
 mod external;
 pub mod ops;
 
@@ -141,6 +142,18 @@ fn standard<T: Clone>(a: ArrayD<T>) -> ArrayD<T> {
     } else {
         a.as_standard_layout().into_owned()
     }
+}
+
+/// The number of elements of `shape`, where they fit in memory as `dtype` (no overflow, at
+/// most `isize::MAX` bytes: what a slice over them needs).
+pub fn addressable_numel(shape: &[usize], dtype: DType) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|n| {
+            n.checked_mul(dtype.size_bytes())
+                .is_some_and(|b| b <= isize::MAX as usize)
+        })
 }
 
 fn checked_shape(shape: &[usize], len: usize) -> Result<(), TensorError> {

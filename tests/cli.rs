@@ -292,11 +292,38 @@ fn bad_arguments_fail_with_a_clear_message() {
             "exceed --peers",
         ),
         (vec!["frobnicate"], "unrecognized subcommand"),
-    ] {
+        (
+            vec!["bench", "allreduce", "--device", "tpu"],
+            "invalid value 'tpu'",
+        ),
+    ]
+    .into_iter()
+    .chain(no_gpu_bench())
+    {
         let (ok, _, stderr) = hivemesh(&args);
         assert!(!ok, "{args:?} should fail");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
+}
+
+/// A GPU bench where it cannot run says what is missing: the `cuda` feature, or (in a build
+/// with it) a device. Nothing to check on a machine with a GPU and the feature.
+fn no_gpu_bench() -> Option<(Vec<&'static str>, &'static str)> {
+    let args = vec![
+        "bench",
+        "allreduce",
+        "--device",
+        "cuda",
+        "--peers",
+        "2",
+        "--mib",
+        "1",
+    ];
+    #[cfg(feature = "cuda")]
+    return (hivemesh::cuda::device_count() == 0)
+        .then_some((args, "--device cuda: no CUDA device here"));
+    #[cfg(not(feature = "cuda"))]
+    Some((args, "built with the cuda feature"))
 }
 
 /// `HIVEMESH_TIMELINE` makes the demo write a Chrome trace-event file: valid JSON, closed,

@@ -9,10 +9,12 @@ A training loop that averages with hivemind switches by changing its imports::
                                               start=True)
     averager.step()  # the parameters now hold the group's average
 
-The tensors (PyTorch CPU tensors or numpy arrays) are shared with the Rust core, not copied.
+The tensors (PyTorch CPU tensors or numpy arrays; CUDA tensors where ``hivemesh.CUDA``, in an
+extension built with the ``cuda`` feature) are shared with the Rust core, not copied.
 """
 
 from hivemesh._hivemesh import (
+    CUDA,
     AveragingError,
     DHTError,
     HivemeshError,
@@ -27,6 +29,7 @@ from hivemesh.averaging import AveragingMode, AveragingStage, DecentralizedAvera
 from hivemesh.dht import DHT, Multiaddr, PeerID, ValueWithExpiration
 
 __all__ = [
+    "CUDA",
     "DHT",
     "AveragingError",
     "AveragingMode",

@@ -7,6 +7,8 @@ what it is built on.
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __version__: str
+#: Whether CUDA tensors can be averaged (an extension built with ``--features cuda``).
+CUDA: bool
 
 class HivemeshError(Exception):
     """Base of every hivemesh error."""

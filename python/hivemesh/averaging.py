@@ -8,6 +8,14 @@ after :meth:`DecentralizedAverager.step` the caller's objects hold the group's a
 make them inside ``with averager.get_tensors():`` (the lock the round takes to apply) or
 between steps.
 
+CUDA tensors (in an extension built with ``MATURIN_PEP517_ARGS="--features cuda" pip install
+.``) are taken through DLPack, shared as well: a round copies a snapshot to pinned host memory
+and applies ``average - snapshot`` on the GPU, ordered on the CUDA stream that was current for
+the tensor's device when the averager was created (use that stream for training; it is never
+synchronized, it only waits for the snapshot's device-side copy and runs the apply kernel). No
+lock is needed for them, and an averager holding them does not share state
+(``allow_state_sharing`` defaults to ``False`` then).
+
 While a step runs, the GIL is released: other Python threads (a data loader, the training
 step) keep running. Ctrl-C during ``step()`` cancels it and raises ``KeyboardInterrupt``;
 the tensors are left unchanged unless the round had already finished.
@@ -180,6 +188,10 @@ def _tensor_kind(t: Any) -> str:
     )
 
 
+def _any_cuda(tensors: List[Any]) -> bool:
+    return any(getattr(t, "is_cuda", False) for t in tensors)
+
+
 class DecentralizedAverager:
     """Averages ``averaged_tensors`` with peers that share ``prefix``, in groups found through
     ``dht``. hivemind's arguments and meanings; see the module docs for how tensors are
@@ -279,7 +291,8 @@ class DecentralizedAverager:
             part_size_bytes=part_size_bytes,
             mode=mode,
             initial_group_bits=initial_group_bits,
-            allow_state_sharing=(not auxiliary and not client_mode
+            # An averager holding CUDA tensors does not share state (hivemesh.cuda's docs).
+            allow_state_sharing=(not auxiliary and not client_mode and not _any_cuda(tensors)
                                  if allow_state_sharing is None else bool(allow_state_sharing)),
             state_priority=float(state_sharing_priority),
             allow_relayed_data=bool(allow_relayed_data),

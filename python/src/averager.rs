@@ -6,6 +6,11 @@
 //! PyTorch, to its storage), so the memory lives as long as the averager. The averager reads
 //! and writes that memory only under its tensor lock; Python takes the same lock through
 //! `TensorLock` (`DecentralizedAverager.get_tensors()`).
+//!
+//! With the `cuda` feature, PyTorch CUDA tensors are taken through DLPack (`__dlpack__` with
+//! the tensor's current stream handed over): the averager holds the GPU memory itself and
+//! orders its work on that stream, which must be the one the training loop uses (see
+//! `hivemesh::cuda`); no lock is needed for them.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use hivemesh::allreduce::Mode;
 use hivemesh::averager::{
-    Averager as RustAverager, AveragerConfig, AveragerError, KeySchedule, Stage,
+    AveragedTensor, Averager as RustAverager, AveragerConfig, AveragerError, KeySchedule, Stage,
     StepControl as RustStepControl, StepOptions, StepOutcome,
 };
 use hivemesh::compression::{Compression, CompressionType};
@@ -46,16 +51,29 @@ fn codec(code: u32) -> PyResult<CompressionType> {
 /// What keeps a shared tensor's memory alive: the Python object (and its storage).
 struct Keepalive(#[allow(dead_code)] Vec<Py<PyAny>>);
 
-/// Wraps a PyTorch tensor or numpy array's memory as a [`Tensor`], after checking it.
-fn shared_tensor(index: usize, obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+/// Wraps a PyTorch tensor or numpy array's memory as a [`Tensor`] (a CUDA tensor as a device
+/// tensor, with the `cuda` feature), after checking it.
+fn shared_tensor(index: usize, obj: &Bound<'_, PyAny>) -> PyResult<AveragedTensor> {
     let bad = |why: String| PyTypeError::new_err(format!("averaged_tensors[{index}]: {why}"));
     let module: String = obj.get_type().getattr("__module__")?.extract()?;
     let (ptr, shape, dtype, keep) = if module.starts_with("torch") {
         let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
+        #[cfg(feature = "cuda")]
+        if device == "cuda" {
+            return crate::cuda::device_tensor(obj)
+                .map(AveragedTensor::from)
+                .map_err(|e| bad(e.to_string()));
+        }
         if device != "cpu" {
-            return Err(bad(format!(
-                "a {device} tensor; only CPU tensors can be averaged (move it with .cpu())"
-            )));
+            let how = if device == "cuda" {
+                "this hivemesh was built without GPU support: rebuild it with \
+                 MATURIN_PEP517_ARGS=\"--features cuda\" pip install ., or move the tensor \
+                 with .cpu()"
+            } else {
+                "only CPU (and, in a build with the cuda feature, CUDA) tensors can be \
+                 averaged; move it with .cpu()"
+            };
+            return Err(bad(format!("a {device} tensor; {how}")));
         }
         if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
             return Err(bad(
@@ -126,6 +144,7 @@ fn shared_tensor(index: usize, obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     // as long as the tensor. The averager touches it only under its tensor lock, which
     // Python takes through `TensorLock`.
     unsafe { Tensor::from_external(&shape, dtype, ptr as *mut u8, Keepalive(keep)) }
+        .map(AveragedTensor::from)
         .map_err(|e| bad(e.to_string()))
 }
 
@@ -233,7 +252,7 @@ impl Averager {
         centered_clip_tau: Option<f64>,
     ) -> PyResult<Self> {
         let parts = node.parts()?;
-        let shared: Vec<Tensor> = tensors
+        let shared: Vec<AveragedTensor> = tensors
             .iter()
             .enumerate()
             .map(|(i, t)| shared_tensor(i, &t))

@@ -15,6 +15,8 @@ use pyo3::create_exception;
 use pyo3::prelude::*;
 
 mod averager;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod node;
 mod runtime;
 
@@ -71,5 +73,7 @@ fn _hivemesh(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<averager::TensorLock>()?;
     m.add_function(wrap_pyfunction!(node::get_dht_time, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Whether CUDA tensors can be averaged (an extension built with `--features cuda`).
+    m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

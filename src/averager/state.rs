@@ -399,6 +399,10 @@ pub enum StateError {
         /// Every donor that failed, with its failure.
         failures: Vec<(PeerId, DonorError)>,
     },
+    /// The averager holds device tensors ([`crate::averager::AveragedTensor`]): it neither
+    /// serves nor installs a state (fetching one without installing it works).
+    #[error("an averager with device tensors neither shares nor installs state")]
+    DeviceTensors,
     /// The local tensors no longer have the averager's schema (replaced through
     /// [`Averager::tensors`]); nothing was installed.
     #[error("the local tensors no longer have the averager's schema")]
@@ -560,6 +564,9 @@ impl Averager {
     /// Deltas of a round that finishes while the download runs are added to whatever the
     /// tensors hold then, so load state between steps.
     pub async fn load_state_from_peers(&self) -> Result<Option<LoadedState>, StateError> {
+        if !self.shared.devices.is_empty() {
+            return Err(StateError::DeviceTensors);
+        }
         let inner = &self.state.inner;
         let limit = inner.config.load_timeout;
         let loaded = tokio::time::timeout(limit, inner.load(true))
@@ -591,6 +598,9 @@ impl Averager {
         let inner = &self.state.inner;
         if allow && inner.mode != Mode::Node {
             return Err(StateError::NotADonor(inner.mode));
+        }
+        if allow && !self.shared.devices.is_empty() {
+            return Err(StateError::DeviceTensors);
         }
         inner.allow.store(allow, Ordering::SeqCst);
         if !allow {

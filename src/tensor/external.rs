@@ -125,13 +125,7 @@ impl Tensor {
         ptr: *mut u8,
         owner: impl Any + Send + Sync,
     ) -> Result<Self, TensorError> {
-        let numel = shape
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .filter(|n| {
-                n.checked_mul(dtype.size_bytes())
-                    .is_some_and(|b| b <= isize::MAX as usize)
-            })
+        let numel = super::addressable_numel(shape, dtype)
             .ok_or_else(|| TensorError::Mismatch(format!("shape {shape:?} is too large")))?;
         let align = match dtype {
             DType::F32 => std::mem::align_of::<f32>(),

@@ -282,6 +282,8 @@ def test_load_state_trusts_what_the_caller_says(make_dht):
         (lambda: np.ones((4, 4), dtype=np.float32)[:, ::2], "not C-contiguous"),
         (lambda: np.ones(3, dtype=np.float64), "dtype"),
         (lambda: [1.0, 2.0], "torch.Tensor or numpy.ndarray"),
+        # A device other than the CPU and CUDA is refused, naming what can be averaged.
+        (lambda: torch.ones(3, device="meta"), "a meta tensor; only CPU"),
     ],
 )
 def test_bad_tensors_are_refused(make_dht, tensor, error):
@@ -397,3 +399,46 @@ def test_centered_clip_resists_a_huge_peer(make_dht):
         shutdown(averagers)
     with pytest.raises(ValueError, match="centered_clip_tau"):
         averagers_for(make_dht, [[torch.zeros(2)], [torch.zeros(2)]], centered_clip_tau=0.0)
+
+
+def _cuda_or_skip():
+    missing = None
+    if not hivemesh.CUDA:
+        missing = "the extension was built without the cuda feature"
+    elif not torch.cuda.is_available():
+        missing = "no CUDA device here"
+    if missing:
+        if os.environ.get("HIVEMESH_GPU_REQUIRED"):
+            pytest.fail(f"a GPU is required (HIVEMESH_GPU_REQUIRED): {missing}")
+        pytest.skip(missing)
+
+
+def test_cuda_tensors_average_on_the_device(make_dht):
+    """Three peers, one with CUDA tensors (DLPack, shared), one mixing CUDA and CPU tensors,
+    one on the CPU: every tensor ends at the mean, the CUDA ones in place on the device, for
+    float32 and bfloat16."""
+    _cuda_or_skip()
+    torch.manual_seed(1)
+    for dtype, atol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
+        cpu = [[torch.randn(1000, 3).to(dtype), torch.randn(7).to(dtype)] for _ in range(3)]
+        reference = [sum(ts[k].float() for ts in cpu) / 3 for k in range(2)]
+        placed = [
+            [t.cuda() for t in cpu[0]],
+            [cpu[1][0].cuda(), cpu[1][1].clone()],
+            [t.clone() for t in cpu[2]],
+        ]
+        pointers = [t.data_ptr() for t in placed[0]]
+        averagers = averagers_for(make_dht, placed, prefix=f"cuda-{dtype}")
+        try:
+            controls = [a.step(wait=False, timeout=STEP_TIMEOUT) for a in averagers]
+            for c in controls:
+                assert c.result(timeout=STEP_TIMEOUT) is not None
+            torch.cuda.synchronize()
+            for p, ts in enumerate(placed):
+                for k, t in enumerate(ts):
+                    assert torch.allclose(t.float().cpu(), reference[k], atol=atol), (dtype, p, k)
+            # Shared, not copied: the very same device memory holds the mean.
+            assert [t.data_ptr() for t in placed[0]] == pointers
+            assert not averagers[0].allow_state_sharing
+        finally:
+            shutdown(averagers)

@@ -16,10 +16,16 @@
 //! the contributors its report names: `CHECKED <r> <err_vs_report> <err_vs_mean> <local_parts>`.
 //! The parent prints each round's slowest time and the workers' total CPU time on stderr.
 //! Round 0 is a warm-up. A round's time is the slowest worker's; the parent prints the median.
+//!
+//! With `--device cuda` each worker's tensor lives on the GPU ([`crate::bench_device`]): a
+//! round's time then includes the snapshot to the host and the apply on the device, workers
+//! also print `DEVICE <r> <staging s> <stream blocked ms> <apply kernel ms> <d2h GB/s>` and the
+//! parent adds a `hivemesh_device` line with the medians.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::bench_device::{Device, DeviceTimes, Gpu};
 use crate::workers::{Workers, stdin_lines};
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
@@ -88,6 +94,11 @@ pub struct BenchArgs {
     /// (`/hivemesh/part/1` libp2p streams over TCP + noise + yamux).
     #[arg(long, value_enum, default_value_t = Transport::Tcp)]
     transport: Transport,
+    /// Where each worker's tensor lives: cpu (host memory) or cuda (GPU 0: snapshot by an
+    /// asynchronous copy to pinned memory, delta rule applied on the device; needs a build with
+    /// `--features cuda`).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
 }
 
 /// A worker's options: the shared ones plus its index.
@@ -102,6 +113,15 @@ pub struct WorkerArgs {
 
 impl BenchArgs {
     fn validate(&self) -> anyhow::Result<()> {
+        ensure!(
+            self.device == Device::Cpu || cfg!(feature = "cuda"),
+            crate::bench_device::NO_CUDA
+        );
+        #[cfg(feature = "cuda")]
+        ensure!(
+            self.device == Device::Cpu || hivemesh::cuda::device_count() > 0,
+            "--device cuda: no CUDA device here"
+        );
         validate_sizes(self.peers, self.mib, self.rounds, self.part_bytes)
     }
 
@@ -181,10 +201,15 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             ("--part-bytes", args.part_bytes.to_string()),
             ("--compression", compression_name(&args.compression)),
             ("--transport", args.transport.name().to_owned()),
+            ("--device", args.device.name().to_owned()),
         ],
     )?;
 
     exchange_roster(&mut workers, args.peers)?;
+    // Per timed round, the slowest worker's (staging s, stream blocked ms, apply ms), and the
+    // slowest worker's plain device-to-host copy rate.
+    let mut device: Vec<[f64; 3]> = Vec::new();
+    let mut d2h_gbs = f64::INFINITY;
 
     let total_rounds = args.rounds + 1;
     let mut times = vec![vec![0.0f64; args.peers]; total_rounds];
@@ -212,6 +237,18 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
                 }
             }
             ["START", _] => {}
+            ["DEVICE", r, staging, blocked, apply, d2h] => {
+                let r: usize = r.parse()?;
+                ensure!(r < total_rounds, "worker {i}: round {r} out of range");
+                d2h_gbs = d2h_gbs.min(d2h.parse()?);
+                if r > 0 {
+                    device.resize(args.rounds, [0.0; 3]);
+                    let slot = &mut device[r - 1];
+                    for (k, v) in [staging, blocked, apply].into_iter().enumerate() {
+                        slot[k] = slot[k].max(v.parse()?);
+                    }
+                }
+            }
             ["ROUND", r, secs, cpu] => {
                 let r: usize = r.parse()?;
                 ensure!(r < total_rounds, "worker {i}: round {r} out of range");
@@ -263,6 +300,32 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         "hivemesh world={} mib={} median_s={median:.4} algbw_gbs={algbw:.3} busbw_gbs={busbw:.3}",
         args.peers, args.mib
     );
+    if args.device == Device::Cuda {
+        ensure!(
+            device.len() == args.rounds,
+            "workers reported no device times"
+        );
+        let median = |k: usize| {
+            let mut v: Vec<f64> = device.iter().map(|d| d[k]).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        // The snapshot leaves the device as 16-bit words under a 16-bit codec.
+        let per_value = match args.compression.codec_for(args.elements()).kind() {
+            CompressionType::Float16 | CompressionType::BFloat16 => 2.0,
+            _ => 4.0,
+        };
+        let snapshot_bytes = args.elements() as f64 * per_value;
+        println!(
+            "hivemesh_device world={} mib={} device=cuda staging_gbs={:.2} pcie_d2h_gbs={d2h_gbs:.2} \
+             stream_blocked_ms={:.3} apply_kernel_ms={:.3}",
+            args.peers,
+            args.mib,
+            snapshot_bytes / median(0) / 1e9,
+            median(1),
+            median(2)
+        );
+    }
     Ok(())
 }
 
@@ -323,6 +386,10 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
 
     let descriptors = bench.descriptors();
     let mut tensors = make_tensors(&descriptors, SEED, me)?;
+    let mut gpu = match bench.device {
+        Device::Cpu => None,
+        Device::Cuda => Some(Gpu::open(&tensors[0], &bench.compression)?),
+    };
     let cfg = bench.round_config(me);
     let partition = Partition::new(
         &descriptors,
@@ -360,23 +427,58 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         println!("START {round}");
         let started = Instant::now();
         let cpu_before = process_cpu_seconds();
+        let mut staging_s = 0.0;
+        let round_tensors = match gpu.as_mut() {
+            Some(gpu) => {
+                let (snapshot, s) = gpu.snapshot()?;
+                staging_s = s;
+                vec![snapshot]
+            }
+            None => std::mem::take(&mut tensors),
+        };
         let (start, outcome) = runner::run_round(
             cfg.clone(),
             group,
-            tensors,
+            round_tensors,
             established.links,
             runner_cfg.clone(),
         )
         .await?;
+        let device_times: Option<DeviceTimes> = match gpu.as_mut() {
+            Some(gpu) => Some(gpu.apply(&outcome, &start[0], staging_s)?),
+            None => None,
+        };
         let secs = started.elapsed().as_secs_f64();
         let cpu = process_cpu_seconds() - cpu_before;
         println!("ROUND {round} {secs:.6} {cpu:.3}");
+        if let (Some(t), Some(gpu)) = (&device_times, &gpu) {
+            println!(
+                "DEVICE {round} {:.6} {:.4} {:.4} {:.3}",
+                t.staging_s,
+                t.blocked_ms,
+                t.apply_ms,
+                gpu.rates().0
+            );
+        }
         let go = lines.recv().await.context("parent closed stdin")?;
         ensure!(go == "CHECK", "expected CHECK, got '{go}'");
-        let (err_report, err_mean, local) = check(&bench, &partition, &start, &outcome);
+        let (err_report, mut err_mean, local) = check(&bench, &partition, &start, &outcome);
+        if let Some(gpu) = &gpu {
+            // The device tensor itself now holds the mean (every round averages equal means
+            // after the first, so the generator's mean stays the reference).
+            for (e, v) in gpu.values()?.into_iter().enumerate() {
+                let mean = (0..bench.peers)
+                    .map(|p| f64::from(generated_value(SEED, p, e)))
+                    .sum::<f64>()
+                    / bench.peers as f64;
+                err_mean = err_mean.max((v - mean as f32).abs());
+            }
+        }
         println!("CHECKED {round} {err_report:e} {err_mean:e} {local}");
         outcome.recycle(&runner_cfg.pool);
-        tensors = start;
+        if gpu.is_none() {
+            tensors = start;
+        }
     }
     println!("DONE");
     node.shutdown().await;
@@ -490,9 +592,8 @@ fn check(
     if outcome.results.is_none() {
         return (0.0, 0.0, 0);
     }
-    let hivemesh::tensor::PartView::F32(own) = start[0].flat() else {
-        return (f32::INFINITY, f32::INFINITY, 0);
-    };
+    // (A device snapshot under a 16-bit codec is 16-bit.)
+    let own = start[0].to_f32_vec();
     let n = bench.peers;
     let mean_of = |peers: &mut dyn Iterator<Item = usize>, e: usize| -> f32 {
         let (sum, count) = peers.fold((0.0f64, 0usize), |(s, c), p| {

@@ -3,6 +3,7 @@
 //! bootstrap/DHT peer; `hivemesh bench` measures.
 
 mod bench;
+mod bench_device;
 mod chaos;
 mod collective;
 mod demo;

@@ -1,0 +1,230 @@
+//! An averager's tensors in GPU memory (the `cuda` feature; see the `cuda` module for the
+//! protocol of one round on the device).
+//!
+//! An averager takes a mix of host and device tensors ([`AveragedTensor`]); their order is the
+//! round's tensor order, the same for every peer, so a peer averaging on a GPU and one
+//! averaging host tensors of the same shapes and dtypes form groups together. The host tensors
+//! stay behind the averager's lock ([`super::Averager::tensors`] holds them, in order); the
+//! device tensors need no lock: every access to them is ordered on their training stream.
+//!
+//! A step starts the device snapshots as soon as its group is known ([`Devices::begin`]),
+//! before linking, and waits for them on a blocking thread just before the round
+//! ([`Devices::finish`]); the round runs on the host snapshots and the device tensors' pinned
+//! copies; the host tensors get the delta rule on the CPU, the device ones on their device
+//! ([`Devices::apply`]).
+
+use std::sync::Arc;
+
+use super::AveragerError;
+use crate::allreduce::{Outcome, TensorDescriptor};
+use crate::compression::Compression;
+use crate::tensor::Tensor;
+
+/// A tensor an averager averages: in host memory or, with the `cuda` feature, on a GPU.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum AveragedTensor {
+    /// In host memory (owned or shared with the caller).
+    Host(Tensor),
+    /// In GPU memory, updated in its training stream's order.
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::DeviceTensor),
+}
+
+impl From<Tensor> for AveragedTensor {
+    fn from(t: Tensor) -> Self {
+        Self::Host(t)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<crate::cuda::DeviceTensor> for AveragedTensor {
+    fn from(t: crate::cuda::DeviceTensor) -> Self {
+        Self::Device(t)
+    }
+}
+
+impl AveragedTensor {
+    /// Shape and dtype.
+    pub fn descriptor(&self) -> TensorDescriptor {
+        match self {
+            Self::Host(t) => TensorDescriptor::of(t),
+            #[cfg(feature = "cuda")]
+            Self::Device(t) => TensorDescriptor {
+                shape: t.shape().to_vec(),
+                dtype: t.dtype(),
+            },
+        }
+    }
+}
+
+/// The device tensors of an averager and where they sit in the round's order.
+pub(crate) struct Devices {
+    /// Round index of each host tensor, ascending.
+    host_index: Vec<usize>,
+    /// Round index and staging of each device tensor.
+    #[cfg(feature = "cuda")]
+    slots: Vec<(usize, std::sync::Mutex<crate::cuda::Staging>)>,
+}
+
+#[cfg(feature = "cuda")]
+fn staging(
+    slot: &std::sync::Mutex<crate::cuda::Staging>,
+) -> std::sync::MutexGuard<'_, crate::cuda::Staging> {
+    slot.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(feature = "cuda")]
+fn device_error(e: impl std::fmt::Display) -> AveragerError {
+    AveragerError::Round(format!("device tensor: {e}"))
+}
+
+impl Devices {
+    /// Splits an averager's tensors into the host ones (in order) and the device ones.
+    pub(crate) fn split(
+        tensors: Vec<AveragedTensor>,
+        compression: &Compression,
+    ) -> Result<(Vec<Tensor>, Vec<TensorDescriptor>, Self), AveragerError> {
+        let _ = compression;
+        let descriptors = tensors.iter().map(AveragedTensor::descriptor).collect();
+        let mut host = Vec::new();
+        let mut devices = Self {
+            host_index: Vec::new(),
+            #[cfg(feature = "cuda")]
+            slots: Vec::new(),
+        };
+        for (i, t) in tensors.into_iter().enumerate() {
+            match t {
+                AveragedTensor::Host(t) => {
+                    devices.host_index.push(i);
+                    host.push(t);
+                }
+                #[cfg(feature = "cuda")]
+                AveragedTensor::Device(t) => {
+                    // The device buffers are allocated now: a full device fails the start.
+                    let staging = crate::cuda::Staging::new(t, compression)
+                        .map_err(|e| AveragerError::Config(format!("device tensor {i}: {e}")))?;
+                    devices.slots.push((i, std::sync::Mutex::new(staging)));
+                }
+            }
+        }
+        Ok((host, descriptors, devices))
+    }
+
+    /// Whether there is any device tensor.
+    pub(crate) fn is_empty(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.slots.is_empty();
+        #[cfg(not(feature = "cuda"))]
+        true
+    }
+
+    /// Starts every device tensor's snapshot (enqueues copies; does not wait).
+    pub(crate) fn begin(&self) -> Result<(), AveragerError> {
+        #[cfg(feature = "cuda")]
+        for (_, slot) in &self.slots {
+            staging(slot).begin_snapshot().map_err(device_error)?;
+        }
+        Ok(())
+    }
+
+    /// Waits (on a blocking thread) for the snapshots [`Devices::begin`] started and returns
+    /// the round's tensors: the host `snapshot` with the device snapshots in their places.
+    pub(crate) async fn finish(
+        shared: &Arc<super::Shared>,
+        snapshot: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, AveragerError> {
+        if shared.devices.is_empty() {
+            return Ok(snapshot);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let waiting = shared.clone();
+            let device: Vec<Tensor> = tokio::task::spawn_blocking(move || {
+                waiting
+                    .devices
+                    .slots
+                    .iter()
+                    .map(|(_, slot)| staging(slot).finish_snapshot())
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .await
+            .map_err(device_error)?
+            .map_err(device_error)?;
+            let d = &shared.devices;
+            let total = d.host_index.len() + d.slots.len();
+            let mut host = snapshot.into_iter();
+            let mut device = device.into_iter();
+            let mut next_device = d.slots.iter().map(|(i, _)| *i).peekable();
+            let mut merged = Vec::with_capacity(total);
+            for i in 0..total {
+                let t = if next_device.peek() == Some(&i) {
+                    next_device.next();
+                    device.next()
+                } else {
+                    host.next()
+                };
+                merged.push(t.ok_or_else(|| device_error("tensor count changed"))?);
+            }
+            Ok(merged)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Ok(snapshot)
+    }
+
+    /// The delta rule for a finished round's host tensors: `host` is the averager's host
+    /// tensors (locked), `start` the round's tensors as it started (all of them, in round
+    /// order).
+    pub(crate) fn apply_host(
+        &self,
+        outcome: &Outcome,
+        host: &mut [Tensor],
+        start: &[Tensor],
+        alpha: f32,
+    ) -> Result<(), AveragerError> {
+        outcome
+            .apply_mapped(host, &self.host_index, start, alpha)
+            .map_err(|e| AveragerError::Round(e.to_string()))
+    }
+
+    /// The delta rule for the device tensors: uploads every tensor's deltas, waits for the
+    /// uploads on a blocking thread, then enqueues the apply kernels.
+    pub(crate) async fn apply_devices(
+        shared: &Arc<super::Shared>,
+        outcome: &Outcome,
+        start: &[Tensor],
+        alpha: f32,
+    ) -> Result<(), AveragerError> {
+        if shared.devices.is_empty() {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let mut any = false;
+            for (i, slot) in &shared.devices.slots {
+                let from = start
+                    .get(*i)
+                    .ok_or_else(|| device_error("the round returned fewer tensors"))?;
+                any |= staging(slot)
+                    .upload(outcome, *i, from)
+                    .map_err(device_error)?;
+            }
+            if !any {
+                return Ok(());
+            }
+            let launching = shared.clone();
+            tokio::task::spawn_blocking(move || {
+                for (_, slot) in &launching.devices.slots {
+                    staging(slot).launch_apply(alpha)?;
+                }
+                Ok::<(), crate::cuda::CudaError>(())
+            })
+            .await
+            .map_err(device_error)?
+            .map_err(device_error)?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (outcome, start, alpha);
+        Ok(())
+    }
+}

@@ -1,0 +1,343 @@
+//! The GPU path (`--features cuda`). Kernel compilation needs only NVRTC and runs wherever it
+//! is installed (CI installs it from the package index); the device tests need a GPU and print
+//! `skipped: <reason>` without one (`HIVEMESH_GPU_REQUIRED=1` / `HIVEMESH_NVRTC_REQUIRED=1` make
+//! a missing GPU or NVRTC a failure, as the GPU machine's run and CI do).
+#![cfg(feature = "cuda")]
+
+use hivemesh::cuda;
+
+/// `true` where NVRTC is here; otherwise prints why the test is skipped (or fails, if required).
+fn nvrtc_or_skip(test: &str) -> bool {
+    if cuda::nvrtc_present() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("HIVEMESH_NVRTC_REQUIRED").is_none(),
+        "{test}: NVRTC is required (HIVEMESH_NVRTC_REQUIRED) but libnvrtc could not be loaded"
+    );
+    println!("{test}: skipped: no NVRTC (libnvrtc) here");
+    false
+}
+
+#[test]
+fn kernels_compile_for_every_architecture_we_target() {
+    if !nvrtc_or_skip("kernels_compile") {
+        return;
+    }
+    // Volta to Hopper: V100, T4, A100, RTX 30xx, L4/RTX 40xx, H100/H200.
+    for arch in ["sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90"] {
+        let image = cuda::compile_kernels(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        // An ELF image, holding every kernel by name.
+        assert_eq!(&image[..4], b"\x7fELF", "{arch}: not a CUBIN");
+        let names = cuda::kernel_names();
+        let mut all = vec![names.cast_f16, names.cast_bf16];
+        all.extend(names.apply.iter().flatten());
+        for name in all {
+            assert!(
+                image.windows(name.len()).any(|w| w == name.as_bytes()),
+                "{arch}: {name} missing from the CUBIN"
+            );
+        }
+    }
+    // A PTX-only (virtual) architecture and garbage are refused with a typed error.
+    for bad in ["compute_90", "sm_9'0", "sm_1"] {
+        assert!(
+            matches!(cuda::compile_kernels(bad), Err(cuda::CudaError::Compile(_))),
+            "{bad} was accepted"
+        );
+    }
+}
+
+mod swarm;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hivemesh::allreduce::Mode;
+use hivemesh::averager::{AveragedTensor, Averager, AveragerConfig, Stage, StepOptions};
+use hivemesh::compression::{Compression, CompressionType};
+use hivemesh::cuda::{CudaDevice, DeviceTensor};
+use hivemesh::tensor::{DType, Tensor};
+use swarm::Swarm;
+
+/// Device 0, opened; `None` (after printing why) where there is no GPU. A GPU that is present
+/// but cannot be used (no NVRTC, a driver error) fails the test.
+fn gpu_or_skip(test: &str) -> Option<Arc<CudaDevice>> {
+    if cuda::device_count() == 0 {
+        assert!(
+            std::env::var_os("HIVEMESH_GPU_REQUIRED").is_none(),
+            "{test}: a GPU is required (HIVEMESH_GPU_REQUIRED) but none was found"
+        );
+        println!("{test}: skipped: no CUDA device here");
+        return None;
+    }
+    Some(CudaDevice::open(0).unwrap_or_else(|e| panic!("{test}: opening device 0: {e}")))
+}
+
+/// Deterministic values in [-2, 2) with a fractional part (not all representable in 16 bits).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            ((i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 4001) as f32 / 1000.3 - 2.0
+        })
+        .collect()
+}
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+#[test]
+fn device_tensors_round_trip_through_the_host() {
+    let Some(dev) = gpu_or_skip("round_trip") else {
+        return;
+    };
+    let stream = dev.new_stream().unwrap();
+    for dtype in DTYPES {
+        for n in [1usize, 7, 1_000_003] {
+            let host = Tensor::from_f32_as(&[n], &values(n, n as u64), dtype).unwrap();
+            let d = DeviceTensor::from_host(&dev, &stream, &host).unwrap();
+            assert_eq!((d.dtype(), d.numel()), (dtype, n));
+            assert_eq!(d.to_host().unwrap(), host, "{dtype} × {n}");
+        }
+    }
+    // A host tensor of another shape or dtype is refused.
+    let d = DeviceTensor::zeros(&dev, &stream, &[4], DType::F32).unwrap();
+    assert!(d.copy_from_host(&Tensor::zeros(&[5], DType::F32)).is_err());
+    assert!(d.copy_from_host(&Tensor::zeros(&[4], DType::F16)).is_err());
+    assert_eq!(d.to_host().unwrap(), Tensor::zeros(&[4], DType::F32));
+}
+
+fn config(prefix: &str, compression: &Compression) -> AveragerConfig {
+    let mut c = AveragerConfig::new(prefix);
+    c.mode = Some(Mode::Node);
+    c.target_group_size = Some(3);
+    c.min_group_size = 3;
+    c.min_matchmaking_time = Duration::from_secs(2);
+    c.part_size_bytes = 16 << 10;
+    c.compression = compression.clone();
+    c.allow_state_sharing = false;
+    c
+}
+
+/// What a peer's tensor holds now, wherever it lives.
+fn now(t: &AveragedTensor, host: &Averager, host_slot: usize) -> Vec<f32> {
+    match t {
+        AveragedTensor::Device(d) => d.to_host().unwrap().to_f32_vec(),
+        _ => host.tensors()[host_slot].to_f32_vec(),
+    }
+}
+
+/// Three peers, one averaging on the GPU only, one with a mix of device and host tensors, one
+/// on the host only, for every codec and dtype: every peer ends at the mean of the
+/// inputs within the codec's tolerance (and the dtype's rounding), tensors larger than one part
+/// included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn device_and_host_peers_average_together_for_every_codec_and_dtype() {
+    let Some(dev) = gpu_or_skip("device_and_host") else {
+        return;
+    };
+    let stream = dev.new_stream().unwrap();
+    let swarm = Swarm::start(3, |_| false).await;
+    let sizes = [100_003usize, 3];
+    for (codec, compression, codec_tol) in [
+        ("none", Compression::Fixed(CompressionType::None), 1e-6),
+        (
+            "float16",
+            Compression::Fixed(CompressionType::Float16),
+            2e-3,
+        ),
+        (
+            "bfloat16",
+            Compression::Fixed(CompressionType::BFloat16),
+            2e-2,
+        ),
+        (
+            "uniform8",
+            Compression::Fixed(CompressionType::Uniform8Bit),
+            5e-2,
+        ),
+        (
+            "quantile8",
+            Compression::Fixed(CompressionType::Quantile8Bit),
+            5e-2,
+        ),
+        (
+            "blockwise8",
+            Compression::Fixed(CompressionType::Blockwise8Bit),
+            5e-2,
+        ),
+        // float16 for the small tensor (cast on the device), blockwise 8-bit for the large.
+        (
+            "adaptive",
+            Compression::Adaptive {
+                threshold: 1000,
+                below: CompressionType::Float16,
+                at_or_above: CompressionType::Blockwise8Bit,
+            },
+            5e-2,
+        ),
+    ] {
+        for dtype in DTYPES {
+            let storage_tol = match dtype {
+                DType::F32 => 0.0,
+                DType::F16 => 2e-3,
+                DType::BF16 => 2e-2,
+            };
+            let tol = 2.0 * (codec_tol + storage_tol) + 1e-6;
+            let inputs: Vec<Vec<Tensor>> = (0..3)
+                .map(|p| {
+                    sizes
+                        .iter()
+                        .map(|&n| {
+                            Tensor::from_f32_as(&[n], &values(n, 31 * p + n as u64), dtype).unwrap()
+                        })
+                        .collect()
+                })
+                .collect();
+            // Peer 0: both on the device; peer 1: the first on the device; peer 2: the host.
+            let placed: Vec<Vec<AveragedTensor>> = inputs
+                .iter()
+                .enumerate()
+                .map(|(p, ts)| {
+                    ts.iter()
+                        .enumerate()
+                        .map(|(k, t)| {
+                            if p == 0 || (p == 1 && k == 0) {
+                                DeviceTensor::from_host(&dev, &stream, t).unwrap().into()
+                            } else {
+                                t.clone().into()
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            let handles: Vec<Vec<AveragedTensor>> = placed
+                .iter()
+                .map(|ts| {
+                    ts.iter()
+                        .map(|t| match t {
+                            AveragedTensor::Device(d) => AveragedTensor::Device(d.clone()),
+                            AveragedTensor::Host(h) => AveragedTensor::Host(h.clone()),
+                            _ => unreachable!(),
+                        })
+                        .collect()
+                })
+                .collect();
+            let prefix = format!("gpu-{codec}-{dtype}");
+            let averagers: Vec<Arc<Averager>> = placed
+                .into_iter()
+                .enumerate()
+                .map(|(p, ts)| {
+                    Arc::new(
+                        Averager::start(
+                            swarm.nodes[p].dht().clone(),
+                            swarm.nodes[p].hub().clone(),
+                            ts,
+                            config(&prefix, &compression),
+                        )
+                        .unwrap(),
+                    )
+                })
+                .collect();
+            let steps = averagers.iter().map(|a| {
+                let a = a.clone();
+                async move {
+                    a.step(StepOptions {
+                        timeout: Some(Duration::from_secs(120)),
+                        ..StepOptions::default()
+                    })
+                    .await
+                }
+            });
+            for (p, r) in futures::future::join_all(steps)
+                .await
+                .into_iter()
+                .enumerate()
+            {
+                let r = r.unwrap_or_else(|e| panic!("{prefix} peer {p}: {e}"));
+                assert_eq!(r.members.len(), 3, "{prefix} peer {p}");
+            }
+            for (p, ts) in handles.iter().enumerate() {
+                let mut host_slot = 0;
+                for (k, t) in ts.iter().enumerate() {
+                    let got = now(t, &averagers[p], host_slot);
+                    if matches!(t, AveragedTensor::Host(_)) {
+                        host_slot += 1;
+                    }
+                    let inputs: Vec<Vec<f32>> = inputs.iter().map(|i| i[k].to_f32_vec()).collect();
+                    for (e, g) in got.iter().enumerate() {
+                        let mean = inputs.iter().map(|v| f64::from(v[e])).sum::<f64>() / 3.0;
+                        let err = (f64::from(*g) - mean).abs();
+                        assert!(
+                            err <= tol * (1.0 + mean.abs()),
+                            "{prefix}: peer {p} tensor {k} element {e}: {g} vs mean {mean}"
+                        );
+                    }
+                }
+            }
+            for a in averagers {
+                if let Ok(a) = Arc::try_unwrap(a) {
+                    a.shutdown().await;
+                }
+            }
+        }
+    }
+    swarm.shutdown(Vec::new()).await;
+}
+
+/// A member dies before sending anything: the device peer's round averages nothing but its
+/// own values, and its device tensor ends bit for bit as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_round_whose_peer_dies_leaves_the_device_tensor_unchanged() {
+    let Some(dev) = gpu_or_skip("peer_dies") else {
+        return;
+    };
+    let stream = dev.new_stream().unwrap();
+    let mut swarm = Swarm::start(2, |_| false).await;
+    let mut c = config("gpu-dying", &Compression::default());
+    c.target_group_size = Some(2);
+    c.min_group_size = 2;
+    c.sender_timeout = Duration::from_secs(2);
+    c.reducer_timeout = Duration::from_secs(4);
+    let input = Tensor::from_f32(&[1 << 16], values(1 << 16, 5)).unwrap();
+    let device = DeviceTensor::from_host(&dev, &stream, &input).unwrap();
+    let victim = Arc::new(
+        Averager::start(
+            swarm.nodes[0].dht().clone(),
+            swarm.nodes[0].hub().clone(),
+            vec![Tensor::from_f32(&[1 << 16], values(1 << 16, 6)).unwrap()],
+            c.clone(),
+        )
+        .unwrap(),
+    );
+    let survivor = Averager::start(
+        swarm.nodes[1].dht().clone(),
+        swarm.nodes[1].hub().clone(),
+        vec![AveragedTensor::from(device.clone())],
+        c,
+    )
+    .unwrap();
+    let mut held = victim
+        .schedule_step(StepOptions {
+            wait_for_trigger: true,
+            timeout: Some(Duration::from_secs(120)),
+            ..StepOptions::default()
+        })
+        .await
+        .unwrap();
+    let mut step = survivor
+        .schedule_step(StepOptions {
+            timeout: Some(Duration::from_secs(120)),
+            ..StepOptions::default()
+        })
+        .await
+        .unwrap();
+    held.reached(Stage::AwaitingTrigger).await;
+    step.reached(Stage::AllReduce).await;
+    drop(held);
+    drop(Arc::try_unwrap(victim).unwrap());
+    swarm.nodes.remove(0).shutdown().await;
+    let _ = step.result().await;
+    assert_eq!(device.to_host().unwrap(), input, "the device tensor moved");
+    survivor.shutdown().await;
+    swarm.shutdown(Vec::new()).await;
+}
