@@ -729,6 +729,31 @@ mod tests {
         }
     }
 
+    /// Applying to some of the round's tensors (an averager's host tensors beside device
+    /// ones) touches exactly those, as the full apply would.
+    #[test]
+    fn apply_mapped_applies_to_the_mapped_tensors_only() {
+        let o = outcome();
+        let start = vec![
+            Tensor::from_f32(&[4], vec![1.0, 2.0, 3.0, 4.0]).unwrap(),
+            Tensor::from_f32(&[3], vec![5.0, 6.0, 7.0]).unwrap(),
+        ];
+        let mut all = start.clone();
+        o.apply(&mut all, &start, 1.0).unwrap();
+        for k in 0..2 {
+            let mut one = vec![start[k].clone()];
+            o.apply_mapped(&mut one, &[k], &start, 1.0).unwrap();
+            assert_eq!(one[0], all[k], "tensor {k}");
+        }
+        // A map of another length, or a tensor too small for its parts, is an error.
+        let mut one = vec![start[0].clone()];
+        assert!(o.apply_mapped(&mut one, &[0, 1], &start, 1.0).is_err());
+        let mut wrong = vec![start[1].clone()];
+        assert!(o.apply_mapped(&mut wrong, &[0], &start, 1.0).is_err());
+        // The mapped tensors changed where the outcome says, and only there.
+        assert_ne!(all[0], start[0]);
+    }
+
     #[test]
     fn apply_is_the_delta_rule_for_each_kind_of_result() {
         let o = outcome();

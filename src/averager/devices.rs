@@ -58,6 +58,32 @@ impl AveragedTensor {
     }
 }
 
+/// The round's tensors from the host ones (in order) and the device ones, which go to the
+/// ascending positions `device_at`; `None` unless every position is filled exactly once.
+/// (Unused without device tensors, i.e. without the `cuda` feature, but for its test.)
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn interleave<T>(host: Vec<T>, device: Vec<T>, device_at: &[usize]) -> Option<Vec<T>> {
+    if device.len() != device_at.len() {
+        return None;
+    }
+    let total = host.len() + device.len();
+    let mut host = host.into_iter();
+    let mut device = device.into_iter();
+    let mut next_device = device_at.iter().copied().peekable();
+    let mut merged = Vec::with_capacity(total);
+    for i in 0..total {
+        let t = if next_device.peek() == Some(&i) {
+            next_device.next();
+            device.next()
+        } else {
+            host.next()
+        };
+        merged.push(t?);
+    }
+    // Every device position was inside the round (none left over).
+    next_device.next().is_none().then_some(merged)
+}
+
 /// The device tensors of an averager and where they sit in the round's order.
 pub(crate) struct Devices {
     /// Round index of each host tensor, ascending.
@@ -151,22 +177,10 @@ impl Devices {
             .await
             .map_err(device_error)?
             .map_err(device_error)?;
-            let d = &shared.devices;
-            let total = d.host_index.len() + d.slots.len();
-            let mut host = snapshot.into_iter();
-            let mut device = device.into_iter();
-            let mut next_device = d.slots.iter().map(|(i, _)| *i).peekable();
-            let mut merged = Vec::with_capacity(total);
-            for i in 0..total {
-                let t = if next_device.peek() == Some(&i) {
-                    next_device.next();
-                    device.next()
-                } else {
-                    host.next()
-                };
-                merged.push(t.ok_or_else(|| device_error("tensor count changed"))?);
-            }
-            Ok(merged)
+            let at: Vec<usize> = shared.devices.slots.iter().map(|(i, _)| *i).collect();
+            interleave(snapshot, device, &at).ok_or_else(|| {
+                device_error("the host tensors were replaced by a different number of them")
+            })
         }
         #[cfg(not(feature = "cuda"))]
         Ok(snapshot)
@@ -226,5 +240,29 @@ impl Devices {
         #[cfg(not(feature = "cuda"))]
         let _ = (outcome, start, alpha);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::interleave;
+
+    #[test]
+    fn device_snapshots_go_back_to_their_places() {
+        let host = vec!["h0", "h1", "h2"];
+        let device = vec!["d0", "d1"];
+        assert_eq!(
+            interleave(host.clone(), device.clone(), &[0, 3]),
+            Some(vec!["d0", "h0", "h1", "d1", "h2"])
+        );
+        assert_eq!(
+            interleave(host.clone(), device.clone(), &[3, 4]),
+            Some(vec!["h0", "h1", "h2", "d0", "d1"])
+        );
+        assert_eq!(interleave(host.clone(), vec![], &[]), Some(host.clone()));
+        // A position past the round, a count that does not match, positions out of order.
+        assert_eq!(interleave(host.clone(), device.clone(), &[0, 5]), None);
+        assert_eq!(interleave(host.clone(), device.clone(), &[0]), None);
+        assert_eq!(interleave(vec!["h0"], device.clone(), &[1, 0]), None);
     }
 }
