@@ -8,9 +8,10 @@
 //! values computed from the generator ([`hivemesh::sim::generated_value`]), without the
 //! others' data; the parent fails on any error above the codec's tolerance.
 //!
-//! Lines: workers print `READY` (see [`super::bench`]), `LINKED`, then per round `START r`,
-//! `ROUND r <s> <cpu s>` and, after the parent's `CHECK`, `CHECKED r <max error>`. The parent
-//! sends `GO` per round (the timing barrier) and prints the median of the slowest member's
+//! Lines: workers print `READY` (see [`super::bench`]), `LINKED`, then per round `PREPARED r`
+//! (inputs made), `START r`, `ROUND r <s> <cpu s>` and, after the parent's `CHECK`,
+//! `CHECKED r <max error>`. The parent sends `GO` per round once every member prepared (the
+//! timing barrier) and prints the median of the slowest member's
 //! times over the timed rounds (round 0 is a warm-up).
 //!
 //! With `--kill-member K` (the SIGKILL test), member K kills itself with SIGKILL in round 1
@@ -168,13 +169,38 @@ pub fn run(args: CollectiveArgs) -> anyhow::Result<()> {
     let mut workers = Workers::spawn(args.peers, "bench-collective-worker", &flags)?;
     exchange_roster(&mut workers, args.peers)?;
     let deadline = Instant::now() + Duration::from_secs(60 * 60);
-    let next = |workers: &mut Workers| -> anyhow::Result<(usize, Vec<String>)> {
+    let read = |workers: &mut Workers| -> anyhow::Result<(usize, Vec<String>)> {
         let left = deadline.saturating_duration_since(Instant::now());
         let (i, line) = workers
             .lines
             .recv_timeout(left)
             .context("bench timed out")?;
         Ok((i, line.split_whitespace().map(str::to_owned).collect()))
+    };
+    // Workers that made their inputs for each round (`PREPARED r`, counted wherever it comes:
+    // a fast worker prepares the next round while the others still check this one).
+    let prepared = std::cell::RefCell::new(vec![0usize; args.rounds_run() + 1]);
+    let count_prepared = |i: usize, f: &[String]| -> anyhow::Result<bool> {
+        let [p, r] = f else {
+            return Ok(false);
+        };
+        if p != "PREPARED" {
+            return Ok(false);
+        }
+        let r: usize = r.parse()?;
+        let mut prepared = prepared.borrow_mut();
+        ensure!(r < prepared.len(), "worker {i}: round {r} out of range");
+        prepared[r] += 1;
+        Ok(true)
+    };
+    // The next line that is not a `PREPARED`.
+    let next = |workers: &mut Workers| -> anyhow::Result<(usize, Vec<String>)> {
+        loop {
+            let (i, f) = read(workers)?;
+            if !count_prepared(i, &f)? {
+                return Ok((i, f));
+            }
+        }
     };
     let mut live: Vec<usize> = (0..args.peers).collect();
     let mut linked = 0;
@@ -191,6 +217,15 @@ pub fn run(args: CollectiveArgs) -> anyhow::Result<()> {
     let mut finished = vec![false; args.peers];
     let last = args.rounds_run();
     for round in 0..=args.rounds_run() {
+        // The timing barrier: every member has its inputs ready, then GO (so that no member
+        // starts the timed round while another still makes its inputs).
+        while prepared.borrow()[round] < live.len() {
+            let (i, f) = read(&mut workers)?;
+            ensure!(
+                count_prepared(i, &f)?,
+                "worker {i}: expected PREPARED {round}, got {f:?}"
+            );
+        }
         workers.send_to(|i| live.contains(&i), "GO")?;
         let mut slowest = 0.0f64;
         let mut ended = 0;
@@ -551,6 +586,7 @@ async fn worker(b: CollectiveArgs, me: usize) -> anyhow::Result<()> {
             _ => 0,
         };
         let inputs = prepare(b.op, total, &members, me, root)?;
+        println!("PREPARED {round}");
         let go = lines.recv().await.context("parent closed stdin")?;
         ensure!(go == "GO", "expected GO, got '{go}'");
         if victim && round == 1 {
