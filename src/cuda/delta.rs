@@ -91,10 +91,11 @@ fn store(values: &[f32], dtype: DType, out: &mut [u8]) {
 /// kernel's specification.
 pub fn apply_reference(t: &mut Tensor, deltas: &[u8], dtype: DType, alpha: f32) {
     let d: Vec<f32> = match dtype {
-        DType::F32 => deltas
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
+        DType::F32 => {
+            let mut d = vec![0.0f32; deltas.len() / 4];
+            crate::tensor::ops::copy_from_le(&mut d, deltas);
+            d
+        }
         DType::F16 => deltas
             .chunks_exact(2)
             .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())

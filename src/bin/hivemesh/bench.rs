@@ -310,12 +310,8 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
-        // The snapshot leaves the device as 16-bit words under a 16-bit codec.
-        let per_value = match args.compression.codec_for(args.elements()).kind() {
-            CompressionType::Float16 | CompressionType::BFloat16 => 2.0,
-            _ => 4.0,
-        };
-        let snapshot_bytes = args.elements() as f64 * per_value;
+        let snapshot_bytes =
+            crate::bench_device::snapshot_bytes(args.elements(), &args.compression) as f64;
         println!(
             "hivemesh_device world={} mib={} device=cuda staging_gbs={:.2} pcie_d2h_gbs={d2h_gbs:.2} \
              stream_blocked_ms={:.3} apply_kernel_ms={:.3}",

@@ -140,6 +140,20 @@ mod imp {
 
 pub use imp::Gpu;
 
+/// Bytes of an f32 tensor's snapshot of `elements` under `compression` (16-bit words under a
+/// 16-bit codec: [`hivemesh::cuda::snapshot_dtype`]).
+#[cfg(feature = "cuda")]
+pub fn snapshot_bytes(elements: usize, compression: &hivemesh::compression::Compression) -> usize {
+    let dtype = hivemesh::cuda::snapshot_dtype(hivemesh::tensor::DType::F32, elements, compression);
+    elements * dtype.size_bytes()
+}
+
+/// Without the `cuda` feature there is no device run to size (`--device cuda` is refused).
+#[cfg(not(feature = "cuda"))]
+pub fn snapshot_bytes(elements: usize, _: &hivemesh::compression::Compression) -> usize {
+    elements * 4
+}
+
 /// The error for `--device cuda` in a build without the `cuda` feature.
 pub const NO_CUDA: &str = "--device cuda needs hivemesh built with the cuda feature \
                            (cargo build --release --features cuda)";
