@@ -405,6 +405,9 @@ pub enum RoundError {
     /// Applying deltas failed.
     #[error(transparent)]
     Tensor(#[from] TensorError),
+    /// A group operation's plan names elements its tensors do not have.
+    #[error("inconsistent plan: {0}")]
+    BadPlan(String),
 }
 
 /// Something the driver should know about.

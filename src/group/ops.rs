@@ -1,6 +1,7 @@
 //! The operations of a [`Group`] (see the [module docs](super)): the butterfly for
 //! all-reduce, plans of the exchange machine for the others, and `shrink`.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -92,6 +93,7 @@ impl Group {
             expects: (0..n)
                 .map(|s| (s != me).then(|| descriptors.clone()))
                 .collect(),
+            ..Plan::default()
         };
         let compression = self.cfg.compression.clone();
         let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
@@ -109,12 +111,14 @@ impl Group {
     }
 
     /// Member `root`'s `tensors` on every member (the others pass tensors of the shapes and
-    /// dtypes to expect; their values are not used).
+    /// dtypes to expect; their values are not used: the result is received into them).
     ///
     /// Scatter, then all-gather (van de Geijn): the root sends member `j` the `j`-th of `N`
     /// slices of every tensor, then every member sends its slice to every other non-root
     /// member (the root its own slice). The root uploads `2(N-1)/N` of the data instead of
-    /// `N-1` times all of it, and every member's uplink carries a share.
+    /// `N-1` times all of it, and every member's uplink carries a share. No slice is copied
+    /// out to be sent (the root's parts are views of its tensors) and the gathered slices
+    /// are decoded straight into the tensors a member passed.
     pub async fn broadcast(
         &mut self,
         root: usize,
@@ -138,78 +142,93 @@ impl Group {
         let members = self.live.clone();
         let n = members.len();
         let me = self.me();
-        let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
+        let numels: Vec<usize> = tensors.iter().map(Tensor::numel).collect();
+        let dtypes: Vec<DType> = tensors.iter().map(Tensor::dtype).collect();
         // Slice j of tensor t: elements [numel·j/N, numel·(j+1)/N).
-        let bounds = |t: usize, j: usize| -> std::ops::Range<usize> {
-            let numel = descriptors[t].numel();
+        let bounds = |t: usize, j: usize| -> Range<usize> {
+            let numel = numels[t];
             numel * j / n..numel * (j + 1) / n
         };
+        let window =
+            |j: usize| -> Arc<[Range<usize>]> { (0..numels.len()).map(|t| bounds(t, j)).collect() };
+        let offsets =
+            |j: usize| -> Arc<[usize]> { (0..numels.len()).map(|t| bounds(t, j).start).collect() };
         let slice_shapes = |j: usize| -> Arc<[TensorDescriptor]> {
-            (0..descriptors.len())
+            (0..numels.len())
                 .map(|t| TensorDescriptor {
                     shape: vec![bounds(t, j).len()],
-                    dtype: descriptors[t].dtype,
+                    dtype: dtypes[t],
                 })
                 .collect()
         };
-        let slices = |j: usize| -> Arc<Vec<Tensor>> {
-            Arc::new(
-                tensors
-                    .iter()
-                    .enumerate()
-                    .map(|(t, x)| slice(x, bounds(t, j)))
-                    .collect(),
-            )
-        };
-        // Scatter: each non-root member gets its slice from the root.
+        if me == root {
+            // Both phases send views of the root's own tensors.
+            let shared = Arc::new(tensors);
+            let plan = Plan {
+                sends: (0..n).map(|d| (d != me).then(|| shared.clone())).collect(),
+                expects: vec![None; n],
+                windows: (0..n).map(|d| (d != me).then(|| window(d))).collect(),
+                ..Plan::default()
+            };
+            let (_, mut failed) = self
+                .exchange(OP, scatter, members.clone(), plan, compression.clone())
+                .await?;
+            let plan = Plan {
+                sends: (0..n).map(|d| (d != me).then(|| shared.clone())).collect(),
+                expects: vec![None; n],
+                windows: (0..n).map(|d| (d != me).then(|| window(me))).collect(),
+                ..Plan::default()
+            };
+            let (_, gather_failed) = self
+                .exchange(OP, gather, members, plan, compression)
+                .await?;
+            for f in gather_failed {
+                if !failed.iter().any(|g| g.peer == f.peer) {
+                    failed.push(f);
+                }
+            }
+            // The links dropped every part once the exchanges ended: the tensors are ours
+            // again (cloned only if something still held a part).
+            let tensors = Arc::try_unwrap(shared).unwrap_or_else(|s| (*s).clone());
+            return finish(OP, failed, tensors, |_| Partial::Nothing);
+        }
+        // Scatter: our slice from the root.
         let plan = Plan {
-            sends: (0..n)
-                .map(|d| (me == root && d != me).then(|| slices(d)))
-                .collect(),
+            sends: vec![None; n],
             expects: (0..n)
-                .map(|s| (me != root && s == root).then(|| slice_shapes(me)))
+                .map(|s| (s == root).then(|| slice_shapes(me)))
                 .collect(),
+            ..Plan::default()
         };
         let (received, failed) = self
             .exchange(OP, scatter, members.clone(), plan, compression.clone())
             .await?;
-        let mine: Arc<Vec<Tensor>> = if me == root {
-            slices(me)
-        } else {
-            match to_tensors(OP, received)?.swap_remove(root) {
-                // Without its slice a member cannot take part in the gather: the others
-                // name it there (it sends them nothing).
-                Some(t) if failed.is_empty() => Arc::new(t),
-                _ => {
-                    return Err(GroupError::Failed {
-                        op: OP,
-                        failed,
-                        partial: Box::new(Partial::Nothing),
-                    });
-                }
+        let mine: Arc<Vec<Tensor>> = match to_tensors(OP, received)?.swap_remove(root) {
+            // Without its slice a member cannot take part in the gather: the others name it
+            // there (it sends them nothing).
+            Some(t) if failed.is_empty() => Arc::new(t),
+            _ => {
+                return Err(GroupError::Failed {
+                    op: OP,
+                    failed,
+                    partial: Box::new(Partial::Nothing),
+                });
             }
         };
-        let scatter_failed = failed;
-        // Gather: every member's slice to every non-root member.
+        // Gather: our slice to the other non-root members; every other member's slice into
+        // the tensors we were given.
         let plan = Plan {
             sends: (0..n)
                 .map(|d| (d != me && d != root).then(|| mine.clone()))
                 .collect(),
-            expects: (0..n)
-                .map(|s| (me != root && s != me).then(|| slice_shapes(s)))
-                .collect(),
+            expects: (0..n).map(|s| (s != me).then(|| slice_shapes(s))).collect(),
+            into: (0..n).map(|s| (s != me).then(|| offsets(s))).collect(),
+            dest: tensors,
+            ..Plan::default()
         };
-        let (received, mut failed) = self
+        let (received, failed) = self
             .exchange(OP, gather, members, plan, compression)
             .await?;
-        for f in scatter_failed {
-            if !failed.iter().any(|g| g.peer == f.peer) {
-                failed.push(f);
-            }
-        }
-        if me == root {
-            return finish(OP, failed, tensors, |_| Partial::Nothing);
-        }
         if !failed.is_empty() {
             return Err(GroupError::Failed {
                 op: OP,
@@ -217,30 +236,14 @@ impl Group {
                 partial: Box::new(Partial::Nothing),
             });
         }
-        let mut values = received.values;
-        let mut out = Vec::with_capacity(descriptors.len());
-        for (t, d) in descriptors.iter().enumerate() {
-            let mut flat = Vec::with_capacity(d.numel());
-            for (j, v) in values.iter_mut().enumerate() {
-                match v {
-                    Some(v) => flat.extend_from_slice(&v[t]),
-                    None if j == me => flat.extend(mine[t].to_f32_vec()),
-                    None => {
-                        return Err(GroupError::Internal {
-                            op: OP,
-                            detail: format!("slice {j} missing"),
-                        });
-                    }
-                }
+        let mut out = received.dest;
+        let mine = Arc::try_unwrap(mine).unwrap_or_else(|m| (*m).clone());
+        for (t, slice) in mine.into_iter().enumerate() {
+            copy_into(&mut out[t], bounds(t, me).start, &slice)
+                .map_err(|detail| GroupError::Internal { op: OP, detail })?;
+            if let Tensor::F32(a) = slice {
+                self.pool.put_f32(a.into_raw_vec_and_offset().0);
             }
-            let tensor = match d.dtype {
-                DType::F32 => Tensor::from_f32(&d.shape, flat),
-                other => Tensor::from_f32_as(&d.shape, &flat, other),
-            };
-            out.push(tensor.map_err(|e| GroupError::Internal {
-                op: OP,
-                detail: e.to_string(),
-            })?);
         }
         Ok(out)
     }
@@ -275,16 +278,26 @@ impl Group {
             expects: (0..n)
                 .map(|s| (s != me).then(|| descriptor.clone()))
                 .collect(),
+            ..Plan::default()
         };
         let compression = self.cfg.compression.clone();
         let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
-        // The reduction runs on a blocking thread, as a round's does, not on the runtime.
+        // The reduction runs on a blocking thread, as a round's does, not on the runtime. An
+        // f32 input is reduced into in place; the received buffers go back to the pool.
+        let pool = self.pool.clone();
         let reduced = tokio::task::spawn_blocking(move || {
-            let mut acc = own.to_f32_vec();
+            let shape = own.shape().to_vec();
+            let dtype = own.dtype();
+            let mut acc = into_f32_vec(own);
             let mut contributors = vec![me];
-            for (s, values) in received.values.iter().enumerate() {
+            for (s, values) in received.values.into_iter().enumerate() {
                 if let Some(values) = values {
-                    op.fold(&mut acc, &values[0]);
+                    for (i, v) in values.into_iter().enumerate() {
+                        if i == 0 {
+                            op.fold(&mut acc, &v);
+                        }
+                        pool.put_f32(v);
+                    }
                     contributors.push(s);
                 }
             }
@@ -293,7 +306,15 @@ impl Group {
                 let k = contributors.len() as f32;
                 acc.iter_mut().for_each(|v| *v /= k);
             }
-            Tensor::from_f32_as(own.shape(), &acc, own.dtype())
+            let tensor = match dtype {
+                DType::F32 => Tensor::from_f32(&shape, acc),
+                other => {
+                    let t = Tensor::from_f32_as(&shape, &acc, other);
+                    pool.put_f32(acc);
+                    t
+                }
+            };
+            tensor
                 .map(|tensor| (tensor, contributors))
                 .map_err(|e| e.to_string())
         })
@@ -322,6 +343,7 @@ impl Group {
             expects: (0..n)
                 .map(|s| (s != me).then(|| descriptors.clone()))
                 .collect(),
+            ..Plan::default()
         };
         let (received, failed) = self
             .exchange(
@@ -359,6 +381,7 @@ impl Group {
         let plan = Plan {
             sends: vec![None, Some(Arc::new(tensors))],
             expects: vec![None, None],
+            ..Plan::default()
         };
         let compression = self.cfg.compression.clone();
         let (_, failed) = self
@@ -390,6 +413,7 @@ impl Group {
         let plan = Plan {
             sends: vec![None, None],
             expects: vec![Some(like.to_vec().into()), None],
+            ..Plan::default()
         };
         let compression = self.cfg.compression.clone();
         let (received, failed) = self
@@ -462,6 +486,7 @@ impl Group {
             expects: (0..k)
                 .map(|s| (s != me).then(|| descriptors.clone()))
                 .collect(),
+            ..Plan::default()
         };
         let id = self.next_collective();
         let (received, _) = self
@@ -550,16 +575,39 @@ fn finish<T>(
     }
 }
 
-/// Elements `range` of `t`'s flattened values, as a 1-D tensor of its dtype.
-fn slice(t: &Tensor, range: std::ops::Range<usize>) -> Tensor {
-    use crate::tensor::PartView;
-    fn array<T: Clone>(v: &[T]) -> ndarray::ArrayD<T> {
-        ndarray::ArrayD::from_shape_vec(ndarray::IxDyn(&[v.len()]), v.to_vec())
-            .expect("a 1-D shape of the slice's length")
+/// `t`'s values as an f32 vector: an f32 tensor's own storage (no copy), else converted.
+fn into_f32_vec(t: Tensor) -> Vec<f32> {
+    let numel = t.numel();
+    match t {
+        Tensor::F32(a) => match a.into_raw_vec_and_offset() {
+            (v, Some(0) | None) if v.len() == numel => v,
+            (v, offset) => {
+                // A view into a larger allocation (not made by this crate's constructors).
+                let start = offset.unwrap_or(0);
+                v[start..start + numel].to_vec()
+            }
+        },
+        other => other.to_f32_vec(),
     }
-    match t.part(range) {
-        PartView::F32(v) => Tensor::from_array_f32(array(v)),
-        PartView::F16(v) => Tensor::from_array_f16(array(v)),
-        PartView::BF16(v) => Tensor::from_array_bf16(array(v)),
+}
+
+/// Copies `src`'s elements into `dest` from element `at` on (the same dtype).
+fn copy_into(dest: &mut Tensor, at: usize, src: &Tensor) -> Result<(), String> {
+    use crate::tensor::{PartView, PartViewMut};
+    let len = src.numel();
+    if at.checked_add(len).is_none_or(|end| end > dest.numel()) || dest.dtype() != src.dtype() {
+        return Err(format!(
+            "{len} {:?} elements at {at} of a {:?} tensor of {}",
+            src.dtype(),
+            dest.dtype(),
+            dest.numel()
+        ));
     }
+    match (dest.flat_mut(), src.flat()) {
+        (PartViewMut::F32(d), PartView::F32(s)) => d[at..at + len].copy_from_slice(s),
+        (PartViewMut::F16(d), PartView::F16(s)) => d[at..at + len].copy_from_slice(s),
+        (PartViewMut::BF16(d), PartView::BF16(s)) => d[at..at + len].copy_from_slice(s),
+        _ => return Err("the dtypes differ".into()),
+    }
+    Ok(())
 }
