@@ -1359,7 +1359,7 @@ impl Actor {
         tracing::info!(links = %summary, "linked to the group");
         let span = tracing::info_span!("step", links = %summary);
         let snapshot: Vec<Tensor> = self.shared.lock_tensors().clone();
-        let snapshot = devices::Devices::finish(&self.shared, snapshot).await?;
+        let (snapshot, pending) = self.shared.devices.start_round(snapshot)?;
         let me = self.dht.p2p().peer_id();
         let lanes = crate::timeline::enabled().then(|| {
             members
@@ -1375,10 +1375,11 @@ impl Actor {
         };
         let rounding = std::time::Instant::now();
         let round = tracing::Instrument::instrument(
-            runner::run_round_cancellable(
+            runner::run_round_pending(
                 cfg,
                 group.group_id.clone(),
                 snapshot,
+                pending,
                 established.links,
                 runner_cfg,
                 cancel.clone(),
@@ -1406,13 +1407,23 @@ impl Actor {
             ]
         });
         let applying = std::time::Instant::now();
-        {
-            let mut tensors = self.shared.lock_tensors_mut();
-            self.shared
-                .devices
-                .apply_host(&outcome, &mut tensors, &start, 1.0)?;
-        }
-        devices::Devices::apply_devices(&self.shared, &outcome, &start, 1.0).await?;
+        // The delta rule passes over every tensor (and waits for device uploads): on a
+        // blocking thread, not on the runtime's workers. Once started it runs to the end even
+        // if the step is dropped meanwhile, so tensors are never left half-applied.
+        let shared = self.shared.clone();
+        let outcome = tokio::task::spawn_blocking(move || {
+            shared.devices.wait_snapshots()?;
+            {
+                let mut tensors = shared.lock_tensors_mut();
+                shared
+                    .devices
+                    .apply_host(&outcome, &mut tensors, &start, 1.0)?;
+            }
+            devices::Devices::apply_devices(&shared, &outcome, &start, 1.0)?;
+            Ok::<_, AveragerError>(outcome)
+        })
+        .await
+        .map_err(|e| AveragerError::Round(format!("the apply task failed: {e}")))??;
         self.trace("apply", applying, Vec::new);
         let report = outcome.report.clone();
         outcome.recycle(&self.pool);

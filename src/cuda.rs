@@ -16,10 +16,14 @@
 //!    loop's later kernels cannot change the values being snapshotted, and no transfer holds
 //!    them up. The PCIe stream then copies the buffer into pinned host memory, overlapped
 //!    with linking to the group.
-//! 2. **Round**: once the host copy is complete ([`Staging::finish_snapshot`], which waits on a
-//!    blocking-sync event, off the runtime's threads), the pinned memory is the round's
-//!    snapshot of the tensor, without a further copy; the all-reduce runs on the CPU as for
-//!    host tensors.
+//! 2. **Round**: the pinned memory is the round's snapshot of the tensor, without a further
+//!    copy; the all-reduce runs on the CPU as for host tensors. An averager's round starts
+//!    once the links are made, whether or not the host copy is complete
+//!    ([`Staging::pending_snapshot`]): a blocking thread waits for each device tensor's copy
+//!    ([`SnapshotCopy::wait`], a blocking-sync event) in turn and tells the round, which
+//!    sends none of a tensor's parts and reads none of its values before then
+//!    ([`crate::runner::PendingTensors`]). So parts go out as soon as their tensor is on the
+//!    host. ([`Staging::finish_snapshot`] waits first, for code that runs rounds itself.)
 //! 3. **Apply** ([`Staging::upload`], [`Staging::launch_apply`]): the host computes
 //!    `average − snapshot` per element (zero where a part stayed local) into a second pinned
 //!    buffer ([`delta_dtype`]: bf16 where the snapshot is bf16, f32 otherwise), the PCIe
@@ -608,6 +612,21 @@ impl Drop for RestoreContext {
     }
 }
 
+/// A snapshot's copy to pinned host memory, in flight ([`Staging::pending_snapshot`]).
+#[derive(Debug)]
+pub struct SnapshotCopy {
+    event: Arc<CudaEvent>,
+}
+
+impl SnapshotCopy {
+    /// Waits (blocking) until the copy is complete: the snapshot tensor may be read then.
+    pub fn wait(&self) -> Result<(), CudaError> {
+        let _restore = RestoreContext::save();
+        self.event.synchronize()?;
+        Ok(())
+    }
+}
+
 /// What a device tensor's rounds need (see the module docs): the device buffer, the pinned
 /// snapshot and delta buffers, and the events ordering their reuse. An averager keeps one per
 /// device tensor; code that runs rounds itself (the `bench allreduce --device cuda` workers)
@@ -622,8 +641,9 @@ pub struct Staging {
     /// Shared with the round's snapshot tensor while a round runs.
     host_snapshot: Arc<PinnedAlloc>,
     host_delta: PinnedAlloc,
-    /// Recorded on the PCIe stream after the snapshot's host copy.
-    snapped: Option<CudaEvent>,
+    /// Recorded on the PCIe stream after the snapshot's host copy (shared with a round's
+    /// [`SnapshotCopy`] while the round waits for it).
+    snapped: Option<Arc<CudaEvent>>,
     /// Recorded on the PCIe stream after the deltas' upload.
     uploaded: Option<CudaEvent>,
     /// Recorded on the training stream after the last apply kernel (it reads `device_buf`).
@@ -707,11 +727,11 @@ impl Staging {
         // kernel to have read the device buffer, and for any transfer of it still in flight
         // (a round that stopped before finishing its snapshot or applying its upload).
         dev.copy.wait(&t.stream.record_event(None)?)?;
-        for pending in [&self.applied, &self.snapped, &self.uploaded]
-            .into_iter()
-            .flatten()
-        {
+        for pending in [&self.applied, &self.uploaded].into_iter().flatten() {
             dev.copy.wait(pending)?;
+        }
+        if let Some(snapped) = &self.snapped {
+            dev.copy.wait(snapped)?;
         }
         self.uploaded = None;
         if n > 0 {
@@ -756,24 +776,52 @@ impl Staging {
         }
         let snapped = dev.blocking_event()?;
         snapped.record(&dev.pcie)?;
-        self.snapped = Some(snapped);
+        self.snapped = Some(Arc::new(snapped));
+        Ok(())
+    }
+
+    /// The snapshot [`Staging::begin_snapshot`] started, as a host tensor over the pinned
+    /// memory (no copy), in the snapshot dtype, *without* waiting for its copy to the host;
+    /// and that copy, to wait for. A round can start with it at once and send its parts once
+    /// the copy is done ([`crate::runner::PendingTensors`]).
+    ///
+    /// # Safety
+    ///
+    /// The tensor's values must not be read before [`SnapshotCopy::wait`] (or
+    /// [`Staging::wait_snapshot`]) returned `Ok`: until then the copy writes them.
+    pub unsafe fn pending_snapshot(&self) -> Result<(Tensor, SnapshotCopy), CudaError> {
+        let snapped = self
+            .snapped
+            .clone()
+            .ok_or_else(|| TensorError::Mismatch("no snapshot was started".into()))?;
+        let host = self.host_snapshot.clone();
+        let ptr = host.ptr;
+        // SAFETY: the pinned buffer will hold the snapshot's elements once `snapped`
+        // completes, which the caller waits for before reading them; aligned (page-locked
+        // allocations are page aligned), kept alive by `host`; nothing else writes it while
+        // the tensor lives (begin_snapshot takes a fresh buffer then).
+        let tensor =
+            unsafe { Tensor::from_external(self.tensor.shape(), self.snapshot_dtype, ptr, host) }?;
+        Ok((tensor, SnapshotCopy { event: snapped }))
+    }
+
+    /// Waits for the snapshot's copy to the host (blocking); the snapshot is then complete and
+    /// the next apply may upload. Without a snapshot in flight, returns at once.
+    pub fn wait_snapshot(&mut self) -> Result<(), CudaError> {
+        if let Some(snapped) = self.snapped.take() {
+            let _restore = RestoreContext::save();
+            snapped.synchronize()?;
+        }
         Ok(())
     }
 
     /// Waits for the snapshot's host copy and returns it as a host tensor over the pinned
     /// memory (no copy), in the snapshot dtype.
     pub fn finish_snapshot(&mut self) -> Result<Tensor, CudaError> {
-        let snapped = self
-            .snapped
-            .take()
-            .ok_or_else(|| TensorError::Mismatch("no snapshot was started".into()))?;
-        snapped.synchronize()?;
-        let host = self.host_snapshot.clone();
-        let ptr = host.ptr;
-        // SAFETY: the pinned buffer holds the snapshot's elements (the copy completed above),
-        // aligned (page-locked allocations are page aligned), kept alive by `host`; nothing
-        // writes it while the tensor lives (begin_snapshot takes a fresh buffer then).
-        Ok(unsafe { Tensor::from_external(self.tensor.shape(), self.snapshot_dtype, ptr, host) }?)
+        // SAFETY: the tensor is returned only after the copy completed (below).
+        let (tensor, _) = unsafe { self.pending_snapshot() }?;
+        self.wait_snapshot()?;
+        Ok(tensor)
     }
 
     /// Applies a round's result to the device tensor (step 3 of the module docs):

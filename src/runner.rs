@@ -140,8 +140,24 @@ pub(crate) enum Inbound {
         error: LinkError,
     },
     Writable,
+    /// A pending tensor is readable now, or (`Err`) it will never be ([`PendingTensors`]).
+    Ready(Result<usize, String>),
     /// The round's future was dropped (only the compute loop makes this one).
     Abandoned,
+}
+
+/// Tensors of a round that are not readable when it starts: their values are still being
+/// written (a device tensor's snapshot on its way to pinned host memory: the `cuda` feature).
+/// The round starts without them: none of their parts is sent, and this peer's contribution
+/// to the parts of them it reduces is not read, until `ready` yields their index
+/// ([`crate::allreduce::Butterfly::with_pending`]). An `Err` from `ready` (the copy failed),
+/// or `ready` closing with tensors still pending, cancels the round.
+#[derive(Debug)]
+pub struct PendingTensors {
+    /// Indices (into the round's tensors) of the pending tensors.
+    pub indices: Vec<usize>,
+    /// Yields each pending tensor's index once it is readable.
+    pub ready: mpsc::Receiver<Result<usize, String>>,
 }
 
 /// Runs one round: `links[i]` connects to member `i` (`None` for ourselves; `None` for another
@@ -169,104 +185,126 @@ pub async fn run_round_cancellable(
     runner: RunnerConfig,
     cancel: watch::Receiver<bool>,
 ) -> Result<(Vec<Tensor>, Outcome), RunnerError> {
-    use tracing::Instrument;
-    let span = tracing::info_span!("round", group = %hex(&group_id), me = cfg.me);
-    run(cfg, group_id, tensors, links, runner, cancel)
-        .instrument(span)
-        .await
+    run_round_pending(cfg, group_id, tensors, None, links, runner, cancel).await
 }
 
-async fn run(
+/// Like [`run_round_cancellable`], with some tensors not yet readable when the round starts
+/// (see [`PendingTensors`]).
+pub async fn run_round_pending(
     cfg: RoundConfig,
     group_id: Bytes,
     tensors: Vec<Tensor>,
+    pending: Option<PendingTensors>,
     links: Vec<Option<Box<dyn Link>>>,
     runner: RunnerConfig,
-    mut cancel: watch::Receiver<bool>,
+    cancel: watch::Receiver<bool>,
 ) -> Result<(Vec<Tensor>, Outcome), RunnerError> {
-    let n = cfg.members.len();
-    if links.len() != n {
-        return Err(RunnerError::LinkCount {
-            links: links.len(),
-            members: n,
-        });
-    }
-    let me = cfg.me;
-    let machine = Butterfly::with_pool(cfg, tensors, Instant::now(), runner.pool.clone())?;
-
-    let (in_tx, mut in_rx) = mpsc::channel(runner.inbound_queue);
-    let mut writers: Vec<Option<mpsc::Sender<Message>>> = (0..n).map(|_| None).collect();
-    // Owned: dropping this future (the round abandoned) aborts them, closing the links.
-    let mut tasks = JoinSet::new();
-    let mut readers = JoinSet::new();
-    let mut unreachable = Vec::new();
-    for (peer, link) in links.into_iter().enumerate() {
-        let Some(link) = link else {
-            if peer != me {
-                unreachable.push(peer);
-            }
-            continue;
-        };
-        let (read, write) = tokio::io::split(link);
-        let (tx, rx) = mpsc::channel(runner.link_queue);
-        writers[peer] = Some(tx);
-        let lane = runner.lanes.as_ref().and_then(|l| l.get(peer).cloned());
-        readers.spawn(read_link(
-            LinkEnd {
-                peer,
-                lane: lane.clone(),
-            },
-            read,
-            group_id.clone(),
-            in_tx.clone(),
-            runner.max_frame_bytes,
-            link_budget(runner.max_queued_bytes_per_link, runner.max_frame_bytes),
-            runner.pool.clone(),
-        ));
-        tasks.spawn(write_link(
-            LinkEnd { peer, lane },
-            write,
-            rx,
-            group_id.clone(),
-            in_tx.clone(),
-            runner.write_timeout,
-            runner.close_timeout,
-        ));
-    }
-    drop(in_tx);
-
-    // Held here until the compute thread is joined: if this future is dropped first, the
-    // thread sees the channel close and returns instead of running to the round's deadlines.
-    let (_abandon_guard, mut abandoned) = oneshot::channel::<()>();
-    let handle = tokio::runtime::Handle::current();
-    let span = tracing::Span::current();
-    let lanes = runner.lanes.clone();
-    let compute = tokio::task::spawn_blocking(move || {
-        let _entered = span.enter();
-        let mut machine = machine;
-        for peer in unreachable {
-            machine.handle_link_failed(Instant::now(), peer, None);
+    use tracing::Instrument;
+    let span = tracing::info_span!("round", group = %hex(&group_id), me = cfg.me);
+    let mut cancel = cancel;
+    async move {
+        let n = cfg.members.len();
+        if links.len() != n {
+            return Err(RunnerError::LinkCount {
+                links: links.len(),
+                members: n,
+            });
         }
-        let result = compute_loop(
-            &handle,
-            &mut machine,
-            &mut writers,
-            &mut in_rx,
-            &mut cancel,
-            &mut abandoned,
-            lanes.as_deref(),
-            &mut Vec::new(),
-        );
-        drop(writers); // closes the link queues: writers flush and close
-        result.map(|()| machine)
-    });
-    let machine = compute
-        .await
-        .map_err(|e| RunnerError::Internal(e.to_string()))?;
-    // Writers end by themselves once their queue is closed (each step under a timeout).
-    while tasks.join_next().await.is_some() {}
-    readers.shutdown().await;
-    Ok(machine?.into_outcome()?)
+        let me = cfg.me;
+        let indices = pending.as_ref().map_or(&[][..], |p| &p.indices[..]);
+        let machine =
+            Butterfly::with_pending(cfg, tensors, indices, Instant::now(), runner.pool.clone())?;
+
+        let (in_tx, mut in_rx) = mpsc::channel(runner.inbound_queue);
+        let mut writers: Vec<Option<mpsc::Sender<Message>>> = (0..n).map(|_| None).collect();
+        // Owned: dropping this future (the round abandoned) aborts them, closing the links.
+        let mut tasks = JoinSet::new();
+        let mut readers = JoinSet::new();
+        let mut unreachable = Vec::new();
+        for (peer, link) in links.into_iter().enumerate() {
+            let Some(link) = link else {
+                if peer != me {
+                    unreachable.push(peer);
+                }
+                continue;
+            };
+            let (read, write) = tokio::io::split(link);
+            let (tx, rx) = mpsc::channel(runner.link_queue);
+            writers[peer] = Some(tx);
+            let lane = runner.lanes.as_ref().and_then(|l| l.get(peer).cloned());
+            readers.spawn(read_link(
+                LinkEnd {
+                    peer,
+                    lane: lane.clone(),
+                },
+                read,
+                group_id.clone(),
+                in_tx.clone(),
+                runner.max_frame_bytes,
+                link_budget(runner.max_queued_bytes_per_link, runner.max_frame_bytes),
+                runner.pool.clone(),
+            ));
+            tasks.spawn(write_link(
+                LinkEnd { peer, lane },
+                write,
+                rx,
+                group_id.clone(),
+                in_tx.clone(),
+                runner.write_timeout,
+                runner.close_timeout,
+            ));
+        }
+        if let Some(PendingTensors { mut ready, .. }) = pending {
+            // Readiness reaches the compute thread as the links' messages do.
+            // Among the readers: aborted once the round is over.
+            let to_compute = in_tx.clone();
+            readers.spawn(async move {
+                while let Some(r) = ready.recv().await {
+                    if to_compute.send(Inbound::Ready(r)).await.is_err() {
+                        return;
+                    }
+                }
+                let closed = Err("the pending tensors' source closed".to_owned());
+                let _ = to_compute.send(Inbound::Ready(closed)).await;
+            });
+        }
+        drop(in_tx);
+
+        // Held here until the compute thread is joined: if this future is dropped first, the
+        // thread sees the channel close and returns instead of running to the round's deadlines.
+        let (_abandon_guard, mut abandoned) = oneshot::channel::<()>();
+        let handle = tokio::runtime::Handle::current();
+        let span = tracing::Span::current();
+        let lanes = runner.lanes.clone();
+        let compute = tokio::task::spawn_blocking(move || {
+            let _entered = span.enter();
+            let mut machine = machine;
+            for peer in unreachable {
+                machine.handle_link_failed(Instant::now(), peer, None);
+            }
+            let result = compute_loop(
+                &handle,
+                &mut machine,
+                &mut writers,
+                &mut in_rx,
+                &mut cancel,
+                &mut abandoned,
+                lanes.as_deref(),
+                &mut Vec::new(),
+            );
+            drop(writers); // closes the link queues: writers flush and close
+            result.map(|()| machine)
+        });
+        let machine = compute
+            .await
+            .map_err(|e| RunnerError::Internal(e.to_string()))?;
+        // Writers end by themselves once their queue is closed (each step under a timeout).
+        while tasks.join_next().await.is_some() {}
+        readers.shutdown().await;
+        Ok(machine?.into_outcome()?)
+    }
+    .instrument(span)
+    .await
 }
 
 /// A sans-IO protocol the compute loop drives: the butterfly, or a group's
@@ -291,6 +329,12 @@ pub(crate) trait Machine {
     ) -> Result<(), RoundError>;
     /// Member `peer`'s link died.
     fn handle_link_failed(&mut self, now: Instant, peer: usize);
+    /// Pending tensor `tensor` is readable now ([`PendingTensors`]).
+    fn handle_ready(&mut self, _tensor: usize) {}
+    /// Whether some tensor is still pending.
+    fn has_pending(&self) -> bool {
+        false
+    }
     /// Time passed.
     fn handle_timeout(&mut self, now: Instant);
     /// Cancel: abort to every peer.
@@ -327,6 +371,12 @@ impl Machine for Butterfly {
     }
     fn handle_link_failed(&mut self, now: Instant, peer: usize) {
         Butterfly::handle_link_failed(self, now, peer, None)
+    }
+    fn handle_ready(&mut self, tensor: usize) {
+        Butterfly::mark_ready(self, tensor)
+    }
+    fn has_pending(&self) -> bool {
+        Butterfly::has_pending(self)
     }
     fn handle_timeout(&mut self, now: Instant) {
         Butterfly::handle_timeout(self, now)
@@ -490,6 +540,13 @@ fn compute_loop<M: Machine, O: Outbox>(
                 machine.handle_link_failed(now, from);
             }
             Some(Some(Inbound::Writable)) => {}
+            Some(Some(Inbound::Ready(Ok(tensor)))) => machine.handle_ready(tensor),
+            Some(Some(Inbound::Ready(Err(error)))) => {
+                if machine.has_pending() {
+                    tracing::warn!(%error, "a pending tensor will not be ready: cancelling");
+                    machine.cancel(now);
+                }
+            }
             Some(Some(Inbound::Abandoned)) => {
                 return Err(RunnerError::Round(RoundError::Cancelled));
             }

@@ -137,6 +137,9 @@ pub struct Butterfly {
     tensors: Arc<Vec<Tensor>>,
     /// What each part of our tensors became (senders only).
     outputs: Option<Vec<PartResult>>,
+    /// Per tensor: its values are still being written (a device snapshot on its way to the
+    /// host), so none of its parts is sent or reduced yet ([`Butterfly::mark_ready`]).
+    pending: Vec<bool>,
     out_links: Vec<Option<OutLink>>,
     reducer: Option<Reducer>,
     in_links: Vec<Option<InLink>>,
@@ -163,6 +166,21 @@ impl Butterfly {
     pub fn with_pool(
         cfg: RoundConfig,
         tensors: Vec<Tensor>,
+        now: Instant,
+        pool: BufferPool,
+    ) -> Result<Self, RoundError> {
+        Self::with_pending(cfg, tensors, &[], now, pool)
+    }
+
+    /// Like [`Butterfly::with_pool`], with the tensors at `pending` (indices) not yet
+    /// readable: their values are still being written (a device snapshot on its way to host
+    /// memory). None of their parts is sent, and this peer's own contribution to the parts
+    /// it reduces is not read, until [`Butterfly::mark_ready`] names them; the rest of the
+    /// round goes on meanwhile, so parts go out as soon as their tensor is on the host.
+    pub fn with_pending(
+        cfg: RoundConfig,
+        tensors: Vec<Tensor>,
+        pending: &[usize],
         now: Instant,
         pool: BufferPool,
     ) -> Result<Self, RoundError> {
@@ -261,7 +279,14 @@ impl Butterfly {
             (None, (0..n).map(|_| None).collect())
         };
 
+        let mut pending_tensors = vec![false; tensors.len()];
+        for &t in pending {
+            *pending_tensors
+                .get_mut(t)
+                .ok_or_else(|| RoundError::BadPlan(format!("pending tensor {t} of {}", n)))? = true;
+        }
         let mut machine = Self {
+            pending: pending_tensors,
             modes,
             results: vec![None; partition.num_parts()],
             partition,
@@ -516,6 +541,41 @@ impl Butterfly {
         self.state = State::Cancelled;
     }
 
+    /// Tensor `tensor`'s values are readable now (see [`Butterfly::with_pending`]): its parts
+    /// may go out and this peer's contribution to the parts of it that it reduces counts.
+    /// Naming a tensor that was not pending (or twice) changes nothing.
+    pub fn mark_ready(&mut self, tensor: usize) {
+        let Some(p) = self.pending.get_mut(tensor) else {
+            return;
+        };
+        if !std::mem::take(p) {
+            return;
+        }
+        if self.state != State::Running || !self.modes[self.cfg.me].is_sender() {
+            return;
+        }
+        if let Some(reducer) = self.reducer.as_mut() {
+            for g in reducer.span() {
+                let spec = *self.partition.part(g);
+                if spec.tensor != tensor {
+                    continue;
+                }
+                let local = LocalValues::new(self.tensors.clone(), spec.tensor, spec.range())
+                    .expect("the partition covers the tensors");
+                reducer
+                    .accumulate(self.cfg.me, g, Input::Local(local), self.cfg.weight)
+                    .expect("own contribution is well-formed: checked weight, own partition");
+            }
+        }
+        self.drain_completed();
+        self.check_finished();
+    }
+
+    /// Whether some tensor is still pending ([`Butterfly::with_pending`]).
+    pub fn has_pending(&self) -> bool {
+        self.pending.iter().any(|&p| p)
+    }
+
     // ---- sender side ----
 
     fn can_send_part(&self, to: usize) -> bool {
@@ -527,6 +587,7 @@ impl Butterfly {
         };
         l.status == LinkStatus::Active
             && l.next < l.span.end
+            && !self.pending[self.partition.part(l.next).tensor]
             && (self.modes[self.cfg.me] == Mode::Client
                 || l.in_flight < self.cfg.max_in_flight_parts)
     }
@@ -688,6 +749,9 @@ impl Butterfly {
         };
         for g in reducer.span() {
             let spec = *self.partition.part(g);
+            if self.pending[spec.tensor] {
+                continue; // contributed by `mark_ready`
+            }
             // Our values are read where they are, when the part is averaged.
             let local = LocalValues::new(self.tensors.clone(), spec.tensor, spec.range())
                 .expect("the partition covers the tensors");

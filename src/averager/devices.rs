@@ -8,16 +8,16 @@
 //! device tensors need no lock: every access to them is ordered on their training stream.
 //!
 //! A step starts the device snapshots as soon as its group is known ([`Devices::begin`]),
-//! before linking, and waits for them on a blocking thread just before the round
-//! ([`Devices::finish`]); the round runs on the host snapshots and the device tensors' pinned
-//! copies; the host tensors get the delta rule on the CPU, the device ones on their device
-//! ([`Devices::apply`]).
-
-use std::sync::Arc;
+//! before linking; the round starts once the links are made, on the host snapshots and the
+//! device tensors' pinned copies, each device tensor's parts held back until its copy is on
+//! the host ([`Devices::start_round`]); the host tensors get the delta rule on the CPU, the
+//! device ones on their device ([`Devices::apply_devices`]), after every copy is complete
+//! ([`Devices::wait_snapshots`]).
 
 use super::AveragerError;
 use crate::allreduce::{Outcome, TensorDescriptor};
 use crate::compression::Compression;
+use crate::runner::PendingTensors;
 use crate::tensor::Tensor;
 
 /// A tensor an averager averages: in host memory or, with the `cuda` feature, on a GPU.
@@ -154,36 +154,61 @@ impl Devices {
         Ok(())
     }
 
-    /// Waits (on a blocking thread) for the snapshots [`Devices::begin`] started and returns
-    /// the round's tensors: the host `snapshot` with the device snapshots in their places.
-    pub(crate) async fn finish(
-        shared: &Arc<super::Shared>,
+    /// The round's tensors, at once: the host `snapshot` with the device snapshots in their
+    /// places, their copies to the host possibly still in flight, and (with device tensors)
+    /// the [`PendingTensors`] that says when each is readable: a blocking thread waits for the
+    /// copies in turn and sends each one's round index (or the error). The round must not
+    /// read them before ([`crate::runner::run_round_pending`] does not), and the apply waits
+    /// for all of them ([`Devices::wait_snapshots`]).
+    pub(crate) fn start_round(
+        &self,
         snapshot: Vec<Tensor>,
-    ) -> Result<Vec<Tensor>, AveragerError> {
-        if shared.devices.is_empty() {
-            return Ok(snapshot);
+    ) -> Result<(Vec<Tensor>, Option<PendingTensors>), AveragerError> {
+        if self.is_empty() {
+            return Ok((snapshot, None));
         }
         #[cfg(feature = "cuda")]
         {
-            let waiting = shared.clone();
-            let device: Vec<Tensor> = tokio::task::spawn_blocking(move || {
-                waiting
-                    .devices
-                    .slots
-                    .iter()
-                    .map(|(_, slot)| staging(slot).finish_snapshot())
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .await
-            .map_err(device_error)?
-            .map_err(device_error)?;
-            let at: Vec<usize> = shared.devices.slots.iter().map(|(i, _)| *i).collect();
-            interleave(snapshot, device, &at).ok_or_else(|| {
+            let mut device = Vec::with_capacity(self.slots.len());
+            let mut copies = Vec::with_capacity(self.slots.len());
+            for (i, slot) in &self.slots {
+                // SAFETY: the round reads a pending tensor only after its index arrives on
+                // `ready`, which the waiter below sends once the copy is complete.
+                let (tensor, copy) =
+                    unsafe { staging(slot).pending_snapshot() }.map_err(device_error)?;
+                device.push(tensor);
+                copies.push((*i, copy));
+            }
+            let at: Vec<usize> = self.slots.iter().map(|(i, _)| *i).collect();
+            let tensors = interleave(snapshot, device, &at).ok_or_else(|| {
                 device_error("the host tensors were replaced by a different number of them")
-            })
+            })?;
+            let (tx, ready) = tokio::sync::mpsc::channel(copies.len().max(1));
+            // Detached: it ends when the last copy is done (or one fails), or as soon as the
+            // round is gone; it touches nothing but the copies' events.
+            drop(tokio::task::spawn_blocking(move || {
+                for (i, copy) in copies {
+                    let r = copy.wait().map(|()| i).map_err(|e| e.to_string());
+                    let failed = r.is_err();
+                    if tx.blocking_send(r).is_err() || failed {
+                        return;
+                    }
+                }
+            }));
+            Ok((tensors, Some(PendingTensors { indices: at, ready })))
         }
         #[cfg(not(feature = "cuda"))]
-        Ok(snapshot)
+        Ok((snapshot, None))
+    }
+
+    /// Waits (blocking) for every device snapshot's copy to the host: before the apply reads
+    /// the snapshots and reuses the device buffers.
+    pub(crate) fn wait_snapshots(&self) -> Result<(), AveragerError> {
+        #[cfg(feature = "cuda")]
+        for (_, slot) in &self.slots {
+            staging(slot).wait_snapshot().map_err(device_error)?;
+        }
+        Ok(())
     }
 
     /// The delta rule for a finished round's host tensors: `host` is the averager's host
@@ -202,9 +227,9 @@ impl Devices {
     }
 
     /// The delta rule for the device tensors: uploads every tensor's deltas, waits for the
-    /// uploads on a blocking thread, then enqueues the apply kernels.
-    pub(crate) async fn apply_devices(
-        shared: &Arc<super::Shared>,
+    /// uploads, then enqueues the apply kernels. Blocking: run on a blocking thread.
+    pub(crate) fn apply_devices(
+        shared: &super::Shared,
         outcome: &Outcome,
         start: &[Tensor],
         alpha: f32,
@@ -223,19 +248,11 @@ impl Devices {
                     .upload(outcome, *i, from)
                     .map_err(device_error)?;
             }
-            if !any {
-                return Ok(());
-            }
-            let launching = shared.clone();
-            tokio::task::spawn_blocking(move || {
-                for (_, slot) in &launching.devices.slots {
-                    staging(slot).launch_apply(alpha)?;
+            if any {
+                for (_, slot) in &shared.devices.slots {
+                    staging(slot).launch_apply(alpha).map_err(device_error)?;
                 }
-                Ok::<(), crate::cuda::CudaError>(())
-            })
-            .await
-            .map_err(device_error)?
-            .map_err(device_error)?;
+            }
         }
         #[cfg(not(feature = "cuda"))]
         let _ = (outcome, start, alpha);
