@@ -281,9 +281,11 @@ impl Butterfly {
 
         let mut pending_tensors = vec![false; tensors.len()];
         for &t in pending {
+            let count = pending_tensors.len();
             *pending_tensors
                 .get_mut(t)
-                .ok_or_else(|| RoundError::BadPlan(format!("pending tensor {t} of {}", n)))? = true;
+                .ok_or_else(|| RoundError::BadPlan(format!("pending tensor {t} of {count}")))? =
+                true;
         }
         let mut machine = Self {
             pending: pending_tensors,
