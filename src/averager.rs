@@ -1412,13 +1412,14 @@ impl Actor {
         // if the step is dropped meanwhile, so tensors are never left half-applied.
         let shared = self.shared.clone();
         let outcome = tokio::task::spawn_blocking(move || {
-            shared.devices.wait_snapshots()?;
             {
                 let mut tensors = shared.lock_tensors_mut();
                 shared
                     .devices
                     .apply_host(&outcome, &mut tensors, &start, 1.0)?;
             }
+            // The device snapshots are read (for the deltas) once their copies are done.
+            shared.devices.wait_snapshots()?;
             devices::Devices::apply_devices(&shared, &outcome, &start, 1.0)?;
             Ok::<_, AveragerError>(outcome)
         })

@@ -222,3 +222,59 @@ async fn a_failed_copy_cancels_the_round_and_the_others_go_on() {
         assert!(outcome.report.banned.contains(0), "{:?}", outcome.report);
     }
 }
+
+/// A pending tensor that is still pending at the round's deadline fails the round (our own
+/// contribution to the parts we reduce never came, so banning the others cannot end it), and
+/// then nothing is due any more: no deadline in the past to spin on.
+#[test]
+fn the_round_deadline_cancels_a_round_still_waiting_for_its_tensors() {
+    let now = Instant::now();
+    let mut machines: Vec<Butterfly> = (0..N)
+        .map(|me| {
+            let mut c = cfg(me);
+            c.round_timeout = Some(Duration::from_secs(30));
+            let pending: &[usize] = if me == 0 { &[1] } else { &[] };
+            Butterfly::with_pending(c, tensors(me), pending, now, BufferPool::default()).unwrap()
+        })
+        .collect();
+    exchange(&mut machines, now);
+    let deadline = machines[0].poll_timeout().expect("a deadline");
+    assert!(deadline <= now + Duration::from_secs(30));
+    let late = now + Duration::from_secs(30);
+    machines[0].handle_timeout(late);
+    assert!(machines[0].is_cancelled());
+    assert_eq!(machines[0].poll_timeout(), None);
+    // Its aborts reach the others, which end their rounds without it.
+    let mut aborts = 0;
+    while let Some(t) = machines[0].poll_transmit(late, |_| true) {
+        assert!(
+            matches!(t.message, Message::Abort { .. }),
+            "{:?}",
+            t.message
+        );
+        aborts += 1;
+        machines[t.to].handle_message(late, 0, t.message).unwrap();
+    }
+    assert!(aborts > 0);
+    for m in &mut machines[1..] {
+        m.handle_timeout(late);
+    }
+    exchange(&mut machines, late);
+    assert!(machines[1..].iter().all(Butterfly::is_finished));
+}
+
+/// An aux peer sends and reduces nothing of its own: it has nothing to wait for.
+#[test]
+fn an_aux_peer_has_nothing_pending() {
+    let mut c = cfg(2);
+    c.members[2].mode = Mode::Aux;
+    let m = Butterfly::with_pending(
+        c,
+        tensors(2),
+        &[0, 1],
+        Instant::now(),
+        BufferPool::default(),
+    )
+    .unwrap();
+    assert!(!m.has_pending());
+}

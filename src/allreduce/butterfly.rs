@@ -280,6 +280,12 @@ impl Butterfly {
         };
 
         let mut pending_tensors = vec![false; tensors.len()];
+        // A peer that sends nothing reads nothing of its own: nothing to wait for.
+        let pending = if modes[cfg.me].is_sender() {
+            pending
+        } else {
+            &[]
+        };
         for &t in pending {
             let count = pending_tensors.len();
             *pending_tensors
@@ -454,6 +460,12 @@ impl Butterfly {
     /// Handles expired deadlines.
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.state != State::Running {
+            return;
+        }
+        if self.round_deadline.is_some_and(|d| d <= now) && self.has_pending() {
+            // Our own values never became readable: the parts we reduce cannot complete
+            // without them, so the round cannot end by banning others. It fails instead.
+            self.cancel(now);
             return;
         }
         if self.round_deadline.is_some_and(|d| d <= now) {
@@ -1040,7 +1052,9 @@ impl Butterfly {
             && self.in_links.iter().flatten().all(|l| l.held.is_empty());
         // Finished means every message was handed out too: a driver may stop at `Finished`.
         let drained = self.outbox.iter().all(VecDeque::is_empty);
-        if sending_done && reducing_done && drained {
+        // Nor does a round end while a tensor of ours is pending: whoever takes the tensors
+        // back may read them (the round deadline cancels a round whose tensors never came).
+        if sending_done && reducing_done && drained && !self.has_pending() {
             self.state = State::Finished;
             self.events.push_back(RoundEvent::Finished);
         }

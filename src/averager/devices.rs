@@ -184,10 +184,14 @@ impl Devices {
                 device_error("the host tensors were replaced by a different number of them")
             })?;
             let (tx, ready) = tokio::sync::mpsc::channel(copies.len().max(1));
-            // Detached: it ends when the last copy is done (or one fails), or as soon as the
-            // round is gone; it touches nothing but the copies' events.
+            // Detached: it ends when the last copy is done (or one fails), or at the first copy
+            // it finds the round gone; it touches nothing but the copies' events. (A copy that
+            // never completes, a hung device, holds it: there is no timeout on an event.)
             drop(tokio::task::spawn_blocking(move || {
                 for (i, copy) in copies {
+                    if tx.is_closed() {
+                        return; // the round is over: nobody waits for the rest
+                    }
                     let r = copy.wait().map(|()| i).map_err(|e| e.to_string());
                     let failed = r.is_err();
                     if tx.blocking_send(r).is_err() || failed {

@@ -118,7 +118,8 @@ impl Group {
     /// member (the root its own slice). The root uploads `2(N-1)/N` of the data instead of
     /// `N-1` times all of it, and every member's uplink carries a share. No slice is copied
     /// out to be sent (the root's parts are views of its tensors) and the gathered slices
-    /// are decoded straight into the tensors a member passed.
+    /// are decoded straight into the tensors a member passed (so when the operation fails, a
+    /// member's tensors, shared memory included, may hold part of the root's values).
     pub async fn broadcast(
         &mut self,
         root: usize,
