@@ -1,0 +1,197 @@
+//! The donor side of state sharing (see the [parent module](super)): serving inbound state
+//! streams, opening sessions, building and reusing snapshots, answering chunk requests.
+
+use super::*;
+
+pub(super) async fn serve(inner: Arc<Inner>, mut inbound: InboundStreams) {
+    let shares = Shares::new(inner.config.max_inbound, inner.config.max_inbound_per_peer);
+    let mut tasks = JoinSet::new();
+    while let Some((peer, stream)) = inbound.next().await {
+        while tasks.try_join_next().is_some() {}
+        let permit = match shares.try_take(peer) {
+            Ok(permit) => permit,
+            Err(refused) => {
+                tracing::debug!(%peer, %refused, "inbound state stream dropped");
+                continue;
+            }
+        };
+        let inner = inner.clone();
+        tasks.spawn(async move {
+            let _permit = permit;
+            if let Err(e) = serve_stream(&inner, peer, stream).await {
+                tracing::debug!(%peer, error = %e, "state stream closed");
+            }
+        });
+    }
+    tasks.shutdown().await;
+}
+
+pub(super) async fn serve_stream(
+    inner: &Arc<Inner>,
+    peer: PeerId,
+    mut stream: P2pStream,
+) -> Result<(), WireError> {
+    let idle = inner.config.session_idle_timeout;
+    let write_timeout = inner.config.request_timeout;
+    loop {
+        let read = wire::read_frame(&mut stream, wire::MAX_REQUEST_BYTES);
+        let body = match tokio::time::timeout(idle, read).await {
+            Err(_) | Ok(Ok(None)) => return Ok(()),
+            Ok(Ok(Some(body))) => body,
+            Ok(Err(e)) => return Err(e),
+        };
+        let response = match wire::decode_request(body)? {
+            Request::Metadata => open_session(inner, peer).await,
+            Request::Chunk { session, index } => chunk(inner, peer, &session, index),
+            Request::Release { session } => {
+                lock(&inner.sessions).retain(|s| !(s.peer == peer && s.id == session));
+                continue;
+            }
+        };
+        let body = wire::encode_response(&response);
+        tokio::time::timeout(write_timeout, wire::write_frame(&mut stream, &body))
+            .await
+            .map_err(|_| WireError::Io(format!("answer not written within {write_timeout:?}")))??;
+    }
+}
+
+/// Whether a session for `peer` can be added, after dropping idle ones and `peer`'s own.
+pub(super) fn room_for(inner: &Inner, sessions: &mut Vec<Session>, peer: PeerId) -> bool {
+    let idle = inner.config.session_idle_timeout;
+    sessions.retain(|s| s.peer != peer && s.last_used.elapsed() < idle);
+    sessions.len() < inner.config.max_sessions.max(1)
+}
+
+pub(super) async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
+    if !inner.sharing() {
+        lock(&inner.sessions).clear();
+        return Response::Refused(Refusal::NotSharing);
+    }
+    if !room_for(inner, &mut lock(&inner.sessions), peer) {
+        return Response::Refused(Refusal::Busy);
+    }
+    let built = {
+        let _one_at_a_time = inner.building.lock().await;
+        match inner.current_snapshot() {
+            Some(snapshot) => Ok(snapshot),
+            None => {
+                let builder = inner.clone();
+                tokio::task::spawn_blocking(move || {
+                    let (version, external, snapshot) = build_snapshot(&builder);
+                    let snapshot = Arc::new(snapshot);
+                    builder.snapshots_built.fetch_add(1, Ordering::SeqCst);
+                    *lock(&builder.last_snapshot) = Some(CachedSnapshot {
+                        version,
+                        external,
+                        built: Instant::now(),
+                        snapshot: snapshot.clone(),
+                    });
+                    snapshot
+                })
+                .await
+            }
+        }
+    };
+    let Ok(snapshot) = built else {
+        return Response::Refused(Refusal::Busy);
+    };
+    if !inner.sharing() {
+        return Response::Refused(Refusal::NotSharing);
+    }
+    let mut sessions = lock(&inner.sessions);
+    if !room_for(inner, &mut sessions, peer) {
+        return Response::Refused(Refusal::Busy);
+    }
+    // Sessions of the same state share one copy.
+    let snapshot = sessions
+        .iter()
+        .find(|s| s.snapshot.meta.content_hash == snapshot.meta.content_hash)
+        .map_or(snapshot, |s| s.snapshot.clone());
+    let id = Bytes::copy_from_slice(&rand::rng().random::<[u8; 16]>());
+    let mut meta = snapshot.meta.clone();
+    meta.session = id.clone();
+    sessions.push(Session {
+        peer,
+        id,
+        snapshot,
+        last_used: Instant::now(),
+    });
+    Response::Metadata(meta)
+}
+
+/// A snapshot of the tensors and metadata, the tensors' version it was taken at, and whether
+/// any tensor is [external](Tensor::External). Only the copy runs under the tensor lock; the
+/// hashes after it.
+pub(super) fn build_snapshot(inner: &Inner) -> (u64, bool, Snapshot) {
+    let chunk_bytes =
+        (inner.config.chunk_bytes as u64).clamp(wire::MIN_CHUNK_BYTES, wire::MAX_CHUNK_BYTES);
+    let (version, external, data, tensors) = {
+        let tensors = lock(&inner.shared.tensors);
+        // Read under the lock: every change through a guard counted before it was taken.
+        let version = inner.shared.version.load(Ordering::SeqCst);
+        let external = tensors.iter().any(|t| matches!(t, Tensor::External(_)));
+        let total = tensors.iter().map(Tensor::size_bytes).sum();
+        let mut data = Vec::with_capacity(total);
+        for t in tensors.iter() {
+            data.extend_from_slice(t.flat().as_bytes());
+        }
+        let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
+        (version, external, data, descriptors)
+    };
+    let metadata = lock(&inner.metadata).clone();
+    let mut hashes =
+        Vec::with_capacity(data.len().div_ceil(chunk_bytes as usize) * wire::HASH_BYTES);
+    for c in data.chunks(chunk_bytes as usize) {
+        hashes.extend_from_slice(&wire::chunk_hash(c));
+    }
+    let total_bytes = data.len() as u64;
+    let content_hash = wire::content_hash(
+        &inner.schema_hash,
+        &tensors,
+        total_bytes,
+        chunk_bytes,
+        &hashes,
+        &metadata,
+    );
+    let snapshot = Snapshot {
+        data: data.into(),
+        meta: Metadata {
+            session: Bytes::new(),
+            schema_hash: inner.schema_hash.clone(),
+            tensors,
+            total_bytes,
+            chunk_bytes,
+            chunk_hashes: hashes.into(),
+            content_hash,
+            metadata,
+        },
+    };
+    (version, external, snapshot)
+}
+
+pub(super) fn chunk(inner: &Inner, peer: PeerId, session: &Bytes, index: u64) -> Response {
+    if !inner.sharing() {
+        lock(&inner.sessions).clear();
+        return Response::Refused(Refusal::NotSharing);
+    }
+    let snapshot = {
+        let mut sessions = lock(&inner.sessions);
+        let Some(s) = sessions
+            .iter_mut()
+            .find(|s| s.peer == peer && s.id == *session)
+        else {
+            return Response::Refused(Refusal::UnknownSession);
+        };
+        s.last_used = Instant::now();
+        s.snapshot.clone()
+    };
+    match snapshot.meta.chunk_range(index) {
+        Some(range) => Response::Chunk {
+            index,
+            data: snapshot
+                .data
+                .slice(range.start as usize..range.end as usize),
+        },
+        None => Response::Refused(Refusal::BadRequest),
+    }
+}
