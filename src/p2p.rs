@@ -841,6 +841,40 @@ impl InboundStreams {
     pub async fn next(&mut self) -> Option<(PeerId, P2pStream)> {
         self.rx.recv().await
     }
+
+    /// Serves every stream in a task of its own, at most `shares`' bounds at once (a stream
+    /// beyond them is dropped: its opener retries), until the streams end or `handle` returns
+    /// `None` (whoever consumes what the streams carry is gone); then the tasks are stopped.
+    /// `what` names the protocol in the log.
+    pub(crate) async fn serve_each<F, Fut>(
+        mut self,
+        shares: crate::shares::Shares<PeerId>,
+        what: &'static str,
+        mut handle: F,
+    ) where
+        F: FnMut(PeerId, P2pStream) -> Option<Fut>,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let mut tasks = tokio::task::JoinSet::new();
+        while let Some((peer, stream)) = self.next().await {
+            while tasks.try_join_next().is_some() {}
+            let permit = match shares.try_take(peer) {
+                Ok(permit) => permit,
+                Err(refused) => {
+                    tracing::debug!(%peer, %refused, what, "inbound stream dropped");
+                    continue;
+                }
+            };
+            let Some(served) = handle(peer, stream) else {
+                break;
+            };
+            tasks.spawn(async move {
+                let _permit = permit;
+                served.await;
+            });
+        }
+        tasks.shutdown().await;
+    }
 }
 
 impl Drop for InboundStreams {

@@ -22,7 +22,6 @@ use bytes::BytesMut;
 use libp2p::PeerId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 
 use crate::matchmaking::{self, Message};
 use crate::p2p::{InboundStreams, P2p, P2pStream};
@@ -132,33 +131,25 @@ pub async fn serve(
 
 /// [`serve`] with other bounds (tests).
 async fn serve_with(
-    mut inbound: InboundStreams,
+    inbound: InboundStreams,
     inbox: mpsc::Sender<(PeerId, Message)>,
     read_timeout: Duration,
     shares: Shares<PeerId>,
 ) {
-    let mut tasks = JoinSet::new();
-    while let Some((peer, stream)) = inbound.next().await {
-        while tasks.try_join_next().is_some() {}
-        let permit = match shares.try_take(peer) {
-            Ok(permit) => permit,
-            Err(refused) => {
-                tracing::debug!(%peer, %refused, "inbound matchmaking stream dropped");
-                continue;
+    inbound
+        .serve_each(shares, "matchmaking", |peer, stream| {
+            // Nobody reads what the streams carry any more: stop.
+            if inbox.is_closed() {
+                return None;
             }
-        };
-        let tx = inbox.clone();
-        tasks.spawn(async move {
-            let _permit = permit;
-            if let Err(e) = receive(peer, stream, &tx, read_timeout).await {
-                tracing::debug!(%peer, error = %e, "bad matchmaking message");
-            }
-        });
-        if inbox.is_closed() {
-            break;
-        }
-    }
-    tasks.shutdown().await;
+            let tx = inbox.clone();
+            Some(async move {
+                if let Err(e) = receive(peer, stream, &tx, read_timeout).await {
+                    tracing::debug!(%peer, error = %e, "bad matchmaking message");
+                }
+            })
+        })
+        .await;
 }
 
 async fn receive(

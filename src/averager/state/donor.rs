@@ -3,27 +3,18 @@
 
 use super::*;
 
-pub(super) async fn serve(inner: Arc<Inner>, mut inbound: InboundStreams) {
+pub(super) async fn serve(inner: Arc<Inner>, inbound: InboundStreams) {
     let shares = Shares::new(inner.config.max_inbound, inner.config.max_inbound_per_peer);
-    let mut tasks = JoinSet::new();
-    while let Some((peer, stream)) = inbound.next().await {
-        while tasks.try_join_next().is_some() {}
-        let permit = match shares.try_take(peer) {
-            Ok(permit) => permit,
-            Err(refused) => {
-                tracing::debug!(%peer, %refused, "inbound state stream dropped");
-                continue;
-            }
-        };
-        let inner = inner.clone();
-        tasks.spawn(async move {
-            let _permit = permit;
-            if let Err(e) = serve_stream(&inner, peer, stream).await {
-                tracing::debug!(%peer, error = %e, "state stream closed");
-            }
-        });
-    }
-    tasks.shutdown().await;
+    inbound
+        .serve_each(shares, "state", |peer, stream| {
+            let inner = inner.clone();
+            Some(async move {
+                if let Err(e) = serve_stream(&inner, peer, stream).await {
+                    tracing::debug!(%peer, error = %e, "state stream closed");
+                }
+            })
+        })
+        .await;
 }
 
 pub(super) async fn serve_stream(
