@@ -196,3 +196,50 @@ fn group_operations_write_a_timeline_per_member() {
     assert_eq!(members, 3, "every worker wrote its operations");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `HIVEMESH_PERF_CTL` (perf's control FIFO; a plain file here) is told `enable` before each
+/// timed round and `disable` after it, never around the warm-up; a path that cannot be opened
+/// is an error before any worker starts.
+#[test]
+fn the_perf_control_file_brackets_every_timed_round() {
+    let dir = std::env::temp_dir().join(format!("hivemesh-perf-ctl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let ctl = dir.join("ctl");
+    for (args, want) in [
+        (
+            &["collective", "--op", "all-gather", "--rounds", "2"][..],
+            "enable\ndisable\nenable\ndisable\n",
+        ),
+        (&["allreduce", "--rounds", "1"][..], "enable\ndisable\n"),
+    ] {
+        std::fs::write(&ctl, b"").expect("control file");
+        let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+            .arg("bench")
+            .args(args)
+            .args(["--peers", "2", "--mib", "1"])
+            .env("HIVEMESH_PERF_CTL", &ctl)
+            .output()
+            .expect("running hivemesh");
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let told = std::fs::read_to_string(&ctl).expect("control file");
+        assert_eq!(told, want, "{args:?}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+        .args([
+            "bench",
+            "allreduce",
+            "--peers",
+            "2",
+            "--mib",
+            "1",
+            "--rounds",
+            "1",
+        ])
+        .env("HIVEMESH_PERF_CTL", dir.join("missing/ctl"))
+        .output()
+        .expect("running hivemesh");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("HIVEMESH_PERF_CTL"), "{stderr}");
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}

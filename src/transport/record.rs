@@ -7,14 +7,18 @@
 //! buffer, then encrypted in place) and twice on the way in (socket buffer into its deframer
 //! buffer, then decrypted plaintext out to the caller), and it reads at most one 16 KiB record
 //! per syscall. On the 2-core test machine those memmoves were about a fifth of an all-reduce
-//! round's CPU. Here, with the same AEAD implementation (aws-lc-rs):
+//! round's CPU. Here:
 //!
 //! * **sending** seals each record straight from the caller's slice into the send buffer
-//!   (`seal_out_of_place_scatter`: plaintext in, ciphertext out, the inner content-type byte
-//!   and the tag appended) and writes the buffer with large `write` calls;
+//!   (plaintext in, ciphertext out, the inner content-type byte and the tag appended) and
+//!   writes the buffer with large `write` calls;
 //! * **receiving** reads the socket into one large buffer and opens each record straight into
-//!   the caller's buffer (`open_separate_gather`). Only a record the caller has no room for
-//!   (the tail of a frame) goes through a 16 KiB staging buffer.
+//!   the caller's buffer. Only a record the caller has no room for (the tail of a frame) goes
+//!   through a 16 KiB staging buffer.
+//!
+//! The AEAD is aws-lc's (out of place, as above) or, for AES-128-GCM on x86-64 CPUs with VAES
+//! but no AVX-512, ring's faster VAES code, which works in place on a copy made in the send
+//! buffer or the caller's buffer (the [`aead`] module says why and how it chooses).
 //!
 //! This is what kernel TLS does with the same secrets; kTLS is not available on the machines
 //! we run on (`setsockopt(TCP_ULP, "tls")` fails), so the record layer lives here.
@@ -45,14 +49,16 @@ use std::pin::Pin;
 use std::sync::LazyLock;
 use std::task::{Context, Poll, ready};
 
-use aws_lc_rs::aead::{
-    AES_128_GCM, AES_256_GCM, Aad, CHACHA20_POLY1305, LessSafeKey, NONCE_LEN, Nonce, UnboundKey,
-};
 use rustls::ConnectionTrafficSecrets;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::buffers::BufferPool;
+
+mod aead;
+
+pub(crate) use aead::{AesGcm, Algorithm};
+use aead::{Key, NONCE_LEN, TAG};
 
 /// Bytes of a record header.
 const HEADER: usize = 5;
@@ -62,8 +68,6 @@ const MAX_PLAINTEXT: usize = 1 << 14;
 const MAX_CIPHERTEXT: usize = MAX_PLAINTEXT + 256;
 /// The largest record on the wire.
 const MAX_RECORD: usize = HEADER + MAX_CIPHERTEXT;
-/// AEAD tag length of every suite we accept.
-const TAG: usize = 16;
 /// Record sealing overhead: header, content-type byte, tag.
 const OVERHEAD: usize = HEADER + 1 + TAG;
 
@@ -87,46 +91,61 @@ static SPARE_BUFFERS: LazyLock<BufferPool> = LazyLock::new(|| BufferPool::new(16
 
 /// One direction's key, iv and sequence number.
 pub(crate) struct Direction {
-    key: LessSafeKey,
+    key: Key,
     iv: [u8; NONCE_LEN],
     seq: u64,
 }
 
 impl Direction {
-    /// The key for one direction of a connection, from rustls' extracted secrets.
+    /// The key for one direction of a connection, from rustls' extracted secrets, on this
+    /// machine's faster AES-GCM code ([`AesGcm::for_this_machine`]).
     pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets) -> io::Result<Self> {
         let (algorithm, key, iv) = match secrets {
-            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
-            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
-            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (Algorithm::Aes128Gcm, key, iv),
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (Algorithm::Aes256Gcm, key, iv),
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => {
+                (Algorithm::Chacha20Poly1305, key, iv)
+            }
             _ => {
                 return Err(invalid(
                     "negotiated an AEAD the record layer does not implement",
                 ));
             }
         };
-        let key = UnboundKey::new(algorithm, key.as_ref())
-            .map_err(|_| invalid("traffic key of the wrong length"))?;
         let iv: [u8; NONCE_LEN] = iv
             .as_ref()
             .try_into()
             .map_err(|_| invalid("traffic iv of the wrong length"))?;
+        Self::from_parts(algorithm, key.as_ref(), iv, seq, AesGcm::for_this_machine())
+    }
+
+    /// A direction of `algorithm` with `key` and `iv`, at sequence number `seq`; AES-128-GCM
+    /// on the code `aes_gcm` names.
+    pub(crate) fn from_parts(
+        algorithm: Algorithm,
+        key: &[u8],
+        iv: [u8; NONCE_LEN],
+        seq: u64,
+        aes_gcm: AesGcm,
+    ) -> io::Result<Self> {
+        let key = Key::new(algorithm, key, aes_gcm)
+            .map_err(|_| invalid("traffic key of the wrong length"))?;
         Ok(Self {
-            key: LessSafeKey::new(key),
+            key,
             iv,
             seq: seq_checked(seq)?,
         })
     }
 
     /// The next record's nonce (`iv XOR seq`); counts the record.
-    pub(crate) fn next_nonce(&mut self) -> io::Result<Nonce> {
+    pub(crate) fn next_nonce(&mut self) -> io::Result<[u8; NONCE_LEN]> {
         let seq = seq_checked(self.seq)?;
         self.seq += 1;
         let mut nonce = self.iv;
         for (n, s) in nonce[NONCE_LEN - 8..].iter_mut().zip(seq.to_be_bytes()) {
             *n ^= s;
         }
-        Ok(Nonce::assume_unique_for_key(nonce))
+        Ok(nonce)
     }
 }
 
@@ -222,17 +241,9 @@ impl Sender {
         let head = header(plaintext.len() + 1 + TAG);
         let record = &mut self.buf[self.end..self.end + plaintext.len() + OVERHEAD];
         record[..HEADER].copy_from_slice(&head);
-        let (ciphertext, extra) = record[HEADER..].split_at_mut(plaintext.len());
         self.dir
             .key
-            .seal_out_of_place_scatter(
-                nonce,
-                Aad::from(head),
-                plaintext,
-                ciphertext,
-                &[content_type],
-                extra,
-            )
+            .seal(nonce, &head, plaintext, content_type, &mut record[HEADER..])
             .map_err(|_| io::Error::other("sealing a TLS record failed"))?;
         self.end += plaintext.len() + OVERHEAD;
         Ok(())
@@ -477,7 +488,7 @@ impl Receiver {
         };
         self.dir
             .key
-            .open_separate_gather(nonce, Aad::from(head), ciphertext, tag, target)
+            .open(nonce, &head, ciphertext, tag, target)
             .map_err(|_| invalid("TLS record failed to authenticate"))?;
         // TLSInnerPlaintext: content, content type, zero padding.
         let at = target

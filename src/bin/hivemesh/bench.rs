@@ -26,7 +26,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use crate::bench_device::{Device, DeviceTimes, Gpu};
-use crate::workers::{Workers, stdin_lines};
+use crate::workers::{PerfControl, Workers, stdin_lines};
 use anyhow::{Context, bail, ensure};
 use bytes::Bytes;
 use clap::Args;
@@ -191,6 +191,7 @@ pub(crate) fn validate_sizes(
 /// The parent: spawns the workers, relays the roster, prints the result line.
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     args.validate()?;
+    let mut perf = PerfControl::from_env()?;
     let mut workers = Workers::spawn(
         args.peers,
         "bench-worker",
@@ -233,6 +234,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
                 ensure!(r < total_rounds, "worker {i}: round {r} out of range");
                 linked[r] += 1;
                 if linked[r] == args.peers {
+                    perf.set(r > 0)?;
                     workers.broadcast("GO")?;
                 }
             }
@@ -256,6 +258,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
                 cpu_s[r] += cpu.parse::<f64>()?;
                 reported[r] += 1;
                 if reported[r] == args.peers {
+                    perf.set(false)?;
                     let slowest = times[r].iter().cloned().fold(0.0, f64::max);
                     eprintln!(
                         "round {r}{}: {slowest:.3} s, {:.2} CPU-s in all workers",

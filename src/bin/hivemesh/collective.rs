@@ -39,7 +39,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use crate::bench::{
     Transport, compression_name, exchange_roster, join_roster, process_cpu_seconds, validate_sizes,
 };
-use crate::workers::{Workers, runtime, stdin_lines};
+use crate::workers::{PerfControl, Workers, runtime, stdin_lines};
 
 const SEED: u64 = 7;
 const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -166,6 +166,7 @@ pub fn run(args: CollectiveArgs) -> anyhow::Result<()> {
     if let Some(k) = args.kill_member {
         flags.push(("--kill-member", k.to_string()));
     }
+    let mut perf = PerfControl::from_env()?;
     let mut workers = Workers::spawn(args.peers, "bench-collective-worker", &flags)?;
     exchange_roster(&mut workers, args.peers)?;
     let deadline = Instant::now() + Duration::from_secs(60 * 60);
@@ -226,6 +227,7 @@ pub fn run(args: CollectiveArgs) -> anyhow::Result<()> {
                 "worker {i}: expected PREPARED {round}, got {f:?}"
             );
         }
+        perf.set(round > 0)?;
         workers.send_to(|i| live.contains(&i), "GO")?;
         let mut slowest = 0.0f64;
         let mut ended = 0;
@@ -266,6 +268,7 @@ pub fn run(args: CollectiveArgs) -> anyhow::Result<()> {
                 _ => bail!("worker {i}: unexpected {f:?} in round {round}"),
             }
         }
+        perf.set(false)?;
         if let Some(k) = killed.filter(|_| round == 1) {
             ensure!(
                 failed == live.len() - 1,

@@ -181,3 +181,39 @@ pub fn stdin_lines() -> tokio::sync::mpsc::Receiver<String> {
     });
     rx
 }
+
+/// Profiles only the timed operations: with `HIVEMESH_PERF_CTL=PATH`, the path of the FIFO
+/// given to `perf record --control=fifo:PATH` (started with `-D -1`, i.e. disabled), the
+/// parent writes `enable` to it just before it says `GO` for a timed round and `disable` once
+/// every worker has ended it, so setup, input generation and the checks stay out of the
+/// profile. Without the variable it does nothing.
+pub struct PerfControl {
+    fifo: Option<std::fs::File>,
+    on: bool,
+}
+
+impl PerfControl {
+    /// Opens the FIFO named by `HIVEMESH_PERF_CTL`, if set.
+    pub fn from_env() -> anyhow::Result<Self> {
+        let fifo = match std::env::var_os("HIVEMESH_PERF_CTL") {
+            None => None,
+            Some(path) => Some(
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .with_context(|| format!("opening HIVEMESH_PERF_CTL {path:?}"))?,
+            ),
+        };
+        Ok(Self { fifo, on: false })
+    }
+
+    /// Turns recording on (`true`) or off; says so only when that changes it.
+    pub fn set(&mut self, on: bool) -> anyhow::Result<()> {
+        if let Some(fifo) = self.fifo.as_mut().filter(|_| on != self.on) {
+            fifo.write_all(if on { b"enable\n" } else { b"disable\n" })
+                .context("writing to HIVEMESH_PERF_CTL")?;
+            self.on = on;
+        }
+        Ok(())
+    }
+}

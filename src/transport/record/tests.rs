@@ -104,3 +104,128 @@ async fn other_alerts_and_content_types_are_errors() {
         assert_eq!(result.expect_err("refused").kind(), kind);
     }
 }
+
+/// An AES-128-GCM direction (the suite hivemesh peers negotiate) at sequence number `seq`,
+/// on the code `code`; the same key and iv every time.
+fn aes(code: AesGcm, seq: u64) -> Direction {
+    Direction::from_parts(Algorithm::Aes128Gcm, &[0x5a; 16], [0x17; 12], seq, code).expect("key")
+}
+
+/// A record `plaintext` of `content_type` sealed at sequence number `seq` with `code`.
+fn sealed(code: AesGcm, seq: u64, plaintext: &[u8], content_type: u8) -> Vec<u8> {
+    let mut dir = aes(code, seq);
+    let nonce = dir.next_nonce().expect("nonce");
+    let head = header(plaintext.len() + 1 + TAG);
+    let mut record = head.to_vec();
+    record.resize(HEADER + plaintext.len() + 1 + TAG, 0);
+    dir.key
+        .seal(nonce, &head, plaintext, content_type, &mut record[HEADER..])
+        .expect("seal");
+    record
+}
+
+/// Opens `record` (sealed at `seq`) with `code`: the inner plaintext, or `None` when it does
+/// not authenticate.
+fn opened(code: AesGcm, seq: u64, record: &[u8]) -> Option<Vec<u8>> {
+    let mut dir = aes(code, seq);
+    let nonce = dir.next_nonce().expect("nonce");
+    let (head, body) = record.split_at(HEADER);
+    let (ciphertext, tag) = body.split_at(body.len() - TAG);
+    let mut out = vec![0xee; ciphertext.len()];
+    dir.key
+        .open(nonce, head, ciphertext, tag, &mut out)
+        .ok()
+        .map(|()| out)
+}
+
+/// aws-lc's and ring's AES-128-GCM are one function: the same record bytes from either, each
+/// opens the other's, and neither opens a record with any bit of its header (the associated
+/// data), ciphertext or tag flipped, or under another sequence number.
+#[test]
+fn both_aes_gcm_codes_seal_the_same_records_and_open_each_others() {
+    for len in [0usize, 1, 15, 16, 17, 255, 4096, 12_345, MAX_PLAINTEXT] {
+        let plaintext: Vec<u8> = (0..len).map(|i| (i * 31 + 7) as u8).collect();
+        let seq = len as u64 * 3 + 1;
+        let by_aws = sealed(AesGcm::AwsLc, seq, &plaintext, APPLICATION_DATA);
+        let by_ring = sealed(AesGcm::Ring, seq, &plaintext, APPLICATION_DATA);
+        assert_eq!(by_aws, by_ring, "{len} bytes");
+        let mut inner = plaintext.clone();
+        inner.push(APPLICATION_DATA);
+        for code in [AesGcm::AwsLc, AesGcm::Ring] {
+            assert_eq!(
+                opened(code, seq, &by_aws).as_ref(),
+                Some(&inner),
+                "{code:?}, {len} bytes"
+            );
+            assert_eq!(
+                opened(code, seq + 1, &by_aws),
+                None,
+                "{code:?}: another sequence number"
+            );
+            for at in [
+                0,
+                3,
+                HEADER,
+                HEADER + len / 2,
+                by_aws.len() - TAG,
+                by_aws.len() - 1,
+            ] {
+                let mut bad = by_aws.clone();
+                bad[at] ^= 0x10;
+                assert_eq!(
+                    opened(code, seq, &bad),
+                    None,
+                    "{code:?}, {len} bytes, bit at {at}"
+                );
+            }
+        }
+    }
+}
+
+/// A stream sealed with one AES-GCM code is read with the other, in reads smaller and larger
+/// than a record (the staged path and the direct one), and ends at close_notify.
+#[tokio::test]
+async fn a_stream_sealed_by_one_aes_gcm_code_reads_with_the_other() {
+    let data: Vec<u8> = (0..(3 * MAX_PLAINTEXT + 4321))
+        .map(|i| (i % 251) as u8)
+        .collect();
+    for (send_code, read_code) in [(AesGcm::Ring, AesGcm::AwsLc), (AesGcm::AwsLc, AesGcm::Ring)] {
+        for read_size in [1000, 64 * 1024] {
+            let (mut a, b) = sockets().await;
+            let mut sender = Sender::new(aes(send_code, 0));
+            let mut rest = &data[..];
+            while !rest.is_empty() {
+                let n = std::future::poll_fn(|cx| {
+                    sender.poll_write_vectored(&mut a, cx, &[io::IoSlice::new(rest)])
+                })
+                .await
+                .expect("write");
+                rest = &rest[n..];
+            }
+            std::future::poll_fn(|cx| sender.poll_shutdown(&mut a, cx))
+                .await
+                .expect("close");
+            let rx = Receiver::new(
+                aes(read_code, 0),
+                vec![0u8; 2 * MAX_RECORD],
+                0,
+                0,
+                4 * MAX_RECORD,
+            );
+            let mut stream = Pair { tcp: b, rx };
+            let mut got = Vec::new();
+            let mut chunk = vec![0u8; read_size];
+            loop {
+                let n = stream.read(&mut chunk).await.expect("read");
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&chunk[..n]);
+            }
+            assert!(
+                got == data,
+                "{send_code:?} -> {read_code:?}, reads of {read_size}"
+            );
+        }
+    }
+}
