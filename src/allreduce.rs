@@ -221,6 +221,13 @@ pub enum Message {
         /// Why.
         reason: AbortReason,
     },
+    /// A chain of members relaying data (a lasting group's broadcast): the members the sender
+    /// knows failed; none, sent upstream, means every member past the sender has all the
+    /// data. Not part of a round: a round's peer that sends it breaks the protocol.
+    Notice {
+        /// Indices of the members known to have failed.
+        failed: PeerSet,
+    },
 }
 
 impl Message {
@@ -229,7 +236,7 @@ impl Message {
         match self {
             Self::Part(p) => p.payload.len(),
             Self::Averaged(a) => a.payload.len(),
-            Self::Abort { .. } => 0,
+            Self::Abort { .. } | Self::Notice { .. } => 0,
         }
     }
 }
@@ -347,6 +354,24 @@ pub enum Violation {
     /// The whole round ran past `round_timeout`.
     #[error("round timed out")]
     RoundTimeout,
+    /// A message of another protocol (a chain's [`Message::Notice`] in a round or an
+    /// exchange).
+    #[error("unexpected chain notice")]
+    UnexpectedNotice,
+    /// A chain's next member took no data, or did not confirm that the members past it have
+    /// it, in time.
+    #[error("the next member in the chain took no data or gave no confirmation in time")]
+    DownstreamTimeout,
+    /// A chain neighbour reported the member failed.
+    #[error("reported failed by member {by}")]
+    ReportedFailed {
+        /// The member that reported it.
+        by: usize,
+    },
+    /// A chain notice that cannot be: it names us or members out of range, or says done
+    /// before all the data went downstream.
+    #[error("impossible chain notice")]
+    BadNotice,
 }
 
 /// Errors that stop a round from starting or finishing.

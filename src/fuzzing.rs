@@ -264,6 +264,9 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             role: Role::Reducer,
             reason: AbortReason::Banned,
         },
+        Message::Notice {
+            failed: PeerSet::from_indices([1, 3]),
+        },
     ] {
         encode_frame(
             &Frame {

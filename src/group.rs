@@ -48,6 +48,7 @@
 //! links to the newcomers only).
 
 mod admit;
+mod chain;
 mod exchange;
 mod mesh;
 mod ops;

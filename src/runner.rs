@@ -816,6 +816,7 @@ pub(crate) fn describe(message: &Message) -> String {
         Message::Part(p) => format!("part {}", p.part),
         Message::Averaged(a) => format!("average {}", a.part),
         Message::Abort { role, reason } => format!("abort {role:?} {reason:?}"),
+        Message::Notice { failed } => format!("notice {failed:?}"),
     }
 }
 

@@ -449,7 +449,7 @@ fn truncated(mut t: Transmit) -> Transmit {
     match &mut t.message {
         Message::Part(p) => p.payload = cut(&p.payload),
         Message::Averaged(a) => a.payload = cut(&a.payload),
-        Message::Abort { .. } => {}
+        Message::Abort { .. } | Message::Notice { .. } => {}
     }
     t
 }

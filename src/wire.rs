@@ -144,6 +144,9 @@ impl From<&Frame> for proto::RoundFrame {
                     AbortReason::Internal => proto::AbortReason::AbortInternal,
                 } as i32,
             }),
+            Message::Notice { failed } => Body::Notice(proto::ChainNotice {
+                failed: failed.words().to_vec(),
+            }),
         };
         Self {
             group_id: f.group_id.clone(),
@@ -227,6 +230,14 @@ impl TryFrom<proto::RoundFrame> for Frame {
                     }
                 },
             },
+            Body::Notice(n) => {
+                if n.failed.len() > MAX_CONTRIBUTOR_WORDS {
+                    return Err(WireError::Contributors(n.failed.len()));
+                }
+                Message::Notice {
+                    failed: PeerSet::from_words(n.failed),
+                }
+            }
         };
         Ok(Self {
             group_id: f.group_id,
@@ -527,7 +538,7 @@ pub fn encode_frame_split(frame: &Frame, head: &mut BytesMut) -> Bytes {
                     rest.encode_to_vec(),
                 )
             }
-            Message::Abort { .. } => {
+            Message::Abort { .. } | Message::Notice { .. } => {
                 encode_frame(frame, head);
                 return Bytes::new();
             }
@@ -745,10 +756,22 @@ mod tests {
                 }),
             },
             Frame {
-                group_id: g,
+                group_id: g.clone(),
                 message: Message::Abort {
                     role: Role::Reducer,
                     reason: AbortReason::Banned,
+                },
+            },
+            Frame {
+                group_id: g.clone(),
+                message: Message::Notice {
+                    failed: PeerSet::from_indices([2, 65]),
+                },
+            },
+            Frame {
+                group_id: g,
+                message: Message::Notice {
+                    failed: PeerSet::default(),
                 },
             },
         ]

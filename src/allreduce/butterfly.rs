@@ -451,6 +451,11 @@ impl Butterfly {
                 Role::Sender => self.ban(from, Violation::Aborted(reason), false),
                 Role::Reducer => self.fail_reducer(from, Violation::Aborted(reason), false),
             },
+            // Another protocol's message: the peer is out of step in both roles.
+            Message::Notice { .. } => {
+                self.ban(from, Violation::UnexpectedNotice, true);
+                self.fail_reducer(from, Violation::UnexpectedNotice, true);
+            }
         }
         self.drain_completed();
         self.check_finished();

@@ -3,7 +3,7 @@
 //! A [`Plan`] says what flows between members: for each destination, the tensors this member
 //! sends it; for each source, the shapes it expects from it. All-gather, broadcast,
 //! reduce-scatter, barrier and point-to-point sends are such plans (see [`super`]); the
-//! all-reduce is the butterfly instead.
+//! all-reduce is the butterfly and the broadcast a chain (`chain`) instead.
 //!
 //! Each flow is cut into parts exactly as a butterfly round cuts tensors
 //! ([`Partition`] with one owner), encoded lazily when its link has room (lossless parts are
@@ -12,12 +12,6 @@
 //! source's buffers. A flow with no elements still sends its one empty part, so that a barrier
 //! sees every member arrive.
 //!
-//! Two options spare the data path copies (broadcast uses both): a flow sent from a
-//! **window** of its tensors ([`Plan::windows`]: per tensor, an element range; the parts are
-//! views of those elements), and a flow received **into** destination tensors the exchange
-//! owns ([`Plan::dest`], [`Plan::into`]: per tensor, the element offset where the flow's
-//! values go), decoded straight into place instead of into buffers of its own.
-//!
 //! A source that misses `sender_timeout` between parts (counted from the start of the
 //! operation), sends a bad part, aborts, or whose link dies is **failed**: its buffers are
 //! dropped and [`RoundEvent::Banned`] names it; what it sent so far is not used. The operation
@@ -25,7 +19,6 @@
 //! failed, or at `op_timeout`, which fails every flow still running.
 
 use std::collections::VecDeque;
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -61,21 +54,10 @@ pub(crate) struct Plan {
     pub sends: Vec<Option<Arc<Vec<Tensor>>>>,
     /// Per source, the shapes and dtypes expected from it.
     pub expects: Vec<Option<Arc<[TensorDescriptor]>>>,
-    /// Per destination (empty: none): the element range of each tensor in `sends[d]` that is
-    /// sent (the flow is then 1-D slices of those lengths).
-    pub windows: Vec<Option<Arc<[Range<usize>]>>>,
-    /// Tensors that flows named in `into` are received into (returned in
-    /// [`Received::dest`]).
-    pub dest: Vec<Tensor>,
-    /// Per source (empty: none): where its flow goes in `dest`, the element offset per tensor
-    /// (its tensor `t` fills `dest[t][offset..offset + numel]`, of `dest[t]`'s dtype).
-    pub into: Vec<Option<Arc<[usize]>>>,
 }
 
 struct Out {
     tensors: Arc<Vec<Tensor>>,
-    /// Per tensor, the first element sent (a window; empty: whole tensors).
-    offsets: Vec<usize>,
     parts: Arc<[PartSpec]>,
     codecs: Arc<[&'static dyn Codec]>,
     next: usize,
@@ -94,10 +76,8 @@ struct In {
     parts: Arc<[PartSpec]>,
     codecs: Arc<[&'static dyn Codec]>,
     next: usize,
-    /// Decoded values, per tensor (empty when the flow goes into `dest`).
+    /// Decoded values, per tensor.
     values: Vec<Vec<f32>>,
-    /// Per tensor, where the flow goes in the exchange's `dest`.
-    into: Option<Arc<[usize]>>,
     last: Instant,
     status: InStatus,
 }
@@ -112,11 +92,8 @@ enum State {
 /// The flows received: per source, its tensors when its flow completed.
 #[derive(Debug)]
 pub(crate) struct Received {
-    /// Per source: its values (f32, per tensor, row-major) when complete; for a flow received
-    /// into `dest`, `Some` of no vectors when complete.
+    /// Per source: its values (f32, per tensor, row-major) when complete.
     pub values: Vec<Option<Vec<Vec<f32>>>>,
-    /// The plan's destination tensors, with the flows received into them.
-    pub dest: Vec<Tensor>,
     /// The shapes of each source's tensors.
     pub descriptors: Vec<Option<Arc<[TensorDescriptor]>>>,
     /// Sources that failed, with why (the driver learns them from the events as they
@@ -133,7 +110,6 @@ pub(crate) struct Exchange {
     events: VecDeque<RoundEvent>,
     aborts: VecDeque<Transmit>,
     failed: Vec<(usize, Violation)>,
-    dest: Vec<Tensor>,
     state: State,
     deadline: Option<Instant>,
     cursor: usize,
@@ -153,11 +129,15 @@ impl std::fmt::Debug for Exchange {
 type Cut = (Arc<[PartSpec]>, Arc<[&'static dyn Codec]>);
 
 /// The parts and codecs of a flow of `descriptors`.
-fn cut(descriptors: &[TensorDescriptor], cfg: &ExchangeConfig) -> Result<Cut, RoundError> {
-    let partition = Partition::new(descriptors, &[1.0], cfg.part_size_bytes, &cfg.compression)?;
+pub(super) fn cut(
+    descriptors: &[TensorDescriptor],
+    part_size_bytes: usize,
+    compression: &Compression,
+) -> Result<Cut, RoundError> {
+    let partition = Partition::new(descriptors, &[1.0], part_size_bytes, compression)?;
     let codecs = descriptors
         .iter()
-        .map(|d| cfg.compression.codec_for(d.numel()))
+        .map(|d| compression.codec_for(d.numel()))
         .collect();
     Ok((partition.parts().into(), codecs))
 }
@@ -171,58 +151,20 @@ impl Exchange {
         pool: BufferPool,
     ) -> Result<Self, RoundError> {
         let n = cfg.members;
-        let sized = |len: usize| len == n || len == 0;
-        if cfg.me >= n
-            || plan.sends.len() != n
-            || plan.expects.len() != n
-            || !sized(plan.windows.len())
-            || !sized(plan.into.len())
-        {
+        if cfg.me >= n || plan.sends.len() != n || plan.expects.len() != n {
             return Err(RoundError::NotInGroup {
                 me: cfg.me,
                 size: n,
             });
         }
-        let mut windows = plan.windows;
-        windows.resize(n, None);
-        let mut into = plan.into;
-        into.resize(n, None);
-        let mismatch = RoundError::BadPlan;
         let mut out = Vec::with_capacity(n);
-        for (d, (sends, window)) in plan.sends.into_iter().zip(windows).enumerate() {
+        for (d, sends) in plan.sends.into_iter().enumerate() {
             out.push(match sends {
                 Some(tensors) if d != cfg.me => {
-                    let (descriptors, offsets) = match window {
-                        None => (
-                            tensors.iter().map(TensorDescriptor::of).collect::<Vec<_>>(),
-                            vec![0; tensors.len()],
-                        ),
-                        Some(w) => {
-                            if w.len() != tensors.len()
-                                || w.iter()
-                                    .zip(tensors.iter())
-                                    .any(|(r, t)| r.start > r.end || r.end > t.numel())
-                            {
-                                return Err(mismatch(format!(
-                                    "a window {w:?} outside the tensors sent to member {d}"
-                                )));
-                            }
-                            (
-                                w.iter()
-                                    .zip(tensors.iter())
-                                    .map(|(r, t)| TensorDescriptor {
-                                        shape: vec![r.len()],
-                                        dtype: t.dtype(),
-                                    })
-                                    .collect(),
-                                w.iter().map(|r| r.start).collect(),
-                            )
-                        }
-                    };
-                    let (parts, codecs) = cut(&descriptors, &cfg)?;
+                    let descriptors: Vec<_> = tensors.iter().map(TensorDescriptor::of).collect();
+                    let (parts, codecs) = cut(&descriptors, cfg.part_size_bytes, &cfg.compression)?;
                     Some(Out {
                         tensors,
-                        offsets,
                         parts,
                         codecs,
                         next: 0,
@@ -233,40 +175,18 @@ impl Exchange {
             });
         }
         let mut inc = Vec::with_capacity(n);
-        for (s, (expects, into)) in plan.expects.into_iter().zip(into).enumerate() {
+        for (s, expects) in plan.expects.into_iter().enumerate() {
             inc.push(match expects {
                 Some(descriptors) if s != cfg.me => {
-                    let (parts, codecs) = cut(&descriptors, &cfg)?;
-                    if let Some(at) = &into {
-                        let fits =
-                            at.len() == descriptors.len()
-                                && at.iter().zip(descriptors.iter()).enumerate().all(
-                                    |(t, (&o, d))| {
-                                        plan.dest.get(t).is_some_and(|x| {
-                                            x.dtype() == d.dtype
-                                                && o.checked_add(d.numel())
-                                                    .is_some_and(|end| end <= x.numel())
-                                        })
-                                    },
-                                );
-                        if !fits {
-                            return Err(mismatch(format!(
-                                "member {s}'s flow does not fit the destination at {at:?}"
-                            )));
-                        }
-                    }
+                    let (parts, codecs) = cut(&descriptors, cfg.part_size_bytes, &cfg.compression)?;
                     // Every element is decoded into before the flow completes, so pooled
                     // buffers need no zeroing.
-                    let values = match into {
-                        Some(_) => Vec::new(),
-                        None => descriptors
-                            .iter()
-                            .map(|d| pool.take_f32(d.numel()))
-                            .collect(),
-                    };
+                    let values = descriptors
+                        .iter()
+                        .map(|d| pool.take_f32(d.numel()))
+                        .collect();
                     Some(In {
                         values,
-                        into,
                         descriptors,
                         parts,
                         codecs,
@@ -286,7 +206,6 @@ impl Exchange {
             events: VecDeque::new(),
             aborts: VecDeque::new(),
             failed: Vec::new(),
-            dest: plan.dest,
             state: State::Running,
             cursor: 0,
             pool,
@@ -342,9 +261,8 @@ impl Exchange {
         let o = self.out[to].as_mut().expect("checked by the caller");
         let index = o.next;
         o.next += 1;
-        let mut spec = o.parts[index];
+        let spec = o.parts[index];
         let codec = o.codecs[spec.tensor];
-        spec.offset += o.offsets[spec.tensor];
         let (dtype, payload) = encode_part(&o.tensors, spec, codec, &self.pool);
         Message::Part(PartMessage {
             part: index as u32,
@@ -383,17 +301,11 @@ impl Exchange {
                 expected_dtype,
             });
         }
-        match &i.into {
-            None => codec.decode(
-                &msg.payload,
-                msg.dtype,
-                &mut i.values[spec.tensor][spec.range()],
-            )?,
-            Some(at) => {
-                let range = at[spec.tensor] + spec.offset..at[spec.tensor] + spec.offset + spec.len;
-                decode_into(codec, msg, &mut self.dest[spec.tensor], range, &self.pool)?;
-            }
-        }
+        codec.decode(
+            &msg.payload,
+            msg.dtype,
+            &mut i.values[spec.tensor][spec.range()],
+        )?;
         i.next += 1;
         i.last = now;
         if i.next == i.parts.len() {
@@ -424,52 +336,12 @@ impl Exchange {
                 }
                 Ok(Received {
                     values,
-                    dest: self.dest,
                     descriptors,
                     failed: self.failed,
                 })
             }
         }
     }
-}
-
-/// Decodes `msg`'s payload into elements `range` of `dest` (checked by [`Exchange::new`] to
-/// lie within it): straight into an f32 tensor; through a pooled f32 buffer, rounded to the
-/// tensor's dtype, otherwise (exact for values that came from that dtype).
-fn decode_into(
-    codec: &'static dyn Codec,
-    msg: &PartMessage,
-    dest: &mut Tensor,
-    range: Range<usize>,
-    pool: &BufferPool,
-) -> Result<(), crate::compression::CodecError> {
-    use crate::tensor::PartViewMut;
-    match dest.flat_mut() {
-        PartViewMut::F32(v) => codec.decode(&msg.payload, msg.dtype, &mut v[range]),
-        PartViewMut::F16(v) => decode_rounded(codec, msg, &mut v[range], pool, half::f16::from_f32),
-        PartViewMut::BF16(v) => {
-            decode_rounded(codec, msg, &mut v[range], pool, half::bf16::from_f32)
-        }
-    }
-}
-
-/// Decodes `msg`'s payload through a pooled f32 buffer into `out`, rounded with `round`.
-fn decode_rounded<T>(
-    codec: &'static dyn Codec,
-    msg: &PartMessage,
-    out: &mut [T],
-    pool: &BufferPool,
-    round: fn(f32) -> T,
-) -> Result<(), crate::compression::CodecError> {
-    let mut tmp = pool.take_f32(out.len());
-    let r = codec.decode(&msg.payload, msg.dtype, &mut tmp);
-    if r.is_ok() {
-        for (d, &x) in out.iter_mut().zip(tmp.iter()) {
-            *d = round(x);
-        }
-    }
-    pool.put_f32(tmp);
-    r
 }
 
 impl crate::runner::Machine for Exchange {
@@ -537,6 +409,7 @@ impl crate::runner::Machine for Exchange {
             }
             Message::Averaged(a) => self.fail(from, Violation::UnexpectedReply(a.part)),
             Message::Abort { reason, .. } => self.fail(from, Violation::Aborted(reason)),
+            Message::Notice { .. } => self.fail(from, Violation::UnexpectedNotice),
         }
         self.check_finished();
         Ok(())

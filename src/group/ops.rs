@@ -1,12 +1,12 @@
 //! The operations of a [`Group`] (see the [module docs](super)): the butterfly for
 //! all-reduce, plans of the exchange machine for the others, and `shrink`.
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use libp2p::PeerId;
 
+use super::chain::{Chain, ChainConfig};
 use super::exchange::{Plan, Received};
 use super::mesh::OpId;
 use super::{FailedMember, Group, GroupError, Partial, ReduceOp};
@@ -93,7 +93,6 @@ impl Group {
             expects: (0..n)
                 .map(|s| (s != me).then(|| descriptors.clone()))
                 .collect(),
-            ..Plan::default()
         };
         let compression = self.cfg.compression.clone();
         let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
@@ -113,13 +112,14 @@ impl Group {
     /// Member `root`'s `tensors` on every member (the others pass tensors of the shapes and
     /// dtypes to expect; their values are not used: the result is received into them).
     ///
-    /// Scatter, then all-gather (van de Geijn): the root sends member `j` the `j`-th of `N`
-    /// slices of every tensor, then every member sends its slice to every other non-root
-    /// member (the root its own slice). The root uploads `2(N-1)/N` of the data instead of
-    /// `N-1` times all of it, and every member's uplink carries a share. No slice is copied
-    /// out to be sent (the root's parts are views of its tensors) and the gathered slices
-    /// are decoded straight into the tensors a member passed (so when the operation fails, a
-    /// member's tensors, shared memory included, may hold part of the root's values).
+    /// A pipelined chain (see `chain`): the root streams its parts to the next member, and
+    /// every member forwards each part to the one after it as it decodes it, so every uplink
+    /// carries the data once and the broadcast takes about one transfer of it whatever the
+    /// group's size. No part is copied out to be sent (the root's parts are views of its
+    /// tensors, the others forward the bytes they received) and the parts are decoded
+    /// straight into the tensors a member passed (so when the operation fails, a member's
+    /// tensors, shared memory included, may hold part of the root's values). A failure
+    /// anywhere in the chain reaches every member, each naming the failed member.
     pub async fn broadcast(
         &mut self,
         root: usize,
@@ -138,115 +138,25 @@ impl Group {
     ) -> Result<Vec<Tensor>, GroupError> {
         const OP: &str = "broadcast";
         self.check_member(OP, root)?;
-        let scatter = self.next_collective();
-        let gather = self.next_collective();
+        let id = self.next_collective();
         let members = self.live.clone();
-        let n = members.len();
-        let me = self.me();
-        let numels: Vec<usize> = tensors.iter().map(Tensor::numel).collect();
-        let dtypes: Vec<DType> = tensors.iter().map(Tensor::dtype).collect();
-        // Slice j of tensor t: elements [numel·j/N, numel·(j+1)/N).
-        let bounds = |t: usize, j: usize| -> Range<usize> {
-            let numel = numels[t];
-            numel * j / n..numel * (j + 1) / n
+        let cfg = ChainConfig {
+            members: members.len(),
+            me: self.me(),
+            root,
+            part_size_bytes: self.cfg.part_size_bytes,
+            compression,
+            sender_timeout: self.cfg.sender_timeout,
+            op_timeout: Some(self.cfg.op_timeout),
         };
-        let window =
-            |j: usize| -> Arc<[Range<usize>]> { (0..numels.len()).map(|t| bounds(t, j)).collect() };
-        let offsets =
-            |j: usize| -> Arc<[usize]> { (0..numels.len()).map(|t| bounds(t, j).start).collect() };
-        let slice_shapes = |j: usize| -> Arc<[TensorDescriptor]> {
-            (0..numels.len())
-                .map(|t| TensorDescriptor {
-                    shape: vec![bounds(t, j).len()],
-                    dtype: dtypes[t],
-                })
-                .collect()
-        };
-        if me == root {
-            // Both phases send views of the root's own tensors.
-            let shared = Arc::new(tensors);
-            let plan = Plan {
-                sends: (0..n).map(|d| (d != me).then(|| shared.clone())).collect(),
-                expects: vec![None; n],
-                windows: (0..n).map(|d| (d != me).then(|| window(d))).collect(),
-                ..Plan::default()
-            };
-            let (_, mut failed) = self
-                .exchange(OP, scatter, members.clone(), plan, compression.clone())
-                .await?;
-            let plan = Plan {
-                sends: (0..n).map(|d| (d != me).then(|| shared.clone())).collect(),
-                expects: vec![None; n],
-                windows: (0..n).map(|d| (d != me).then(|| window(me))).collect(),
-                ..Plan::default()
-            };
-            let (_, gather_failed) = self
-                .exchange(OP, gather, members, plan, compression)
-                .await?;
-            for f in gather_failed {
-                if !failed.iter().any(|g| g.peer == f.peer) {
-                    failed.push(f);
-                }
-            }
-            // The links dropped every part once the exchanges ended: the tensors are ours
-            // again (cloned only if something still held a part).
-            let tensors = Arc::try_unwrap(shared).unwrap_or_else(|s| (*s).clone());
-            return finish(OP, failed, tensors, |_| Partial::Nothing);
-        }
-        // Scatter: our slice from the root.
-        let plan = Plan {
-            sends: vec![None; n],
-            expects: (0..n)
-                .map(|s| (s == root).then(|| slice_shapes(me)))
-                .collect(),
-            ..Plan::default()
-        };
-        let (received, failed) = self
-            .exchange(OP, scatter, members.clone(), plan, compression.clone())
-            .await?;
-        let mine: Arc<Vec<Tensor>> = match to_tensors(OP, received)?.swap_remove(root) {
-            // Without its slice a member cannot take part in the gather: the others name it
-            // there (it sends them nothing).
-            Some(t) if failed.is_empty() => Arc::new(t),
-            _ => {
-                return Err(GroupError::Failed {
-                    op: OP,
-                    failed,
-                    partial: Box::new(Partial::Nothing),
-                });
-            }
-        };
-        // Gather: our slice to the other non-root members; every other member's slice into
-        // the tensors we were given.
-        let plan = Plan {
-            sends: (0..n)
-                .map(|d| (d != me && d != root).then(|| mine.clone()))
-                .collect(),
-            expects: (0..n).map(|s| (s != me).then(|| slice_shapes(s))).collect(),
-            into: (0..n).map(|s| (s != me).then(|| offsets(s))).collect(),
-            dest: tensors,
-            ..Plan::default()
-        };
-        let (received, failed) = self
-            .exchange(OP, gather, members, plan, compression)
-            .await?;
-        if !failed.is_empty() {
-            return Err(GroupError::Failed {
+        let machine = Chain::new(cfg, tensors, Instant::now(), self.pool.clone()).map_err(|e| {
+            GroupError::Invalid {
                 op: OP,
-                failed,
-                partial: Box::new(Partial::Nothing),
-            });
-        }
-        let mut out = received.dest;
-        let mine = Arc::try_unwrap(mine).unwrap_or_else(|m| (*m).clone());
-        for (t, slice) in mine.into_iter().enumerate() {
-            copy_into(&mut out[t], bounds(t, me).start, &slice)
-                .map_err(|detail| GroupError::Internal { op: OP, detail })?;
-            if let Tensor::F32(a) = slice {
-                self.pool.put_f32(a.into_raw_vec_and_offset().0);
+                detail: e.to_string(),
             }
-        }
-        Ok(out)
+        })?;
+        let (machine, failed) = self.drive(OP, id, &members, machine).await?;
+        finish(OP, failed, machine.into_tensors(), |_| Partial::Nothing)
     }
 
     /// Reduce-scatter: `inputs[j]` goes to member `j` (one tensor per member, the same shape
@@ -279,7 +189,6 @@ impl Group {
             expects: (0..n)
                 .map(|s| (s != me).then(|| descriptor.clone()))
                 .collect(),
-            ..Plan::default()
         };
         let compression = self.cfg.compression.clone();
         let (received, failed) = self.exchange(OP, id, members, plan, compression).await?;
@@ -344,7 +253,6 @@ impl Group {
             expects: (0..n)
                 .map(|s| (s != me).then(|| descriptors.clone()))
                 .collect(),
-            ..Plan::default()
         };
         let (received, failed) = self
             .exchange(
@@ -382,7 +290,6 @@ impl Group {
         let plan = Plan {
             sends: vec![None, Some(Arc::new(tensors))],
             expects: vec![None, None],
-            ..Plan::default()
         };
         let compression = self.cfg.compression.clone();
         let (_, failed) = self
@@ -414,7 +321,6 @@ impl Group {
         let plan = Plan {
             sends: vec![None, None],
             expects: vec![Some(like.to_vec().into()), None],
-            ..Plan::default()
         };
         let compression = self.cfg.compression.clone();
         let (received, failed) = self
@@ -487,7 +393,6 @@ impl Group {
             expects: (0..k)
                 .map(|s| (s != me).then(|| descriptors.clone()))
                 .collect(),
-            ..Plan::default()
         };
         let id = self.next_collective();
         let (received, _) = self
@@ -590,25 +495,4 @@ fn into_f32_vec(t: Tensor) -> Vec<f32> {
         },
         other => other.to_f32_vec(),
     }
-}
-
-/// Copies `src`'s elements into `dest` from element `at` on (the same dtype).
-fn copy_into(dest: &mut Tensor, at: usize, src: &Tensor) -> Result<(), String> {
-    use crate::tensor::{PartView, PartViewMut};
-    let len = src.numel();
-    if at.checked_add(len).is_none_or(|end| end > dest.numel()) || dest.dtype() != src.dtype() {
-        return Err(format!(
-            "{len} {:?} elements at {at} of a {:?} tensor of {}",
-            src.dtype(),
-            dest.dtype(),
-            dest.numel()
-        ));
-    }
-    match (dest.flat_mut(), src.flat()) {
-        (PartViewMut::F32(d), PartView::F32(s)) => d[at..at + len].copy_from_slice(s),
-        (PartViewMut::F16(d), PartView::F16(s)) => d[at..at + len].copy_from_slice(s),
-        (PartViewMut::BF16(d), PartView::BF16(s)) => d[at..at + len].copy_from_slice(s),
-        _ => return Err("the dtypes differ".into()),
-    }
-    Ok(())
 }
