@@ -184,6 +184,10 @@ impl Chain {
             cfg,
             pool,
         };
+        if chain.parts.is_empty() {
+            // Nothing to send: the wait for downstream's confirmation starts now.
+            chain.all_sent_at = Some(now);
+        }
         chain.progress();
         Ok(chain)
     }

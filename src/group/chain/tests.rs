@@ -708,3 +708,40 @@ proptest! {
         }
     }
 }
+
+/// With nothing to broadcast (no tensors), completion still travels up the chain: a member
+/// that never confirms is named by the members before it in the chain, and those after it,
+/// who have everything there is, finish cleanly.
+#[test]
+fn an_empty_broadcast_completes_and_still_finds_a_silent_member() {
+    let (n, root) = (4, 1);
+    let net = Net::new(
+        start(n, root, CompressionType::None, DType::F32, &[]),
+        vec![None; n],
+    )
+    .run();
+    assert!(net.named.iter().all(Vec::is_empty), "{:?}", net.named);
+    for silent in 0..n {
+        let mut faults = vec![None; n];
+        faults[silent] = Some(Fault::Silent);
+        let net = Net::new(
+            start(n, root, CompressionType::None, DType::F32, &[]),
+            faults,
+        )
+        .run();
+        let pos = |i: usize| (i + n - root) % n;
+        for (i, named) in net.named.iter().enumerate() {
+            let who: Vec<usize> = named.iter().map(|(p, _)| *p).collect();
+            let want = if pos(i) < pos(silent) {
+                vec![silent]
+            } else {
+                vec![]
+            };
+            assert_eq!(who, want, "member {i}, silent {silent}");
+            // Its neighbour finds it by the confirmation's wait, not the operation's.
+            if pos(i) + 1 == pos(silent) {
+                assert_eq!(named[0].1, Violation::DownstreamTimeout, "member {i}");
+            }
+        }
+    }
+}
