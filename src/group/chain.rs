@@ -16,6 +16,11 @@
 //! all-gather and `(N-1)×` for sending from the root to everyone); on one machine it moves
 //! `(N-1)×` the data in all, the least any broadcast can.
 //!
+//! Received parts wait for room downstream in a queue of the received bytes (pooled frame
+//! buffers): when the next member takes them more slowly than they arrive, a member holds up
+//! to the broadcast's size in that queue, never more (parts past the expected count are a
+//! violation).
+//!
 //! **Completion.** The last member, once it has every part, sends the member before it a
 //! [`Message::Notice`] with no failed members: "everyone past me has the data". A member
 //! passes it on upstream once it has every part, has handed every part downstream and has
