@@ -17,10 +17,12 @@
 //!
 //! * [`Group::all_reduce`] with a [`ReduceOp`]: the butterfly ([`crate::allreduce`]) over the
 //!   group's links, with the group's compression, sender/reducer timeouts and part size;
-//! * [`Group::all_gather`], [`Group::broadcast`], [`Group::reduce_scatter`],
-//!   [`Group::barrier`], [`Group::send`], [`Group::recv`], [`Group::recv_any`]: direct
-//!   exchanges (`exchange`): each flow is cut into parts, encoded with the group's codec,
-//!   streamed under backpressure and checked part by part on arrival.
+//! * [`Group::all_gather`], [`Group::reduce_scatter`], [`Group::barrier`], [`Group::send`],
+//!   [`Group::recv`], [`Group::recv_any`]: direct exchanges (`exchange`): each flow is cut
+//!   into parts, encoded with the group's codec, streamed under backpressure and checked part
+//!   by part on arrival;
+//! * [`Group::broadcast`]: a pipelined chain from the root (`chain`), whose members forward
+//!   each part as they decode it, cut and checked the same way.
 //!
 //! Codec and reduction work runs on a blocking compute thread, never on the link tasks (the
 //! same compute loop as a round, [`crate::runner`]). Frames of an operation carry its id (see
@@ -192,7 +194,7 @@ pub enum Partial {
         /// Contributors per part.
         report: RoundReport,
     },
-    /// All-gather, broadcast, recv: per member, its tensors if they arrived complete.
+    /// All-gather, recv: per member, its tensors if they arrived complete.
     Gathered(Vec<Option<Vec<Tensor>>>),
     /// Reduce-scatter: the reduction over the members in `contributors` only.
     Reduced {

@@ -68,8 +68,8 @@ pub enum WireError {
     /// The group id is empty or too long.
     #[error("group id of {0} bytes (must be 1..={MAX_GROUP_ID_BYTES})")]
     GroupId(usize),
-    /// The contributor set is too large.
-    #[error("contributor set of {0} words (at most {MAX_CONTRIBUTOR_WORDS})")]
+    /// A member set (a reply's contributors, a chain notice's failed members) is too large.
+    #[error("member set of {0} words (at most {MAX_CONTRIBUTOR_WORDS})")]
     Contributors(usize),
     /// A peer id field does not hold a valid peer id.
     #[error("invalid peer id: {0}")]
@@ -876,6 +876,16 @@ mod tests {
             Frame::try_from(f),
             Err(WireError::Contributors(_))
         ));
+        let f = proto::RoundFrame {
+            group_id: Bytes::from_static(b"g"),
+            body: Some(proto::round_frame::Body::Notice(proto::ChainNotice {
+                failed: vec![1; MAX_CONTRIBUTOR_WORDS + 1],
+            })),
+        };
+        assert_eq!(
+            Frame::try_from(f),
+            Err(WireError::Contributors(MAX_CONTRIBUTOR_WORDS + 1))
+        );
         let f = proto::RoundFrame {
             group_id: Bytes::from_static(b"g"),
             body: None,

@@ -198,8 +198,8 @@ fn group_operations_write_a_timeline_per_member() {
 }
 
 /// `HIVEMESH_PERF_CTL` (perf's control FIFO; a plain file here) is told `enable` before each
-/// timed round and `disable` after it, never around the warm-up; a path that cannot be opened
-/// is an error before any worker starts.
+/// timed round and `disable` after it, never around the warm-up; a path that cannot be opened,
+/// or a FIFO that no perf reads, is an error before any worker starts.
 #[test]
 fn the_perf_control_file_brackets_every_timed_round() {
     let dir = std::env::temp_dir().join(format!("hivemesh-perf-ctl-{}", std::process::id()));
@@ -241,5 +241,27 @@ fn the_perf_control_file_brackets_every_timed_round() {
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("HIVEMESH_PERF_CTL"), "{stderr}");
+    // A FIFO nobody reads (no perf): an error after the open's timeout, not a hang.
+    let fifo = dir.join("fifo");
+    let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("path");
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates a file.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0, "mkfifo");
+    let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+        .args([
+            "bench",
+            "allreduce",
+            "--peers",
+            "2",
+            "--mib",
+            "1",
+            "--rounds",
+            "1",
+        ])
+        .env("HIVEMESH_PERF_CTL", &fifo)
+        .output()
+        .expect("running hivemesh");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("nobody opened it for reading"), "{stderr}");
     std::fs::remove_dir_all(&dir).expect("clean up");
 }

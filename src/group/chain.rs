@@ -342,17 +342,20 @@ impl Chain {
     /// while its link is full, or to confirm), while we wait for them (see the module docs:
     /// the waits grow by half a `sender_timeout` per position, upstream towards the end of
     /// the chain and downstream towards its start).
+    /// A wait that does not fit an `Instant` (a huge `sender_timeout`) is no wait.
     fn waits(&self) -> (Option<Instant>, Option<Instant>) {
         let unit = self.cfg.sender_timeout;
         let (pos, n) = (self.pos as u32, self.cfg.members as u32);
+        let halves = |k: u32| unit.checked_mul(k).map(|d| d / 2);
+        let after = |at: Instant, wait: Option<Duration>| wait.and_then(|w| at.checked_add(w));
         let upstream = (self.received < self.parts.len())
-            .then(|| self.last_heard.checked_add(unit * (pos + 1) / 2))
+            .then(|| after(self.last_heard, halves(pos + 1)))
             .flatten();
         let unconfirmed = self
             .all_sent_at
             .filter(|_| !self.down_done)
-            .and_then(|at| at.checked_add(unit * (n - pos + 1) / 2));
-        let stuck = self.blocked_since.and_then(|at| at.checked_add(unit));
+            .and_then(|at| after(at, halves(n - pos + 1)));
+        let stuck = self.blocked_since.and_then(|at| after(at, Some(unit)));
         (upstream, unconfirmed.into_iter().chain(stuck).min())
     }
 
@@ -437,15 +440,13 @@ impl crate::runner::Machine for Chain {
             return None;
         }
         self.blocked_since = None;
-        {
-            let message = self.next_part()?;
-            self.sent += 1;
-            if self.sent == self.parts.len() {
-                self.all_sent_at = Some(now);
-            }
-            self.progress();
-            Some(Transmit { to: down, message })
+        let message = self.next_part()?;
+        self.sent += 1;
+        if self.sent == self.parts.len() {
+            self.all_sent_at = Some(now);
         }
+        self.progress();
+        Some(Transmit { to: down, message })
     }
 
     fn poll_event(&mut self) -> Option<RoundEvent> {

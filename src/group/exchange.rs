@@ -1,9 +1,9 @@
 //! One member's side of a direct-exchange collective, sans-IO.
 //!
 //! A [`Plan`] says what flows between members: for each destination, the tensors this member
-//! sends it; for each source, the shapes it expects from it. All-gather, broadcast,
-//! reduce-scatter, barrier and point-to-point sends are such plans (see [`super`]); the
-//! all-reduce is the butterfly and the broadcast a chain (`chain`) instead.
+//! sends it; for each source, the shapes it expects from it. All-gather, reduce-scatter,
+//! barrier and point-to-point sends are such plans (see [`super`]); the all-reduce is the
+//! butterfly and the broadcast a chain (`chain`) instead.
 //!
 //! Each flow is cut into parts exactly as a butterfly round cuts tensors
 //! ([`Partition`] with one owner), encoded lazily when its link has room (lossless parts are
@@ -48,7 +48,7 @@ pub(crate) struct ExchangeConfig {
 }
 
 /// What flows: `sends[d]` to member `d`, `expects[s]` from member `s` (`None`: nothing).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(crate) struct Plan {
     /// Per destination, the tensors sent to it.
     pub sends: Vec<Option<Arc<Vec<Tensor>>>>,
@@ -489,4 +489,4 @@ impl crate::runner::Machine for Exchange {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

@@ -182,6 +182,9 @@ pub fn stdin_lines() -> tokio::sync::mpsc::Receiver<String> {
     rx
 }
 
+/// How long [`PerfControl::from_env`] waits for perf to open its end of the FIFO.
+pub const PERF_CTL_OPEN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Profiles only the timed operations: with `HIVEMESH_PERF_CTL=PATH`, the path of the FIFO
 /// given to `perf record --control=fifo:PATH` (started with `-D -1`, i.e. disabled), the
 /// parent writes `enable` to it just before it says `GO` for a timed round and `disable` once
@@ -193,18 +196,37 @@ pub struct PerfControl {
 }
 
 impl PerfControl {
-    /// Opens the FIFO named by `HIVEMESH_PERF_CTL`, if set.
+    /// Opens the FIFO named by `HIVEMESH_PERF_CTL`, if set. Opening a FIFO waits for its
+    /// reader: with no perf reading it within [`PERF_CTL_OPEN_TIMEOUT`], this is an error
+    /// instead of a bench that never starts.
     pub fn from_env() -> anyhow::Result<Self> {
-        let fifo = match std::env::var_os("HIVEMESH_PERF_CTL") {
-            None => None,
-            Some(path) => Some(
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .with_context(|| format!("opening HIVEMESH_PERF_CTL {path:?}"))?,
-            ),
+        let Some(path) = std::env::var_os("HIVEMESH_PERF_CTL") else {
+            return Ok(Self {
+                fifo: None,
+                on: false,
+            });
         };
-        Ok(Self { fifo, on: false })
+        let (tx, rx) = std_mpsc::sync_channel(1);
+        let opening = path.clone();
+        // A thread of its own: `open` on a FIFO blocks, with no timeout of its own. One that
+        // never returns ends with the process.
+        std::thread::spawn(move || {
+            let _ = tx.send(std::fs::OpenOptions::new().write(true).open(&opening));
+        });
+        let fifo = rx
+            .recv_timeout(PERF_CTL_OPEN_TIMEOUT)
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "HIVEMESH_PERF_CTL {path:?}: nobody opened it for reading within {:?} \
+                     (start the bench under `perf record --control=fifo:...`)",
+                    PERF_CTL_OPEN_TIMEOUT
+                )
+            })?
+            .with_context(|| format!("opening HIVEMESH_PERF_CTL {path:?}"))?;
+        Ok(Self {
+            fifo: Some(fifo),
+            on: false,
+        })
     }
 
     /// Turns recording on (`true`) or off; says so only when that changes it.

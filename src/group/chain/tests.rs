@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::compression::CompressionType;
+use crate::group::exchange::tests::tensors;
 use crate::runner::Machine;
 use crate::tensor::DType;
 use bytes::Bytes;
@@ -22,20 +23,6 @@ fn cfg(n: usize, me: usize, root: usize, codec: CompressionType) -> ChainConfig 
         sender_timeout: UNIT,
         op_timeout: Some(Duration::from_secs(3600)),
     }
-}
-
-/// Member `seed`'s tensors (small integers: exact in every dtype and 16-bit codec).
-fn tensors(seed: usize, dtype: DType, sizes: &[usize]) -> Vec<Tensor> {
-    sizes
-        .iter()
-        .enumerate()
-        .map(|(t, &n)| {
-            let v: Vec<f32> = (0..n)
-                .map(|i| ((seed * 31 + t * 7 + i) % 97) as f32 - 40.0)
-                .collect();
-            Tensor::from_f32_as(&[n], &v, dtype).unwrap()
-        })
-        .collect()
 }
 
 /// How a member misbehaves.
@@ -744,4 +731,23 @@ fn an_empty_broadcast_completes_and_still_finds_a_silent_member() {
             }
         }
     }
+}
+
+/// A `sender_timeout` too large to add to an instant (`Duration::MAX`: "never") gives no wait
+/// instead of overflowing: only the operation's deadline is left.
+#[test]
+fn a_huge_sender_timeout_means_no_wait() {
+    let now = Instant::now();
+    let mut c = cfg(5, 3, 0, CompressionType::None);
+    c.sender_timeout = Duration::MAX;
+    c.op_timeout = Some(Duration::from_secs(60));
+    let mut m = Chain::new(c, tensors(3, DType::F32, &[10]), now, BufferPool::default()).unwrap();
+    assert_eq!(m.poll_timeout(), Some(now + Duration::from_secs(60)));
+    // Blocked downstream too: still nothing but the deadline.
+    m.handle_message(now, 2, part(0, CompressionType::None, vec![0; 40]))
+        .unwrap();
+    assert!(m.poll_transmit(now, |_| false).is_none());
+    assert_eq!(m.poll_timeout(), Some(now + Duration::from_secs(60)));
+    m.handle_timeout(now + Duration::from_secs(59));
+    assert!(m.poll_event().is_none());
 }

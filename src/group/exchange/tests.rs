@@ -18,7 +18,9 @@ fn cfg(members: usize, me: usize, compression: CompressionType) -> ExchangeConfi
     }
 }
 
-fn tensors(seed: usize, dtype: DType, sizes: &[usize]) -> Vec<Tensor> {
+/// Member `seed`'s tensors (small integers: exact in every dtype and 16-bit codec; the chain's
+/// tests use them too).
+pub(in crate::group) fn tensors(seed: usize, dtype: DType, sizes: &[usize]) -> Vec<Tensor> {
     sizes
         .iter()
         .enumerate()
