@@ -224,44 +224,32 @@ fn the_perf_control_file_brackets_every_timed_round() {
         let told = std::fs::read_to_string(&ctl).expect("control file");
         assert_eq!(told, want, "{args:?}");
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-        .args([
-            "bench",
-            "allreduce",
-            "--peers",
-            "2",
-            "--mib",
-            "1",
-            "--rounds",
-            "1",
-        ])
-        .env("HIVEMESH_PERF_CTL", dir.join("missing/ctl"))
-        .output()
-        .expect("running hivemesh");
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("HIVEMESH_PERF_CTL"), "{stderr}");
+    // A bench whose control file cannot be opened fails with a message naming it.
+    let refused = |ctl: &std::path::Path, why: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
+            .args([
+                "bench",
+                "allreduce",
+                "--peers",
+                "2",
+                "--mib",
+                "1",
+                "--rounds",
+                "1",
+            ])
+            .env("HIVEMESH_PERF_CTL", ctl)
+            .output()
+            .expect("running hivemesh");
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(why), "{stderr}");
+    };
+    refused(&dir.join("missing/ctl"), "HIVEMESH_PERF_CTL");
     // A FIFO nobody reads (no perf): an error after the open's timeout, not a hang.
     let fifo = dir.join("fifo");
     let c_path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("path");
     // SAFETY: a valid NUL-terminated path; mkfifo only creates a file.
     assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0, "mkfifo");
-    let out = Command::new(env!("CARGO_BIN_EXE_hivemesh"))
-        .args([
-            "bench",
-            "allreduce",
-            "--peers",
-            "2",
-            "--mib",
-            "1",
-            "--rounds",
-            "1",
-        ])
-        .env("HIVEMESH_PERF_CTL", &fifo)
-        .output()
-        .expect("running hivemesh");
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("nobody opened it for reading"), "{stderr}");
+    refused(&fifo, "nobody opened it for reading");
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
