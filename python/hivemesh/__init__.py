@@ -47,4 +47,19 @@ __all__ = [
     "__version__",
     "compression",
     "get_dht_time",
+    "Optimizer",
+    "GradScaler",
 ]
+
+# hivemind's top-level names from hivemesh.optim, imported when first used (they need PyTorch,
+# which ``import hivemesh`` does not).
+_OPTIM = {"Optimizer", "GradScaler", "TrainingStateAverager", "GradientAverager",
+          "ProgressTracker"}
+
+
+def __getattr__(name: str):
+    if name in _OPTIM:
+        from hivemesh import optim
+
+        return getattr(optim, name)
+    raise AttributeError(f"module 'hivemesh' has no attribute {name!r}")

@@ -1,0 +1,236 @@
+"""hivemind's quickstart, collaborative training with ``Optimizer``, runnable with no download:
+N peer processes and a late joiner train one model together, each with a progress bar, and
+the final loss is printed beside a single-process baseline's.
+
+Usage::
+
+    python examples/python/collaborative.py [--peers 4] [--epochs 8] [--use-local-updates]
+                                            [--backend hivemesh|hivemind]
+
+The script is written as hivemind's quickstart is, against ``hivemind.DHT`` and
+``hivemind.Optimizer``; ``--backend hivemind`` runs it on hivemind itself (``pip install
+hivemind``) and the default on hivemesh, the only difference being the module imported as
+``hm``. The data: a synthetic 10-class problem (32 features, classes from a fixed random
+teacher network, 5% label noise), each peer drawing its own shuffled batches of 32 from a
+training set of 20,000 samples; the loss is measured on 4,000 held-out samples.
+
+The swarm: the parent process runs the first peer's DHT as the bootstrap node (like the
+quickstart's first terminal) and starts ``--peers`` peer processes; after the swarm reaches
+epoch ``--late-epoch`` a late joiner starts, calls ``opt.load_state_from_peers()`` as the
+quickstart's second terminal does, and trains with the others. Every peer stops once its
+``local_epoch`` reaches ``--epochs``.
+
+The baseline: the same model and SGD optimizer trained in one process for as many steps of
+``--target-batch-size`` samples as the swarm has epochs (``use_local_updates=False`` is exactly
+that algorithm: one optimizer step per epoch on the average gradient of the epoch's samples).
+With ``--use-local-updates`` the peers step on every batch and average parameters once per
+epoch, so their loss differs from the baseline's (it usually drops faster).
+
+Output: per peer a line ``peer I: epoch E loss L accuracy A``, then
+``final: backend=B mode=M peers=N epochs=E wall_s=W loss=L baseline_loss=BL``. Exit status 0
+when every peer (the late joiner too) reached the final epoch, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import multiprocessing as mp
+import queue
+import sys
+import threading
+import time
+
+FEATURES, CLASSES, HIDDEN = 32, 10, 64
+
+
+def make_data(seed: int, n: int):
+    """``n`` samples of the synthetic task (the same for every peer and the baseline)."""
+    import torch
+
+    g = torch.Generator().manual_seed(4242)
+    w1 = torch.randn(FEATURES, 48, generator=g) / FEATURES ** 0.5
+    w2 = torch.randn(48, CLASSES, generator=g) / 48 ** 0.5
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    y = (torch.tanh(x @ w1) @ w2).argmax(dim=1)
+    noisy = torch.rand(n, generator=g) < 0.05
+    y[noisy] = torch.randint(0, CLASSES, (int(noisy.sum()),), generator=g)
+    return x, y
+
+
+def make_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+
+
+def evaluate(model) -> tuple:
+    import torch
+    from torch.nn import functional as F
+
+    x, y = make_data(7, 4000)
+    with torch.no_grad():
+        out = model(x)
+        return float(F.cross_entropy(out, y)), float((out.argmax(1) == y).float().mean())
+
+
+def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace, late: bool,
+         results: "mp.Queue") -> None:
+    """One peer: the quickstart's training script."""
+    try:
+        import torch
+        from torch.nn import functional as F
+
+        hm = importlib.import_module(backend)  # `import hivemind as hm` or `import hivemesh as hm`
+        torch.set_num_threads(1)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        dht = hm.DHT(initial_peers=initial_peers, start=True,
+                     host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        opt = hm.Optimizer(
+            dht=dht,
+            run_id="quickstart_run",
+            batch_size_per_step=32,
+            target_batch_size=args.target_batch_size,
+            optimizer=opt,
+            use_local_updates=args.use_local_updates,
+            matchmaking_time=args.matchmaking_time,
+            averaging_timeout=30.0,
+            verbose=False,
+        )
+        if late:
+            opt.load_state_from_peers()
+        x_all, y_all = make_data(1, 20000)
+        gen = torch.Generator().manual_seed(100 + index)
+        bar = None
+        if args.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(desc=f"peer {index}", position=index, leave=False)
+        last_epoch = opt.local_epoch
+        deadline = time.monotonic() + args.timeout
+        while opt.local_epoch < args.epochs and time.monotonic() < deadline:
+            for batch in torch.randperm(len(x_all), generator=gen).split(32):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x_all[batch]), y_all[batch])
+                loss.backward()
+                opt.step()
+                if bar is not None:
+                    bar.desc = f"peer {index} epoch {opt.local_epoch} loss {loss.item():.3f}"
+                    bar.update()
+                if opt.local_epoch != last_epoch:
+                    last_epoch = opt.local_epoch
+                    results.put(("epoch", index, last_epoch))
+                if opt.local_epoch >= args.epochs or time.monotonic() > deadline:
+                    break
+        loss, acc = evaluate(model)
+        results.put(("done", index, opt.local_epoch, loss, acc))
+        # Keep serving the state to whoever is still catching up: the parent ends this
+        # process once every peer is done.
+        threading.Event().wait()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        results.put(("fatal", index, f"{e!r}\n{traceback.format_exc()}"))
+
+
+def baseline(args: argparse.Namespace) -> float:
+    import torch
+    from torch.nn import functional as F
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    x_all, y_all = make_data(1, 20000)
+    gen = torch.Generator().manual_seed(5)
+    if args.use_local_updates:
+        steps, batch = args.epochs * args.target_batch_size // 32, 32
+    else:
+        steps, batch = args.epochs, args.target_batch_size
+    for _ in range(steps):
+        idx = torch.randint(0, len(x_all), (batch,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
+        opt.step()
+    return evaluate(model)[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=["hivemesh", "hivemind"], default="hivemesh")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--late-epoch", type=int, default=2)
+    p.add_argument("--target-batch-size", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--matchmaking-time", type=float, default=3.0)
+    p.add_argument("--use-local-updates", action="store_true")
+    p.add_argument("--no-late-joiner", action="store_true")
+    p.add_argument("--progress", action="store_true", help="a tqdm progress bar per peer")
+    p.add_argument("--timeout", type=float, default=600.0)
+    args = p.parse_args()
+    if args.peers < 1 or args.epochs < 1:
+        p.error("--peers and --epochs must be positive")
+
+    hm = importlib.import_module(args.backend)
+    dht = hm.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    initial_peers = [str(a) for a in dht.get_visible_maddrs()]
+    print("To join the training, use initial_peers =", initial_peers, flush=True)
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    started = time.monotonic()
+    for i in range(args.peers):
+        procs.append(ctx.Process(target=peer, args=(i, args.backend, initial_peers, args, False,
+                                                    results), daemon=False))
+        procs[-1].start()
+    late_index = None if args.no_late_joiner else args.peers
+    done, fatal = {}, None
+    deadline = started + args.timeout
+    while True:
+        try:
+            msg = results.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                fatal = "timed out"
+                break
+            continue
+        kind, index = msg[0], msg[1]
+        if kind == "fatal":
+            fatal = f"peer {index}: {msg[2]}"
+            break
+        if kind == "epoch" and late_index is not None and len(procs) == args.peers \
+                and msg[2] >= args.late_epoch:
+            procs.append(ctx.Process(target=peer, args=(late_index, args.backend, initial_peers,
+                                                        args, True, results), daemon=False))
+            procs[-1].start()
+        if kind == "done":
+            done[index] = msg[2:]
+            if len(done) == len(procs) and (late_index is None or late_index in done):
+                break
+    wall = time.monotonic() - started
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(timeout=10)
+    dht.shutdown()
+    if fatal:
+        print(f"failed: {fatal}", file=sys.stderr)
+        return 1
+    for index in sorted(done):
+        epoch, loss, acc = done[index]
+        print(f"peer {index}: epoch {epoch} loss {loss:.4f} accuracy {acc:.3f}")
+    losses = [done[i][1] for i in done]
+    mode = "local_updates" if args.use_local_updates else "synchronous"
+    print(f"final: backend={args.backend} mode={mode} peers={len(done)} epochs={args.epochs} "
+          f"wall_s={wall:.1f} loss={sum(losses) / len(losses):.4f} "
+          f"baseline_loss={baseline(args):.4f}", flush=True)
+    reached = all(done[i][0] >= args.epochs for i in done)
+    return 0 if reached and len(done) == len(procs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
