@@ -40,8 +40,11 @@ pub mod control;
 mod devices;
 pub mod node;
 pub mod state;
+mod step_control;
 
 pub use devices::AveragedTensor;
+use step_control::{ParamsCell, StepParams};
+pub use step_control::{Stage, StepControl, StepControlError};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -267,74 +270,9 @@ pub enum AveragerError {
     Shutdown,
 }
 
-/// Where a step is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stage {
-    /// Queued behind another step.
-    Queued,
-    /// Looking for a group.
-    Matchmaking,
-    /// Group assembled; waiting for [`StepControl::trigger`].
-    AwaitingTrigger,
-    /// Linking to the group and running the all-reduce.
-    AllReduce,
-    /// Done (successfully or not).
-    Finished,
-}
-
-/// A scheduled step: trigger it, cancel it, watch its stage, await its result.
-#[derive(Debug)]
-pub struct StepControl {
-    stage: watch::Receiver<Stage>,
-    trigger: watch::Sender<bool>,
-    cancel: watch::Sender<bool>,
-    result: oneshot::Receiver<Result<StepOutcome, AveragerError>>,
-}
-
-impl StepControl {
-    /// Allows the all-reduce to begin once the group is assembled.
-    pub fn trigger(&self) {
-        let _ = self.trigger.send(true);
-    }
-
-    /// Cancels the step in whatever stage it is (see the module docs).
-    pub fn cancel(&self) {
-        let _ = self.cancel.send(true);
-    }
-
-    /// The current stage.
-    pub fn stage(&self) -> Stage {
-        *self.stage.borrow()
-    }
-
-    /// Waits until the stage is `stage` or later.
-    pub async fn reached(&mut self, stage: Stage) {
-        let order = |s: Stage| s as u8;
-        let _ = self.stage.wait_for(|s| order(*s) >= order(stage)).await;
-    }
-
-    /// The step's result.
-    pub async fn result(self) -> Result<StepOutcome, AveragerError> {
-        self.result.await.unwrap_or(Err(AveragerError::Shutdown))
-    }
-
-    /// Separates the result from the controls: the returned future resolves to the step's
-    /// result, while [`StepControl::trigger`], [`StepControl::cancel`] and the stage keep
-    /// working on `self` (so another thread can cancel while one awaits the result). Called
-    /// twice, the second future says [`AveragerError::Shutdown`], as does
-    /// [`StepControl::result`] afterwards.
-    pub fn take_result(
-        &mut self,
-    ) -> impl std::future::Future<Output = Result<StepOutcome, AveragerError>> + Send + 'static
-    {
-        let (_, closed) = oneshot::channel();
-        let result = std::mem::replace(&mut self.result, closed);
-        async move { result.await.unwrap_or(Err(AveragerError::Shutdown)) }
-    }
-}
-
 struct StepRequest {
     options: StepOptions,
+    params: ParamsCell,
     stage: watch::Sender<Stage>,
     trigger: watch::Receiver<bool>,
     cancel: watch::Receiver<bool>,
@@ -411,6 +349,8 @@ pub struct Averager {
     dht: Dht,
     hub: Arc<LinkHub>,
     config: AveragerConfig,
+    /// The group bits ([`KeySchedule::Bits`]; `None` for a grid), shared with the actor.
+    key_manager: Arc<Mutex<Option<KeyManager>>>,
 }
 
 impl std::fmt::Debug for Averager {
@@ -496,6 +436,7 @@ impl Averager {
             }
         };
         let joining = (dht.clone(), hub.clone(), config.clone());
+        let key_manager = Arc::new(Mutex::new(key_manager));
         let actor = Actor {
             schema_hash,
             descriptors,
@@ -504,7 +445,7 @@ impl Averager {
             dht,
             hub,
             config,
-            key_manager,
+            key_manager: key_manager.clone(),
             successes: 0,
             shared: shared.clone(),
             inbox,
@@ -522,7 +463,30 @@ impl Averager {
             dht: joining.0,
             hub: joining.1,
             config: joining.2,
+            key_manager,
         })
+    }
+
+    /// The group bits the next step looks for a group under (hivemind's `get_group_bits`):
+    /// `None` for a [`KeySchedule::Grid`].
+    pub fn group_bits(&self) -> Option<String> {
+        lock_keys(&self.key_manager)
+            .as_ref()
+            .map(|km| km.bits().to_owned())
+    }
+
+    /// Replaces the group bits (hivemind's `set_group_bits`: `0`s and `1`s, any length); the
+    /// next matchmaking uses them. A [`KeySchedule::Grid`] has none to set
+    /// ([`AveragerError::Config`]).
+    pub fn set_group_bits(&self, bits: &str) -> Result<(), AveragerError> {
+        match lock_keys(&self.key_manager).as_mut() {
+            Some(km) => km
+                .set_bits(bits)
+                .map_err(|e| AveragerError::Config(e.to_string())),
+            None => Err(AveragerError::Config(
+                "a grid key schedule has no group bits".into(),
+            )),
+        }
     }
 
     /// The local tensors (lock briefly: a finishing round waits for this lock to add its
@@ -537,6 +501,9 @@ impl Averager {
 
     /// Schedules a step; use the returned control to trigger, cancel or await it.
     pub async fn schedule_step(&self, options: StepOptions) -> Result<StepControl, AveragerError> {
+        step_control::check_weight(options.weight)
+            .map_err(|e| AveragerError::Config(e.to_string()))?;
+        let (params, _) = watch::channel(StepParams::of(&options));
         let (stage_tx, stage) = watch::channel(Stage::Queued);
         let (trigger, trigger_rx) = watch::channel(!options.wait_for_trigger);
         let (cancel, cancel_rx) = watch::channel(false);
@@ -544,6 +511,7 @@ impl Averager {
         self.steps
             .send(StepRequest {
                 options,
+                params: ParamsCell(params.clone()),
                 stage: stage_tx,
                 trigger: trigger_rx,
                 cancel: cancel_rx,
@@ -556,6 +524,7 @@ impl Averager {
             stage,
             trigger,
             cancel,
+            params,
             result,
         })
     }
@@ -571,9 +540,11 @@ impl Averager {
         let (_cancel, cancel) = watch::channel(false);
         let (result, _) = oneshot::channel();
         let (form, formed) = oneshot::channel();
+        let (params, _) = watch::channel(StepParams::of(&options));
         self.steps
             .send(StepRequest {
                 options,
+                params: ParamsCell(params),
                 stage,
                 trigger,
                 cancel,
@@ -730,6 +701,10 @@ fn advertised_data_addr(
     Some(addr)
 }
 
+fn lock_keys(m: &Mutex<Option<KeyManager>>) -> MutexGuard<'_, Option<KeyManager>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub(crate) fn to_mm(peer: &libp2p::PeerId) -> matchmaking::PeerId {
     matchmaking::PeerId::from_bytes(peer.to_bytes()).expect("libp2p peer ids are 1..=128 bytes")
 }
@@ -757,6 +732,8 @@ enum Wake {
     Inbound(libp2p::PeerId, Message),
     DhtGet(u64, Option<crate::dht::DhtValue>),
     Unreachable(libp2p::PeerId),
+    /// The step's parameters changed ([`StepControl::set_scheduled_time`]).
+    Params,
     Cancel,
     Timeout,
     StepTimeout,
@@ -771,7 +748,7 @@ struct Actor {
     dht: Dht,
     hub: Arc<LinkHub>,
     config: AveragerConfig,
-    key_manager: Option<KeyManager>,
+    key_manager: Arc<Mutex<Option<KeyManager>>>,
     successes: u64,
     shared: Arc<Shared>,
     inbox: mpsc::Receiver<(libp2p::PeerId, Message)>,
@@ -806,6 +783,7 @@ impl Actor {
         // Fail queued steps rather than leaving their callers waiting.
         steps.close();
         while let Some(request) = steps.recv().await {
+            request.params.close();
             let _ = request.stage.send(Stage::Finished);
             let _ = request.result.send(Err(AveragerError::Shutdown));
         }
@@ -846,7 +824,7 @@ impl Actor {
     }
 
     fn step_key(&self, options: &StepOptions) -> Result<GroupKey, AveragerError> {
-        match (&self.config.keys, &self.key_manager) {
+        match (&self.config.keys, lock_keys(&self.key_manager).as_ref()) {
             (KeySchedule::Grid { grid, coords }, _) => grid
                 .key(
                     &self.config.prefix,
@@ -899,6 +877,7 @@ impl Actor {
     async fn run_step(&mut self, request: StepRequest, shutdown: &mut watch::Receiver<bool>) {
         let StepRequest {
             options,
+            params,
             stage,
             mut trigger,
             mut cancel,
@@ -911,8 +890,9 @@ impl Actor {
             .map(|t| tokio::time::Instant::from_std(started + t));
         if let Some(form) = form {
             let formed = self
-                .form_group(&options, &mut cancel, shutdown, step_deadline)
+                .form_group(&options, &params, &mut cancel, shutdown, step_deadline)
                 .await;
+            params.close();
             let _ = stage.send(Stage::Finished);
             let _ = form.send(formed);
             return;
@@ -920,6 +900,7 @@ impl Actor {
         let outcome = self
             .step(
                 &options,
+                &params,
                 &stage,
                 &mut trigger,
                 &mut cancel,
@@ -930,13 +911,16 @@ impl Actor {
         if outcome.is_ok() {
             self.successes += 1;
         }
+        params.close();
         let _ = stage.send(Stage::Finished);
         let _ = result.send(outcome);
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn step(
         &mut self,
         options: &StepOptions,
+        params: &ParamsCell,
         stage: &watch::Sender<Stage>,
         trigger: &mut watch::Receiver<bool>,
         cancel: &mut watch::Receiver<bool>,
@@ -945,7 +929,7 @@ impl Actor {
     ) -> Result<StepOutcome, AveragerError> {
         let _ = stage.send(Stage::Matchmaking);
         let group = self
-            .find_group(options, cancel, shutdown, step_deadline)
+            .find_group(options, params, cancel, shutdown, step_deadline)
             .await?;
         // Register the round with the hub at once, so members that start linking while we
         // still wait for our trigger (or are slower to see `Begin`) are not turned away.
@@ -960,10 +944,12 @@ impl Actor {
         };
         self.while_serving(wait, step_deadline, options.timeout)
             .await?;
+        // The weight is read, and the parameters closed to changes, as the all-reduce begins.
+        let weight = params.begin();
         let _ = stage.send(Stage::AllReduce);
         let started = std::time::Instant::now();
         let result = self
-            .all_reduce(options, group, prepared, cancel, step_deadline)
+            .all_reduce(options, weight, group, prepared, cancel, step_deadline)
             .await;
         use crate::metrics::RoundResult;
         let counted = match &result {
@@ -980,6 +966,7 @@ impl Actor {
     async fn find_group(
         &mut self,
         options: &StepOptions,
+        params: &ParamsCell,
         cancel: &mut watch::Receiver<bool>,
         shutdown: &mut watch::Receiver<bool>,
         step_deadline: Option<tokio::time::Instant>,
@@ -987,7 +974,7 @@ impl Actor {
         let started = std::time::Instant::now();
         let group = loop {
             match self
-                .matchmake(options, cancel, shutdown, step_deadline)
+                .matchmake(options, params, cancel, shutdown, step_deadline)
                 .await
             {
                 Ok(group) => break group,
@@ -1000,7 +987,7 @@ impl Actor {
                 Err(e) => return Err(e),
             }
         };
-        if let Some(km) = self.key_manager.as_mut() {
+        if let Some(km) = lock_keys(&self.key_manager).as_mut() {
             km.update_on_group_assembled(&group);
         }
         self.trace("matchmaking", started, || {
@@ -1038,12 +1025,13 @@ impl Actor {
     async fn form_group(
         &mut self,
         options: &StepOptions,
+        params: &ParamsCell,
         cancel: &mut watch::Receiver<bool>,
         shutdown: &mut watch::Receiver<bool>,
         step_deadline: Option<tokio::time::Instant>,
     ) -> Result<crate::Group, AveragerError> {
         let group = self
-            .find_group(options, cancel, shutdown, step_deadline)
+            .find_group(options, params, cancel, shutdown, step_deadline)
             .await?;
         let prepared = self.prepare_links(&group, true).await?;
         let established = self
@@ -1176,6 +1164,7 @@ impl Actor {
     async fn matchmake(
         &mut self,
         options: &StepOptions,
+        params: &ParamsCell,
         cancel: &mut watch::Receiver<bool>,
         shutdown: &mut watch::Receiver<bool>,
         step_deadline: Option<tokio::time::Instant>,
@@ -1193,7 +1182,8 @@ impl Actor {
         step.contact = Bytes::from(contact);
         let mut known_contacts = std::collections::HashSet::new();
         let now = DhtTime::now();
-        step.scheduled_time = options.scheduled_in.map(|d| now.saturating_add(d));
+        step.scheduled_time = params.scheduled_time();
+        let mut changes = params.0.subscribe();
         step.deadline = step_deadline
             .map(|d| now.saturating_add(d.saturating_duration_since(tokio::time::Instant::now())));
         let mut machine = Matchmaker::new(me, mm_config, step, now, &mut self.rng)
@@ -1268,6 +1258,7 @@ impl Actor {
                 },
                 Some((id, value)) = gets.recv() => Wake::DhtGet(id, value),
                 Some(peer) = unreachable.recv() => Wake::Unreachable(peer),
+                Ok(()) = changes.changed() => Wake::Params,
                 _ = cancel.wait_for(|c| *c) => Wake::Cancel,
                 _ = shutdown.wait_for(|s| *s) => Wake::Shutdown,
                 () = async { match timeout { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => Wake::Timeout,
@@ -1281,6 +1272,11 @@ impl Actor {
                     machine.handle_dht_get(now, id, value)
                 }
                 Wake::Unreachable(peer) => machine.handle_unreachable(now, &to_mm(&peer)),
+                Wake::Params => {
+                    if let Some(at) = params.scheduled_time() {
+                        machine.set_scheduled_time(at);
+                    }
+                }
                 Wake::Timeout => machine.handle_timeout(now),
                 Wake::Cancel | Wake::Shutdown | Wake::StepTimeout => {
                     machine.cancel(now);
@@ -1322,6 +1318,7 @@ impl Actor {
     async fn all_reduce(
         &mut self,
         options: &StepOptions,
+        weight: f64,
         group: matchmaking::Group,
         prepared: Prepared,
         cancel: &mut watch::Receiver<bool>,
@@ -1333,7 +1330,7 @@ impl Actor {
             expectation,
         } = prepared;
         let mut cfg = RoundConfig::new(round_members, group.me);
-        cfg.weight = options.weight;
+        cfg.weight = weight;
         cfg.part_size_bytes = self.config.part_size_bytes;
         cfg.compression = self.config.compression.clone();
         cfg.sender_timeout = self.config.sender_timeout;

@@ -180,6 +180,28 @@ impl Tensor {
         }
     }
 
+    /// A tensor of `dtype` from its raw row-major little-endian bytes (what
+    /// [`PartView::as_bytes`] of [`Tensor::flat`] gives), e.g. a state received from a peer.
+    pub fn from_le_bytes(shape: &[usize], dtype: DType, bytes: &[u8]) -> Result<Self, TensorError> {
+        let numel = addressable_numel(shape, dtype).ok_or_else(|| {
+            TensorError::Mismatch(format!("shape {shape:?} of {} is too large", dtype.name()))
+        })?;
+        if numel * dtype.size_bytes() != bytes.len() {
+            return Err(TensorError::Mismatch(format!(
+                "{} bytes for shape {shape:?} of {}",
+                bytes.len(),
+                dtype.name()
+            )));
+        }
+        let mut t = Self::zeros(shape, dtype);
+        match t.flat_mut() {
+            PartViewMut::F32(s) => bytemuck::cast_slice_mut::<_, u8>(s).copy_from_slice(bytes),
+            PartViewMut::F16(s) => bytemuck::cast_slice_mut::<_, u8>(s).copy_from_slice(bytes),
+            PartViewMut::BF16(s) => bytemuck::cast_slice_mut::<_, u8>(s).copy_from_slice(bytes),
+        }
+        Ok(t)
+    }
+
     /// An f32 tensor from row-major values.
     pub fn from_f32(shape: &[usize], values: Vec<f32>) -> Result<Self, TensorError> {
         checked_shape(shape, values.len())?;

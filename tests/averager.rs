@@ -9,7 +9,8 @@ use swarm::Swarm;
 
 use hivemesh::allreduce::Mode;
 use hivemesh::averager::{
-    Averager, AveragerConfig, AveragerError, KeySchedule, Stage, StepOptions, StepOutcome,
+    Averager, AveragerConfig, AveragerError, KeySchedule, Stage, StepControlError, StepOptions,
+    StepOutcome,
 };
 use hivemesh::links::LinkKind;
 use hivemesh::matchmaking::Grid;
@@ -1201,4 +1202,73 @@ async fn sum_max_and_min_over_real_links() {
         all.extend(averagers);
     }
     swarm.shutdown(all).await;
+}
+
+/// hivemind's `GradientAverager` sets a step's weight after scheduling it, and a peer tagging
+/// along sets 0: the weight set through the `StepControl` after scheduling (while the step
+/// waits for its trigger) is the one the all-reduce uses, so both peers end with exactly the
+/// other peer's values. Once the all-reduce has begun, a change is refused and the weight
+/// stays the one used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weight_set_after_scheduling_is_the_one_used() {
+    let _serial = serial().await;
+    let swarm = Swarm::start(2, |_| false).await;
+    let mut rng = StdRng::seed_from_u64(12);
+    // Whole numbers: every sum and difference is exact in f32, so "exactly" means exactly.
+    let inputs: Vec<Vec<Vec<f32>>> = (0..2)
+        .map(|_| {
+            random_tensors(&mut rng)
+                .into_iter()
+                .map(|t| t.into_iter().map(|x| (x * 100.0).round()).collect())
+                .collect()
+        })
+        .collect();
+    let averagers: Vec<_> = (0..2)
+        .map(|i| {
+            swarm.averager(
+                i,
+                inputs[i].clone(),
+                config("late-weight", Mode::Node, Some(2)),
+            )
+        })
+        .collect();
+    let options = |trigger: bool| StepOptions {
+        wait_for_trigger: trigger,
+        timeout: Some(Duration::from_secs(120)),
+        ..StepOptions::default()
+    };
+    let mut tagging_along = averagers[1].schedule_step(options(true)).await.unwrap();
+    let other = averagers[0].schedule_step(options(false)).await.unwrap();
+    assert_eq!(tagging_along.weight(), 1.0);
+    assert!(matches!(
+        tagging_along.set_weight(f64::NAN),
+        Err(StepControlError::InvalidWeight(_))
+    ));
+    assert!(tagging_along.set_weight(-1.0).is_err());
+    tagging_along.set_weight(0.0).unwrap();
+    assert!(tagging_along.accepts_changes());
+    tagging_along.reached(Stage::AwaitingTrigger).await;
+    tagging_along.trigger();
+    tagging_along.reached(Stage::AllReduce).await;
+    assert!(!tagging_along.accepts_changes());
+    assert_eq!(
+        tagging_along.set_weight(5.0),
+        Err(StepControlError::TooLate)
+    );
+    assert_eq!(
+        tagging_along.weight(),
+        0.0,
+        "the weight the all-reduce used"
+    );
+    let (a, b) = tokio::join!(other.result(), tagging_along.result());
+    a.unwrap();
+    b.unwrap();
+    for (i, averager) in averagers.iter().enumerate() {
+        assert_eq!(
+            values(averager),
+            inputs[0],
+            "peer {i} holds peer 0's values exactly"
+        );
+    }
+    swarm.shutdown(averagers).await;
 }

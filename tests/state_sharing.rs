@@ -8,6 +8,8 @@
 
 mod swarm;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use swarm::Swarm;
 
@@ -882,4 +884,81 @@ async fn metadata_requests_reuse_one_snapshot_until_the_state_changes() {
     assert_eq!(hash(ask(&mut s, &Request::Metadata).await), third);
     assert_eq!(donor.state_stats().snapshots_built, 3);
     swarm.shutdown(vec![donor]).await;
+}
+
+/// hivemind's overridable `get_current_state`: a donor with a [`state::StateProvider`] serves
+/// what it returns (more tensors than it averages, other shapes and dtypes, its own metadata)
+/// and a newcomer fetching the state gets exactly that; installing it into tensors of the
+/// averaged schema is refused as a schema mismatch; a provider that fails gets newcomers
+/// refused (no donor); removing the provider serves the averaged tensors again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_provider_serves_whatever_it_returns() {
+    let swarm = Swarm::start(2, |_| true).await;
+    let donor = swarm.averager(
+        0,
+        vec![vector(vec![1.0, 2.0])],
+        config("provided", 1.0, true),
+    );
+    let newcomer = swarm.averager(
+        1,
+        vec![vector(vec![0.0; 2])],
+        config("provided", 0.0, false),
+    );
+    let served = vec![
+        vector(vec![1.0, 2.0]),
+        Tensor::from_f32_as(&[2, 3], &[1.5, -2.0, 3.0, 0.25, 8.0, -0.5], DType::BF16).unwrap(),
+        Tensor::from_f32_as(&[], &[42.0], DType::F16).unwrap(),
+        Tensor::zeros(&[0, 4], DType::F32),
+        Tensor::from_f32(&[3, 1, 2], (0..6).map(|i| i as f32 * 0.5).collect()).unwrap(),
+    ];
+    let fail = Arc::new(AtomicBool::new(false));
+    donor.set_state_provider(Some(provider(&fail, &served)));
+    wait_donors(&newcomer, "donor announced", |d| d.len() == 1).await;
+    let (info, tensors) = newcomer
+        .download_state_from_peers()
+        .await
+        .unwrap()
+        .expect("a donor");
+    assert_eq!(tensors, served);
+    assert_eq!(info.metadata, Bytes::from_static(b"{\"epoch\": 3}"));
+    // Installing needs the averaged schema.
+    match newcomer.load_state_from_peers().await {
+        Err(StateError::SchemaMismatch { peers }) => assert_eq!(peers, [swarm.peer(0)]),
+        other => panic!("expected a schema mismatch, got {other:?}"),
+    }
+    assert_eq!(values(&newcomer), vec![vec![0.0; 2]]);
+    // A failing provider (set anew: a provided state is reused for up to a second): the donor
+    // refuses (busy), so no donor is available.
+    fail.store(true, Ordering::SeqCst);
+    donor.set_state_provider(Some(provider(&fail, &served)));
+    assert!(
+        newcomer
+            .download_state_from_peers()
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // Without a provider: the averaged tensors and metadata.
+    donor.set_state_provider(None);
+    donor
+        .set_state_metadata(Bytes::from_static(b"plain"))
+        .unwrap();
+    let info = loaded(newcomer.load_state_from_peers().await, "without a provider");
+    assert_eq!(values(&newcomer), vec![vec![1.0, 2.0]]);
+    assert_eq!(info.metadata, Bytes::from_static(b"plain"));
+    swarm.shutdown(vec![donor, newcomer]).await;
+}
+
+/// A provider serving `served` (metadata `{"epoch": 3}`) unless `fail` is set.
+fn provider(fail: &Arc<AtomicBool>, served: &[Tensor]) -> Arc<dyn state::StateProvider> {
+    let (fail, served) = (fail.clone(), served.to_vec());
+    Arc::new(move || {
+        if fail.load(Ordering::SeqCst) {
+            return Err("no state right now".to_owned());
+        }
+        Ok(state::ProvidedState {
+            metadata: Bytes::from_static(b"{\"epoch\": 3}"),
+            tensors: served.clone(),
+        })
+    })
 }

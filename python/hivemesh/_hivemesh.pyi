@@ -4,7 +4,7 @@ Use the Python API (``hivemesh.DHT``, ``hivemesh.DecentralizedAverager``); these
 what it is built on.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __version__: str
 #: Whether CUDA tensors can be averaged (an extension built with ``--features cuda``).
@@ -30,6 +30,12 @@ class ShutdownError(HivemeshError):
 
 def get_dht_time() -> float:
     """Seconds since the UNIX epoch, as the DHT counts time."""
+
+def peer_id_to_bytes(b58: str) -> bytes:
+    """libp2p's binary form of a base58 peer id (``ValueError`` if it is none)."""
+
+def peer_id_to_base58(data: bytes) -> str:
+    """The base58 text of a binary peer id (``ValueError`` if it is none)."""
 
 class Node:
     """A hivemesh node: swarm, DHT and link hub."""
@@ -66,8 +72,9 @@ class Node:
         """A subkey that only this node can write."""
     def store(
         self, key: bytes, value: bytes, expiration_time: float, subkey: Optional[bytes] = ...
-    ) -> int:
-        """Stores a value; returns how many remote peers took it."""
+    ) -> bool:
+        """Stores a value; returns whether a remote replica holds it when read back, or this
+        node is connected to nobody (only its own store has it)."""
     def get(
         self, key: bytes
     ) -> Optional[Tuple[Optional[Tuple[bytes, float]], List[Tuple[bytes, bytes, float]]]]:
@@ -83,6 +90,21 @@ class StepControl:
         """``queued``, ``matchmaking``, ``awaiting_trigger``, ``allreduce`` or ``finished``."""
     def trigger(self) -> None:
         """Lets the all-reduce begin."""
+    @property
+    def weight(self) -> float:
+        """The step's weight (the one its all-reduce used, once it began)."""
+    def set_weight(self, weight: float) -> bool:
+        """Sets the weight; ``False`` (no change) once the all-reduce began; ``ValueError``
+        for a weight that is not 0 or a finite positive number up to 1e12."""
+    @property
+    def scheduled_time(self) -> Optional[float]:
+        """When the all-reduce should begin at the earliest (DHT time), or ``None``."""
+    def set_scheduled_time(self, scheduled_time: float) -> bool:
+        """Sets the scheduled time; ``False`` (no change) once the all-reduce began."""
+    @property
+    def params_final(self) -> bool:
+        """Whether weight and scheduled time are final (the all-reduce began or the step
+        ended)."""
     def cancel(self) -> None:
         """Cancels the step."""
     def done(self) -> bool:
@@ -147,6 +169,16 @@ class Averager:
     ) -> Optional[Tuple[bytes, List[Tuple[str, List[int], bytes]]]]:
         """Downloads the state without installing it (``None``: no donor, or ``timeout`` passed)."""
     state_metadata: bytes
+    def set_state_provider(
+        self,
+        provider: Optional[Callable[[], Tuple[bytes, List[Tuple[str, List[int], bytes]]]]],
+    ) -> None:
+        """Serves what ``provider()`` returns (``(metadata, [(dtype, shape, raw bytes)])``)
+        instead of the tensors and metadata; ``None``: those again."""
+    def group_bits(self) -> str:
+        """The group bits the next step looks under."""
+    def set_group_bits(self, bits: str) -> None:
+        """Replaces the group bits."""
     def allow_state_sharing(self) -> bool: ...
     def set_allow_state_sharing(self, allow: bool) -> None: ...
     def state_priority(self) -> float: ...

@@ -19,10 +19,10 @@ use bytes::Bytes;
 use hivemesh::allreduce::Mode;
 use hivemesh::averager::{
     AveragedTensor, Averager as RustAverager, AveragerConfig, AveragerError, KeySchedule, Stage,
-    StepControl as RustStepControl, StepOptions, StepOutcome,
+    StepControl as RustStepControl, StepControlError, StepOptions, StepOutcome,
 };
 use hivemesh::compression::{Compression, CompressionType};
-use hivemesh::dht::Dht;
+use hivemesh::dht::{Dht, DhtTime};
 use hivemesh::tensor::{DType, Tensor};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -187,6 +187,15 @@ fn outcome_dict<'py>(py: Python<'py>, o: &StepOutcome) -> PyResult<Bound<'py, Py
     let links: Vec<Option<String>> = o.links.iter().map(|l| l.map(|l| l.to_string())).collect();
     d.set_item("links", links)?;
     Ok(d)
+}
+
+/// A setter's outcome for Python: taken, too late (`False`), or a bad value.
+fn taken(r: Result<(), StepControlError>) -> PyResult<bool> {
+    match r {
+        Ok(()) => Ok(true),
+        Err(StepControlError::TooLate) => Ok(false),
+        Err(e) => Err(PyValueError::new_err(e.to_string())),
+    }
 }
 
 fn stage_name(s: Stage) -> &'static str {
@@ -484,6 +493,30 @@ impl Averager {
             .map_err(|e| StateError::new_err(e.to_string()))
     }
 
+    /// Serves what `provider()` returns to newcomers instead of the tensors and metadata
+    /// (`None`: those again). `provider` is called with the GIL, on a blocking thread, bounded
+    /// by the state request timeout, and returns `(metadata: bytes, [(dtype, shape, raw
+    /// little-endian bytes)])` with dtype `"float32"`, `"float16"` or `"bfloat16"`.
+    #[pyo3(signature = (provider))]
+    fn set_state_provider(&self, provider: Option<Py<PyAny>>) -> PyResult<()> {
+        let provider = provider.map(|callback| {
+            Arc::new(PyStateProvider { callback })
+                as Arc<dyn hivemesh::averager::state::StateProvider>
+        });
+        self.get()?.set_state_provider(provider);
+        Ok(())
+    }
+
+    /// The group bits the next step looks under.
+    fn group_bits(&self) -> PyResult<String> {
+        Ok(self.get()?.group_bits().unwrap_or_default())
+    }
+
+    /// Replaces the group bits (`0`s and `1`s).
+    fn set_group_bits(&self, bits: &str) -> PyResult<()> {
+        self.get()?.set_group_bits(bits).map_err(averaging_error)
+    }
+
     /// Whether the state is served to newcomers.
     fn allow_state_sharing(&self) -> PyResult<bool> {
         Ok(self.get()?.allow_state_sharing())
@@ -550,6 +583,49 @@ impl Drop for Averager {
     }
 }
 
+/// A donor's state from a Python callable (`DecentralizedAverager.get_current_state`).
+struct PyStateProvider {
+    callback: Py<PyAny>,
+}
+
+impl hivemesh::averager::state::StateProvider for PyStateProvider {
+    fn current_state(&self) -> Result<hivemesh::averager::state::ProvidedState, String> {
+        Python::attach(|py| {
+            let got = self.callback.call0(py).map_err(|e| {
+                // The traceback, where a user looks for it.
+                e.print(py);
+                format!("get_current_state() raised {e}")
+            })?;
+            #[allow(clippy::type_complexity)]
+            let (metadata, tensors): (
+                PyBackedBytes,
+                Vec<(String, Vec<usize>, PyBackedBytes)>,
+            ) = got
+                .extract(py)
+                .map_err(|e| format!("get_current_state(): {e}"))?;
+            let tensors = tensors
+                .into_iter()
+                .enumerate()
+                .map(|(i, (dtype, shape, data))| {
+                    raw_tensor(&dtype, &shape, &data)
+                        .map_err(|e| format!("get_current_state() tensor {i}: {e}"))
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(hivemesh::averager::state::ProvidedState {
+                metadata: Bytes::copy_from_slice(&metadata),
+                tensors,
+            })
+        })
+    }
+}
+
+/// A tensor of `dtype` (its name) and `shape` from its raw little-endian bytes.
+fn raw_tensor(dtype: &str, shape: &[usize], data: &[u8]) -> Result<Tensor, String> {
+    let dtype = DType::from_name(dtype)
+        .ok_or_else(|| format!("dtype {dtype:?}; supported: float32, float16, bfloat16"))?;
+    Tensor::from_le_bytes(shape, dtype, data).map_err(|e| e.to_string())
+}
+
 /// A scheduled step. See `hivemesh.StepControl`.
 #[pyclass(module = "hivemesh._hivemesh")]
 pub(crate) struct StepControl {
@@ -575,6 +651,55 @@ impl StepControl {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .cancel();
+    }
+
+    /// The step's weight (the one its all-reduce used, once it began).
+    #[getter]
+    fn weight(&self) -> f64 {
+        self.control
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .weight()
+    }
+
+    /// Sets the step's weight; returns `False` (and changes nothing) once the all-reduce has
+    /// begun. A weight that is not 0 or a finite positive number is a `ValueError`.
+    fn set_weight(&self, weight: f64) -> PyResult<bool> {
+        let control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+        taken(control.set_weight(weight))
+    }
+
+    /// When the all-reduce should begin at the earliest (DHT time), or `None`.
+    #[getter]
+    fn scheduled_time(&self) -> Option<f64> {
+        self.control
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .scheduled_time()
+            .map(DhtTime::as_secs)
+    }
+
+    /// Sets when the all-reduce should begin at the earliest (DHT time); returns `False` (and
+    /// changes nothing) once the all-reduce has begun.
+    fn set_scheduled_time(&self, scheduled_time: f64) -> PyResult<bool> {
+        let at = DhtTime::from_secs(scheduled_time).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "scheduled_time must be finite, not {scheduled_time}"
+            ))
+        })?;
+        let control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+        taken(control.set_scheduled_time(at))
+    }
+
+    /// Whether the weight and scheduled time are final (the all-reduce began, or the step
+    /// ended before it).
+    #[getter]
+    fn params_final(&self) -> bool {
+        !self
+            .control
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .accepts_changes()
     }
 
     /// `"queued"`, `"matchmaking"`, `"awaiting_trigger"`, `"allreduce"` or `"finished"`.

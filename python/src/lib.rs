@@ -72,6 +72,8 @@ fn _hivemesh(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<averager::StepControl>()?;
     m.add_class::<averager::TensorLock>()?;
     m.add_function(wrap_pyfunction!(node::get_dht_time, m)?)?;
+    m.add_function(wrap_pyfunction!(node::peer_id_to_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(node::peer_id_to_base58, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // Whether CUDA tensors can be averaged (an extension built with `--features cuda`).
     m.add("CUDA", cfg!(feature = "cuda"))?;

@@ -26,6 +26,31 @@ pub(crate) fn get_dht_time() -> f64 {
     DhtTime::now().as_secs()
 }
 
+/// libp2p's binary form of the peer id `b58` (a multihash).
+#[pyfunction]
+pub(crate) fn peer_id_to_bytes<'py>(py: Python<'py>, b58: &str) -> PyResult<Bound<'py, PyBytes>> {
+    let peer: libp2p::PeerId = b58
+        .parse()
+        .map_err(|e| PyValueError::new_err(format!("not a peer id: {b58:?}: {e}")))?;
+    Ok(PyBytes::new(py, &peer.to_bytes()))
+}
+
+/// The base58 text of the peer id whose binary form is `data`.
+#[pyfunction]
+pub(crate) fn peer_id_to_base58(data: &[u8]) -> PyResult<String> {
+    libp2p::PeerId::from_bytes(data)
+        .map(|p| p.to_base58())
+        .map_err(|e| PyValueError::new_err(format!("not a binary peer id: {e}")))
+}
+
+/// `addr` without a trailing `/p2p/<id>` (an announced address may name this node).
+fn without_peer_id(mut addr: Multiaddr) -> Multiaddr {
+    if matches!(addr.iter().last(), Some(Protocol::P2p(_))) {
+        addr.pop();
+    }
+    addr
+}
+
 fn parse_addrs(what: &str, addrs: Vec<String>) -> PyResult<Vec<Multiaddr>> {
     addrs
         .into_iter()
@@ -151,7 +176,11 @@ impl Node {
             .iter()
             .filter(|a| is_explicit_addr(a))
             .cloned()
-            .chain(parse_addrs("external address", external)?)
+            .chain(
+                parse_addrs("external address", external)?
+                    .into_iter()
+                    .map(without_peer_id),
+            )
             .collect();
         if client_mode {
             // A DHT client takes no inbound connections: others reach it through relays.
@@ -245,7 +274,8 @@ impl Node {
     }
 
     /// Stores `value` under `key` (and `subkey`) until `expiration_time` (DHT time, seconds).
-    /// Returns how many remote peers took the write.
+    /// Returns whether it was stored: some remote replica holds it when read back, or this
+    /// node is connected to nobody (then only its own store has it).
     #[pyo3(signature = (key, value, expiration_time, subkey=None))]
     fn store(
         &self,
@@ -254,7 +284,7 @@ impl Node {
         value: PyBackedBytes,
         expiration_time: f64,
         subkey: Option<PyBackedBytes>,
-    ) -> PyResult<usize> {
+    ) -> PyResult<bool> {
         let expiration = DhtTime::from_secs(expiration_time).ok_or_else(|| {
             PyValueError::new_err(format!(
                 "expiration_time must be finite, not {expiration_time}"
@@ -262,10 +292,18 @@ impl Node {
         })?;
         let parts = self.parts()?;
         runtime::block_on(py, async move {
-            parts
+            let held = parts
                 .dht
                 .store(&key, subkey.as_deref(), &value, expiration)
-                .await
+                .await?;
+            let lone = held == 0
+                && parts
+                    .dht
+                    .p2p()
+                    .connected_peers()
+                    .await
+                    .is_ok_and(|p| p.is_empty());
+            Ok::<_, hivemesh::dht::DhtError>(held > 0 || lone)
         })?
         .map_err(|e| DHTError::new_err(e.to_string()))
     }

@@ -21,7 +21,8 @@
 //! `/hivemesh/state/1/<prefix>` ([`protocol`]) on libp2p streams. The newcomer writes one
 //! length-delimited request at a time and reads its answer ([`wire`]):
 //!
-//! * `Metadata` → the donor snapshots its tensors and metadata (the raw bytes of every tensor,
+//! * `Metadata` → the donor snapshots its state: its tensors and metadata, or whatever its
+//!   [`StateProvider`] returns (see below). The snapshot holds the raw bytes of every tensor,
 //!   little-endian as on every target hivemesh builds for, concatenated; copied under the
 //!   tensor lock, hashed on a blocking thread; the last snapshot is reused while neither the
 //!   tensors nor the metadata changed, so repeated requests cost no copy),
@@ -78,6 +79,26 @@
 //! and verified: a partial or corrupt download is an error, never a silently wrong state.
 //! `Ok(None)` means no donor was available (none announced, or every one refused or could not be
 //! reached); donors that answered with another schema give [`StateError::SchemaMismatch`].
+//!
+//! # Serving another state
+//!
+//! By default a donor serves its averaged tensors and [`Averager::set_state_metadata`]'s
+//! bytes. A [`StateProvider`] ([`Averager::set_state_provider`]) replaces that with whatever it
+//! returns: any number of tensors of any shapes and dtypes (hivemind's `TrainingStateAverager`
+//! serves parameters, optimizer statistics and extra tensors) and its own metadata. The donor
+//! calls it on a blocking thread, never on a network task, bounded by
+//! [`StateConfig::request_timeout`]: a provider that fails, or has not answered by then, gets
+//! the newcomer a `Busy` refusal (it asks the next donor), and while a call is still running no
+//! second one starts (`Busy` too), so a provider that hangs holds one thread, not one per
+//! request. A provided state is reused for at most a second (the provider's state changes
+//! without the averager knowing), and must fit the wire's limits
+//! ([`wire::MAX_TENSORS`], [`wire::MAX_DIMS`], [`wire::MAX_METADATA_BYTES`]).
+//!
+//! The schema hash in a provided state's description stays the averager's (it says which
+//! averaging the donor belongs to). A newcomer that installs the state
+//! ([`Averager::load_state_from_peers`]) needs the donor's tensors to have its own shapes and
+//! dtypes (else [`DonorError::SchemaMismatch`]); one that only fetches it
+//! ([`Averager::download_state_from_peers`]) takes any tensors.
 //!
 //! What verification cannot catch: the reference donor itself lying consistently (a wrong state
 //! with matching hashes). Nothing distinguishes it from an honest donor with a different state,
@@ -202,6 +223,32 @@ pub struct StateStats {
     pub snapshots_built: u64,
     /// Sessions open now.
     pub sessions: usize,
+}
+
+/// A state a [`StateProvider`] serves to newcomers in place of the averaged tensors.
+#[derive(Clone, Debug, Default)]
+pub struct ProvidedState {
+    /// The user metadata served with it (at most [`wire::MAX_METADATA_BYTES`]).
+    pub metadata: Bytes,
+    /// The tensors, in order: any count (up to [`wire::MAX_TENSORS`]), shapes and dtypes.
+    pub tensors: Vec<Tensor>,
+}
+
+/// The donor's source of the state it serves ([`Averager::set_state_provider`]; see the
+/// module docs): hivemind's overridable `get_current_state`.
+pub trait StateProvider: Send + Sync + 'static {
+    /// The state to serve now. Called on a blocking thread, one call at a time, bounded by
+    /// [`StateConfig::request_timeout`]; an error is logged and the newcomer refused (`Busy`).
+    fn current_state(&self) -> Result<ProvidedState, String>;
+}
+
+impl<F> StateProvider for F
+where
+    F: Fn() -> Result<ProvidedState, String> + Send + Sync + 'static,
+{
+    fn current_state(&self) -> Result<ProvidedState, String> {
+        self()
+    }
 }
 
 /// A donor's entry in the registry ([`registry_key`]).
@@ -463,6 +510,10 @@ struct Inner {
     last_snapshot: Mutex<Option<CachedSnapshot>>,
     /// Snapshots built since the start ([`StateStats::snapshots_built`]).
     snapshots_built: AtomicU64,
+    /// Where the served state comes from instead of the tensors ([`StateProvider`]).
+    provider: Mutex<Option<Arc<dyn StateProvider>>>,
+    /// A provider call is running (on a blocking thread): no second one starts.
+    providing: AtomicBool,
 }
 
 /// How long a snapshot of tensors that include external memory is served again: such memory
@@ -473,7 +524,11 @@ const EXTERNAL_SNAPSHOT_REUSE: Duration = Duration::from_secs(1);
 /// The donor's last snapshot ([`Inner::current_snapshot`]).
 struct CachedSnapshot {
     version: u64,
+    /// Some tensor is external memory, or the state came from a provider: reused only for
+    /// [`EXTERNAL_SNAPSHOT_REUSE`].
     external: bool,
+    /// Built from a [`StateProvider`]'s state (its metadata is the provider's).
+    provided: bool,
     built: Instant,
     snapshot: Arc<Snapshot>,
 }
@@ -525,6 +580,8 @@ impl StateSharing {
             building: tokio::sync::Mutex::new(()),
             last_snapshot: Mutex::new(None),
             snapshots_built: AtomicU64::new(0),
+            provider: Mutex::new(None),
+            providing: AtomicBool::new(false),
         });
         let (stop, stop_rx) = watch::channel(false);
         let tasks = vec![
@@ -648,6 +705,15 @@ impl Averager {
         Ok(())
     }
 
+    /// Serves what `provider` returns to newcomers instead of the averaged tensors and the
+    /// metadata (see the [module docs](self)); `None` goes back to those. The next newcomer
+    /// gets a fresh snapshot either way.
+    pub fn set_state_provider(&self, provider: Option<Arc<dyn StateProvider>>) {
+        let inner = &self.state.inner;
+        *lock(&inner.provider) = provider;
+        *lock(&inner.last_snapshot) = None;
+    }
+
     /// The metadata served with the tensors (replaced by a successful download).
     pub fn state_metadata(&self) -> Bytes {
         lock(&self.state.inner.metadata).clone()
@@ -675,11 +741,13 @@ impl Inner {
     /// owner, e.g. PyTorch, writes without telling us), it is younger than
     /// [`EXTERNAL_SNAPSHOT_REUSE`].
     fn current_snapshot(&self) -> Option<Arc<Snapshot>> {
+        let provided = lock(&self.provider).is_some();
         let last = lock(&self.last_snapshot);
         let cached = last.as_ref()?;
-        (cached.version == self.shared.version.load(Ordering::SeqCst)
+        (cached.provided == provided
+            && cached.version == self.shared.version.load(Ordering::SeqCst)
             && (!cached.external || cached.built.elapsed() < EXTERNAL_SNAPSHOT_REUSE)
-            && cached.snapshot.meta.metadata == *lock(&self.metadata))
+            && (provided || cached.snapshot.meta.metadata == *lock(&self.metadata)))
         .then(|| cached.snapshot.clone())
     }
 

@@ -158,6 +158,14 @@ impl Matchmaker {
         self.declared
     }
 
+    /// Changes when the all-reduce should begin at the earliest (the step's scheduled time,
+    /// [`Step::scheduled_time`]): declarations from the next one on expire then (bounded as
+    /// always by `now + min_matchmaking_time` and the deadline); one made already stands until
+    /// it expires, since followers and candidates know it.
+    pub fn set_scheduled_time(&mut self, at: DhtTime) {
+        self.scheduled_time = at;
+    }
+
     /// Whether the step ended (a terminal event was queued). Keep draining
     /// [`Matchmaker::poll_transmit`] and [`Matchmaker::poll_dht`] after it: the leave record
     /// and the leader's `Begin`s are queued with the event.

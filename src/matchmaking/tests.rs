@@ -354,6 +354,38 @@ fn expiration_closes_a_big_enough_group_or_disbands_and_redeclares() {
     assert!(!l.is_finished());
 }
 
+/// A scheduled time changed while looking (a step's owner moving it) sets the expiration of
+/// the next declaration; the one already made stands.
+#[test]
+fn a_changed_scheduled_time_moves_the_next_declaration() {
+    for (moved, redeclared) in [(None, 4.0), (Some(5.0), 5.0), (Some(0.5), 4.0)] {
+        let mut c = cfg(None);
+        c.min_group_size = 3;
+        let mut l = machine("m", Mode::Node, c, t(0.0), None);
+        drain(&mut l);
+        assert_eq!(l.declared_expiration(), Some(t(2.0)));
+        if let Some(at) = moved {
+            l.set_scheduled_time(t(at));
+        }
+        assert_eq!(
+            l.declared_expiration(),
+            Some(t(2.0)),
+            "the declaration stands"
+        );
+        join(&mut l, t(0.1), "x", request(1, t(3.0)));
+        l.handle_dht_get(t(0.1), 0, None);
+        drain(&mut l);
+        l.handle_timeout(t(2.0));
+        let o = drain(&mut l);
+        assert!(
+            o.dht.iter().any(|d| matches!(d,
+                DhtRequest::Store { expiration, .. } if *expiration == t(redeclared))),
+            "{moved:?}: {:?}",
+            o.dht
+        );
+    }
+}
+
 #[test]
 fn deadline_fails_with_no_group() {
     let mut m = machine("m", Mode::Node, cfg(Some(4)), t(0.0), Some(3.0));

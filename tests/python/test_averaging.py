@@ -442,3 +442,120 @@ def test_cuda_tensors_average_on_the_device(make_dht):
             assert not averagers[0].allow_state_sharing
         finally:
             shutdown(averagers)
+
+
+def test_weight_set_after_scheduling_is_the_one_used(make_dht):
+    """hivemind's GradientAverager schedules a step, then sets its weight; a peer tagging
+    along sets 0: the other peer's values come out exactly (whole numbers: exact in float32).
+    After the all-reduce began a change warns and does nothing."""
+    torch.manual_seed(3)
+    values = [torch.randint(-50, 50, (17,)).float() for _ in range(2)]
+    tensors = [[v.clone()] for v in values]
+    averagers = averagers_for(make_dht, tensors)
+    try:
+        lagging = averagers[1].step(wait=False, require_trigger=True, timeout=STEP_TIMEOUT)
+        other = averagers[0].step(wait=False, timeout=STEP_TIMEOUT)
+        assert lagging.weight == 1.0
+        lagging.weight = 0
+        assert lagging.weight == 0.0
+        with pytest.raises(ValueError, match="weight"):
+            lagging.weight = float("nan")
+        when = hivemesh.get_dht_time() + 1.0
+        lagging.scheduled_time = when
+        assert lagging.scheduled_time == pytest.approx(when)
+        lagging.allow_allreduce()
+        assert other.result(timeout=STEP_TIMEOUT) is not None
+        assert lagging.result(timeout=STEP_TIMEOUT) is not None
+        for i in range(2):
+            assert torch.equal(tensors[i][0], values[0]), f"peer {i}"
+        with pytest.warns(RuntimeWarning, match="no effect"):
+            lagging.weight = 5.0
+        assert lagging.weight == 0.0, "the weight the all-reduce used"
+        with pytest.warns(RuntimeWarning, match="no effect"):
+            lagging.scheduled_time = when + 10
+    finally:
+        shutdown(averagers)
+
+
+class ServingTrainingState(hivemesh.DecentralizedAverager):
+    """hivemind's TrainingStateAverager serves more than it averages: parameters, optimizer
+    statistics and extra tensors, with ``{"epoch": ...}``."""
+
+    extras = None
+
+    def get_current_state(self):
+        with self.get_tensors() as tensors:
+            params = [t.clone() for t in tensors]
+        return {"epoch": 5, "group_bits": self.get_group_bits()}, params + self.extras
+
+
+def test_get_current_state_override_is_what_newcomers_load(make_dht):
+    torch.manual_seed(4)
+    extras = [torch.randn(3, 4, 2), torch.randn(7).bfloat16(), torch.tensor(12.0),
+              torch.randn(2, 5).half(), torch.zeros(0, 3)]
+    donor_tensors = [torch.randn(6)]
+    ServingTrainingState.extras = extras
+    donor = ServingTrainingState(donor_tensors, make_dht(), prefix="served", start=True,
+                                 initial_group_bits="01")
+    newcomer = hivemesh.DecentralizedAverager([torch.zeros(6)], make_dht(), prefix="served",
+                                              start=True, allow_state_sharing=False)
+    try:
+        metadata, tensors = newcomer.load_state_from_peers(timeout=STEP_TIMEOUT)
+        assert metadata == {"epoch": 5, "group_bits": "01"}
+        want = donor_tensors + extras
+        assert [t.dtype for t in tensors] == [t.dtype for t in want]
+        assert [t.shape for t in tensors] == [t.shape for t in want]
+        assert all(torch.equal(a, b) for a, b in zip(tensors, want))
+        # An override that fails: the newcomer is refused, so no peer serves.
+        ServingTrainingState.extras = [torch.ones(2, dtype=torch.int64)]
+        assert newcomer.load_state_from_peers(timeout=STEP_TIMEOUT) is None
+    finally:
+        shutdown([donor, newcomer])
+
+
+def test_group_bits_matchmaking_kwargs_and_hivemind_exceptions(make_dht):
+    from hivemesh.averaging.allreduce import AllreduceException
+    from hivemesh.averaging.matchmaking import MatchmakingException
+
+    averager = hivemesh.DecentralizedAverager([torch.zeros(2)], make_dht(), prefix="bits",
+                                              initial_group_bits="011", min_group_size=2,
+                                              target_group_size=4, start=True)
+    try:
+        assert averager.get_group_bits() == "011"
+        averager.set_group_bits("10")
+        assert averager.get_group_bits() == "10"
+        assert averager.get_group_bits(wait=False).result() == "10"
+        with pytest.raises(ValueError, match="0s and 1s"):
+            averager.set_group_bits("012")
+        assert averager.matchmaking_kwargs["prefix"] == "bits"
+        assert averager.matchmaking_kwargs["min_matchmaking_time"] == 5.0
+        assert averager.matchmaking_kwargs["target_group_size"] == 4
+    finally:
+        averager.shutdown()
+    assert MatchmakingException is hivemesh.MatchmakingError
+    assert issubclass(AllreduceException, hivemesh.AveragingError)
+    assert issubclass(MatchmakingException, hivemesh.AveragingError)
+
+
+def test_a_failed_allreduce_raises_allreduce_exception():
+    """A step whose round failed raises hivemind's AllreduceException (an AveragingError, so
+    existing except clauses still catch it); one that found no group returns None."""
+    from hivemesh.averaging.allreduce import AllreduceException
+    from hivemesh.averaging.control import StepControl
+
+    class Finished:
+        def __init__(self, error):
+            self.error = error
+
+        def wait(self, timeout=None):
+            return True
+
+        def outcome(self):
+            raise self.error
+
+    with pytest.raises(AllreduceException, match="the round broke") as raised:
+        StepControl(Finished(hivemesh.AveragingError("all-reduce: the round broke"))).result()
+    assert isinstance(raised.value, hivemesh.AveragingError)
+    assert StepControl(Finished(hivemesh.MatchmakingError("no group"))).result() is None
+    with pytest.raises(hivemesh.ShutdownError):
+        StepControl(Finished(hivemesh.ShutdownError("gone"))).result()

@@ -153,3 +153,103 @@ def test_metrics_endpoint(make_dht):
     assert missing.value.code == 404
     with pytest.raises(ValueError, match="HOST:PORT"):
         make_dht(metrics_addr="not an address")
+
+
+def test_values_of_any_msgpack_type(make_dht):
+    """hivemind stores dicts, floats, lists, None: they come back as they went in, on another
+    node too; subkeys stay str/bytes."""
+    a, b = make_dht(), make_dht()
+    now = get_dht_time()
+    values = {
+        "dict": {"epoch": 3, "samples": 128, "rate": 12.5, "client": False, "peer": b"\x01\x02"},
+        "list": [1, "two", 3.0, None, [b"x"]],
+        "float": 0.25,
+        "int": -(2 ** 40),
+        "str": "hello",
+        "bytes": b"\xc1 starts with the tag byte",
+        "none": None,
+    }
+    for name, value in values.items():
+        assert a.store(f"typed-{name}", value, now + 60), name
+    for name, value in values.items():
+        got = b.get(f"typed-{name}", latest=True)
+        assert got is not None and got.value == value, name
+        assert got.expiration_time == pytest.approx(now + 60)
+    assert a.store("progress", {"epoch": 1}, now + 60, subkey=b"peer-a")
+    # hivemind's ProgressTracker stores None for its own subkey at shutdown: a value that
+    # supersedes the earlier write and reads back as None.
+    assert a.store("progress", None, now + 61, subkey=b"peer-a")
+    assert b.store("progress", {"epoch": 2}, now + 60, subkey="peer-b")
+    got = a.get("progress").value
+    assert got["peer-a"].value is None, "subkeys that are UTF-8 come back as str"
+    assert got["peer-b"].value == {"epoch": 2}
+    with pytest.raises(TypeError, match="msgpack"):
+        a.store("bad", object(), now + 60)
+
+
+def test_raw_bytes_from_rust_peers_stay_bytes():
+    """Values not written from Python (a Rust peer's raw bytes) come back as the bytes they
+    are, even when they start with the tag byte."""
+    from hivemesh.dht import _decode_value, _encode_value
+
+    for raw in [b"", b"\x00\x01", b"\x01" + bytes(8), b"\xc1", b"\xc1\x92\x01",
+                b"\xc1\x01\x02", b"\xc1\xa2\xff\xfe"]:
+        assert _decode_value(raw) == raw, raw
+    for value in [None, b"", b"\xc1", {"a": [1, 2.5]}, "x"]:
+        assert _decode_value(_encode_value(value)) == value
+
+
+def test_futures_ready_and_peer_ids(make_dht):
+    import concurrent.futures
+
+    a, b = make_dht(), make_dht()
+    a.wait_until_ready()
+    a.wait_until_ready(timeout=1)
+    stored = a.store("future", {"k": 1}, get_dht_time() + 60, return_future=True)
+    assert isinstance(stored, concurrent.futures.Future)
+    assert stored.result(timeout=60) is True
+    got = b.get("future", return_future=True)
+    assert isinstance(got, concurrent.futures.Future)
+    assert got.result(timeout=60).value == {"k": 1}
+    missing = b.get("no-such-key", return_future=True)
+    assert missing.result(timeout=60) is None
+    peer = a.peer_id
+    raw = peer.to_bytes()
+    assert isinstance(raw, bytes) and raw[:2] == b"\x00\x24", "an identity multihash"
+    assert hivemesh.PeerID.from_bytes(raw) == peer
+    assert hivemesh.PeerID(raw) == peer
+    with pytest.raises(ValueError):
+        hivemesh.PeerID.from_bytes(b"junk")
+    late = hivemesh.DHT(start=False)
+    with pytest.raises(TimeoutError):
+        late.wait_until_ready(timeout=0.1)
+
+
+def test_store_reports_whether_a_replica_took_it(bootstrap):
+    """A node that knows nobody stores into its own store; a write that nobody takes (an
+    expired one) is False."""
+    with hivemesh.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as lone:
+        assert lone.store("alone", 1.5, get_dht_time() + 60) is True
+        assert lone.get("alone").value == 1.5
+        with pytest.warns(RuntimeWarning):
+            assert lone.store("alone", 2, get_dht_time() - 1) is False
+
+
+def test_hivemind_keywords_warn_and_announce_maddrs(bootstrap):
+    with pytest.warns(RuntimeWarning, match="record_validators"):
+        with hivemesh.DHT(initial_peers=bootstrap, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                          record_validators=[object()]):
+            pass
+    with pytest.warns(RuntimeWarning, match="use_relay"):
+        with hivemesh.DHT(initial_peers=bootstrap, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                          use_relay=False, use_ipfs=False):
+            pass
+    with pytest.warns(RuntimeWarning, match="IPFS"):
+        with hivemesh.DHT(initial_peers=bootstrap, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                          use_ipfs=True):
+            pass
+    announced = "/ip4/10.1.2.3/tcp/4001"
+    with hivemesh.DHT(initial_peers=bootstrap, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                      announce_maddrs=[announced]) as dht:
+        visible = [str(a) for a in dht.get_visible_maddrs()]
+        assert f"{announced}/p2p/{dht.peer_id}" in visible, visible

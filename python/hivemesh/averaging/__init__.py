@@ -3,7 +3,10 @@
 in :mod:`hivemesh.averaging.control`); see :mod:`hivemesh.averaging.averager` for how tensors
 are shared."""
 
+from hivemesh.averaging.allreduce import AllreduceException
 from hivemesh.averaging.averager import DecentralizedAverager
 from hivemesh.averaging.control import AveragingMode, AveragingStage, StepControl
+from hivemesh.averaging.matchmaking import MatchmakingException
 
-__all__ = ["DecentralizedAverager", "StepControl", "AveragingMode", "AveragingStage"]
+__all__ = ["DecentralizedAverager", "StepControl", "AveragingMode", "AveragingStage",
+           "AllreduceException", "MatchmakingException"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from hivemesh import _hivemesh
@@ -56,6 +57,61 @@ def _tensor_kind(t: Any) -> str:
 
 def _any_cuda(tensors: List[Any]) -> bool:
     return any(getattr(t, "is_cuda", False) for t in tensors)
+
+
+_TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16",
+                 "torch.bfloat16": "bfloat16"}
+_NUMPY_DTYPES = {"float32": "float32", "float16": "float16"}
+
+
+def _raw_tensor(index: int, t: Any) -> Tuple[str, List[int], bytes]:
+    """``(dtype, shape, raw little-endian bytes)`` of a served tensor."""
+    module = type(t).__module__
+    if module.startswith("torch"):
+        dtype = _TORCH_DTYPES.get(str(t.dtype))
+        if dtype is None:
+            raise TypeError(f"get_current_state() tensor {index}: dtype {t.dtype}; served "
+                            f"tensors are float32, float16 or bfloat16")
+        import torch
+
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        if dtype == "bfloat16":  # numpy has no bfloat16: its bits as int16
+            flat = flat.view(torch.int16)
+        return dtype, list(t.shape), flat.numpy().tobytes()
+    if module.startswith("numpy"):
+        import numpy as np
+
+        dtype = _NUMPY_DTYPES.get(str(t.dtype))
+        if dtype is None:
+            raise TypeError(f"get_current_state() tensor {index}: dtype {t.dtype}; served "
+                            f"arrays are float32 or float16")
+        return dtype, list(t.shape), np.ascontiguousarray(t, dtype=t.dtype.newbyteorder("<")
+                                                          ).tobytes()
+    raise TypeError(f"get_current_state() tensor {index}: a {type(t).__name__}, not a "
+                    f"torch.Tensor or numpy.ndarray")
+
+
+def _done(value: Any) -> "concurrent.futures.Future[Any]":
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _state_provider(averager: "weakref.ref[DecentralizedAverager]") -> Any:
+    """The callable the Rust donor calls: the averager's :meth:`get_current_state`, encoded."""
+
+    def provide() -> Tuple[bytes, List[Tuple[str, List[int], bytes]]]:
+        self = averager()
+        if self is None:
+            raise RuntimeError("the averager is gone")
+        state = self.get_current_state()
+        if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
+            raise TypeError("get_current_state() must return (metadata, tensors)")
+        metadata, tensors = state[0], state[1]
+        return (_encode_value(metadata, "get_current_state()'s metadata"),
+                [_raw_tensor(i, t) for i, t in enumerate(tensors)])
+
+    return provide
 
 
 class DecentralizedAverager:
@@ -168,6 +224,17 @@ class DecentralizedAverager:
             state_min_agreeing=int(state_min_agreeing),
             centered_clip_tau=None if centered_clip_tau is None else float(centered_clip_tau),
         )
+        #: hivemind's ``matchmaking_kwargs``: the matchmaking arguments this averager was made
+        #: with (read by hivemind's optimizer stack; changing them after the start does
+        #: nothing, as in hivemind).
+        self.matchmaking_kwargs = dict(
+            prefix=prefix,
+            initial_group_bits=initial_group_bits,
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            min_matchmaking_time=float(min_matchmaking_time),
+            request_timeout=float(request_timeout),
+        )
         self._native: Optional[_hivemesh.Averager] = None
         if start:
             self.run_in_background()
@@ -176,6 +243,10 @@ class DecentralizedAverager:
         """Starts the averager (a no-op if it runs)."""
         if self._native is None:
             self._native = _hivemesh.Averager(self.dht._native, self._tensors, **self._args)
+            if type(self).get_current_state is not DecentralizedAverager.get_current_state:
+                # Overridden: the donor serves what it returns. Through a weak reference, so
+                # that the native averager does not keep this object alive.
+                self._native.set_state_provider(_state_provider(weakref.ref(self)))
 
     @property
     def _averager(self) -> _hivemesh.Averager:
@@ -225,8 +296,24 @@ class DecentralizedAverager:
             require_trigger=require_trigger,
             scheduled_in=scheduled_in,
         )
-        control = StepControl(native, scheduled_time, float(weight))
+        control = StepControl(native)
         return control.result() if wait else control
+
+    def get_group_bits(self, wait: bool = True) -> Any:
+        """The bits of the group key the next step looks under (``"0101..."``;
+        ``initial_group_bits`` at first, rotated after each group). With ``wait=False`` a
+        completed ``concurrent.futures.Future`` of them (hivemind's signature)."""
+        bits = self._averager.group_bits()
+        return bits if wait else _done(bits)
+
+    def set_group_bits(self, group_bits: str, wait: bool = True) -> Any:
+        """Replaces the group bits (``0``s and ``1``s, any length): the next step's
+        matchmaking looks under them. With ``wait=False`` returns a completed
+        ``concurrent.futures.Future`` of ``None``."""
+        if not isinstance(group_bits, str) or set(group_bits) - {"0", "1"}:
+            raise ValueError(f"group_bits must be a str of 0s and 1s, not {group_bits!r}")
+        self._averager.set_group_bits(group_bits)
+        return None if wait else _done(None)
 
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[List[Any]]:
@@ -251,12 +338,28 @@ class DecentralizedAverager:
         # A bytearray is writable, so the tensor may own it without a copy or a warning.
         return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(shape)
 
+    def get_current_state(self) -> Tuple[Any, Sequence[Any]]:
+        """What this peer serves to newcomers (:meth:`load_state_from_peers` on their side):
+        ``(metadata, tensors)``. By default :attr:`state_metadata` and the averaged tensors.
+
+        Override it to serve something else, as hivemind's ``TrainingStateAverager`` does
+        (parameters, optimizer statistics, extra tensors, ``{"epoch": ...}``): ``metadata``
+        is bytes or JSON-serializable data (at most about 1 MiB encoded), ``tensors`` a
+        sequence of torch tensors or numpy arrays of any count and shapes, float32, float16
+        or bfloat16 (torch), on any device (copied to the CPU). hivemind's third element
+        (compression infos) may be returned and is ignored. The override is called with the
+        GIL on a thread of the Rust core, once per newcomer (a result is reused for up to a
+        second), and must return within the state request timeout (10 s); if it raises or is
+        late, the newcomer is refused and asks another peer (the traceback is printed)."""
+        with self.get_tensors() as tensors:
+            return self.state_metadata, list(tensors)
+
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None) -> Any:
-        """Downloads the averaged tensors from a peer that shares them (the one with the
-        highest ``state_sharing_priority``): ``(metadata, tensors)`` as new tensors of the
-        same kind as this averager's, or ``None`` if no peer shares or ``timeout`` seconds
-        pass first. The local tensors are left as they are. ``metadata`` is the donor's
-        :attr:`state_metadata`. With ``wait=False`` returns a
+        """Downloads the state a peer serves (the one with the highest
+        ``state_sharing_priority``): ``(metadata, tensors)``, the tensors new ones of the same
+        kind as this averager's (torch or numpy) with the donor's count, shapes and dtypes (what
+        its :meth:`get_current_state` returned), or ``None`` if no peer shares or ``timeout``
+        seconds pass first. The local tensors are left as they are. With ``wait=False`` returns a
         ``concurrent.futures.Future`` of that result at once (the download runs on a thread
         of its own, with the GIL released)."""
         if timeout is not None and not timeout > 0:

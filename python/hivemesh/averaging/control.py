@@ -6,10 +6,13 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import json
+import math
+import warnings
 from typing import Any, Dict, Optional
 
 from hivemesh import _hivemesh
-from hivemesh._hivemesh import MatchmakingError
+from hivemesh._hivemesh import AveragingError, MatchmakingError
+from hivemesh.averaging.allreduce import AllreduceException
 from hivemesh.dht import PeerID
 
 __all__ = ["StepControl", "AveragingStage", "AveragingMode"]
@@ -83,11 +86,8 @@ class StepControl:
     """A step in flight (``step(wait=False)``): :meth:`trigger` it, :meth:`cancel` it, read
     its :attr:`stage`, wait for its :meth:`result`."""
 
-    def __init__(self, native: _hivemesh.StepControl, scheduled_time: Optional[float],
-                 weight: float):
+    def __init__(self, native: _hivemesh.StepControl):
         self._native = native
-        self.scheduled_time = scheduled_time
-        self.weight = weight
         self._cancelled = False
         self._triggered = False
         #: The last step's outcome (group id, members, links per member, mode): hivemesh's
@@ -105,6 +105,37 @@ class StepControl:
     def triggered(self) -> bool:
         """Whether :meth:`trigger` was called."""
         return self._triggered
+
+    @property
+    def weight(self) -> float:
+        """This peer's averaging weight in the step. Settable until the all-reduce begins
+        (hivemind's ``GradientAverager`` sets it after scheduling; a peer tagging along sets
+        0); the value the all-reduce reads as it begins is the one used. After that, setting
+        it warns and changes nothing (as hivemind)."""
+        return self._native.weight
+
+    @weight.setter
+    def weight(self, weight: float) -> None:
+        weight = float(weight)
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weight must be a finite non-negative number, not {weight}")
+        if not self._native.set_weight(weight):
+            warnings.warn("the step's all-reduce has begun: the weight change has no effect",
+                          RuntimeWarning, stacklevel=2)
+
+    @property
+    def scheduled_time(self) -> Optional[float]:
+        """When the all-reduce should begin at the earliest (DHT time, :func:`get_dht_time`);
+        ``None`` for as soon as ``min_matchmaking_time`` allows. Settable until the all-reduce
+        begins: matchmaking's next declaration of this peer expires then (one made already
+        stands until it expires). After that, setting it warns and changes nothing."""
+        return self._native.scheduled_time
+
+    @scheduled_time.setter
+    def scheduled_time(self, scheduled_time: float) -> None:
+        if not self._native.set_scheduled_time(float(scheduled_time)):
+            warnings.warn("the step's all-reduce has begun: the scheduled time change has no "
+                          "effect", RuntimeWarning, stacklevel=2)
 
     @property
     def stage(self) -> AveragingStage:
@@ -137,13 +168,19 @@ class StepControl:
         member, this peer too), or ``None`` if no group formed in time. Raises
         ``concurrent.futures.TimeoutError`` if ``timeout`` seconds pass first,
         ``concurrent.futures.CancelledError`` if the step was cancelled, and
-        ``hivemesh.AveragingError`` if the round failed."""
+        :class:`hivemesh.averaging.allreduce.AllreduceException` (a
+        ``hivemesh.AveragingError``) if the group's all-reduce failed."""
         if not self._native.wait(timeout):
             raise concurrent.futures.TimeoutError(f"the step did not finish in {timeout} s")
         try:
             outcome = self._native.outcome()
         except MatchmakingError:
             return None
+        except AveragingError as e:
+            if type(e) is AveragingError:
+                # The group formed and its all-reduce failed: hivemind's name for it.
+                raise AllreduceException(*e.args) from e
+            raise
         self.outcome = outcome
         return {
             PeerID(peer): _decode_value(g)

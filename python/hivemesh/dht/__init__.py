@@ -1,8 +1,15 @@
 """``hivemesh.DHT``: a node of the swarm, with hivemind's ``DHT`` interface.
 
-Keys and subkeys are ``str`` (stored as UTF-8) or ``bytes``; values are ``bytes``. hivemind
-serializes arbitrary objects with msgpack; hivemesh stores bytes as they are, so serialize
-values yourself (never unpickle what the network sends you).
+Keys and subkeys are ``str`` (stored as UTF-8) or ``bytes``. Values are anything msgpack
+carries (as hivemind's): ``None``, bools, ints, floats, ``str``, ``bytes``, lists (tuples come
+back as lists) and dicts of them. Stored from Python, a value is the byte ``0xC1`` (one that
+msgpack never uses) followed by its msgpack encoding; :meth:`DHT.get` decodes a value that
+starts with ``0xC1`` and holds exactly one msgpack object, and returns any other value as the
+raw ``bytes`` it is (what Rust peers write: their announcements, declarations, ...). Nothing
+from the network is ever unpickled. ``None`` is a value like any other (hivemind's
+``ProgressTracker`` stores it for its own subkey at shutdown): ``get`` returns it as
+``ValueWithExpiration(None, expiration)``, and it supersedes an earlier write of the same key
+and subkey until it expires; it deletes nothing.
 
 Forking: a process that forks after creating a DHT (PyTorch ``DataLoader`` workers do) keeps
 working in the parent. In the child, a DHT or averager created before the fork cannot be used
@@ -12,8 +19,12 @@ new ones of its own.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import warnings
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
+
+import msgpack
 
 from hivemesh import _hivemesh
 from hivemesh._hivemesh import DHTError, get_dht_time
@@ -22,7 +33,7 @@ __all__ = ["DHT", "Multiaddr", "PeerID", "ValueWithExpiration", "DHTError", "get
 
 Key = Union[str, bytes]
 
-# hivemind's DHT arguments that change nothing here; anything else is a TypeError.
+# hivemind's DHT arguments about its processes and threads: accepted, nothing to do here.
 _IGNORED = {
     "daemon",
     "await_ready",
@@ -30,14 +41,45 @@ _IGNORED = {
     "max_workers",
     "parallel_rpc",
     "shutdown_timeout",
-    "wait_timeout",
-    "ensure_bootstrap_success",
-    "use_relay",
-    "use_auto_relay",
-    "record_validators",
-    "use_ipfs",
-    "announce_maddrs",
 }
+
+# hivemind's DHT, DHTNode and P2P arguments that mean nothing here: accepted with a warning
+# (``record_validators`` and ``use_ipfs`` only when they ask for something). Anything else is a
+# TypeError.
+_WARNED = {
+    "record_validators", "use_ipfs", "use_relay", "use_auto_relay", "use_relay_hop",
+    "use_relay_discovery", "auto_nat", "tls", "quic", "nat_port_map", "conn_manager",
+    "dht_mode", "force_reachability", "check_if_identity_free", "idle_timeout",
+    "startup_timeout", "daemon_listen_maddr", "persistent_conn_max_msg_size", "quiet",
+    "ensure_bootstrap_success", "wait_timeout", "bucket_size", "num_replicas", "depth_modulo",
+    "cache_locally", "cache_on_store", "cache_size", "cache_refresh_before_expiry",
+    "reuse_get_requests", "blacklist_time", "backoff_rate", "refresh_timeout",
+    "bootstrap_timeout", "strict", "p2p", "node",
+}
+
+# A value stored from Python: this byte (msgpack never uses it), then its msgpack encoding.
+_TAG = b"\xc1"
+
+
+def _encode_value(value: Any) -> bytes:
+    try:
+        return _TAG + msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(
+            f"DHT values must be msgpack-able (None, bool, int, float, str, bytes, lists and "
+            f"dicts of them), not {type(value).__name__}: {e}"
+        ) from None
+
+
+def _decode_value(data: bytes) -> Any:
+    """The value ``data`` carries: decoded if stored from Python, else the raw bytes."""
+    if data[:1] != _TAG:
+        return data
+    try:
+        return msgpack.unpackb(data[1:], raw=False, strict_map_key=False, use_list=True)
+    except (ValueError, msgpack.UnpackException, TypeError):
+        # Raw bytes that happen to start with the tag (extra data, truncated, bad UTF-8).
+        return data
 
 
 class Multiaddr(str):
@@ -51,10 +93,21 @@ class PeerID:
 
     __slots__ = ("_b58",)
 
-    def __init__(self, b58: str):
+    def __init__(self, b58: Union[str, bytes]):
+        if isinstance(b58, (bytes, bytearray)):
+            b58 = _hivemesh.peer_id_to_base58(bytes(b58))
         if not isinstance(b58, str) or not b58:
             raise ValueError(f"not a peer id: {b58!r}")
         self._b58 = b58
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "PeerID":
+        """The peer id whose libp2p binary form (a multihash) is ``data``."""
+        return cls(_hivemesh.peer_id_to_base58(bytes(data)))
+
+    def to_bytes(self) -> bytes:
+        """libp2p's binary form of the id (a multihash; what base58 spells)."""
+        return _hivemesh.peer_id_to_bytes(self._b58)
 
     @classmethod
     def from_base58(cls, b58: str) -> "PeerID":
@@ -139,15 +192,25 @@ class DHT:
         start_timeout: float = 5.0,
         swarm_key: Optional[str] = None,
         metrics_addr: Optional[str] = None,
+        announce_maddrs: Sequence[Any] = (),
         **hivemind_kwargs: Any,
     ):
         for name, value in hivemind_kwargs.items():
-            if name not in _IGNORED:
+            if name in _IGNORED:
+                continue
+            if name not in _WARNED:
                 raise TypeError(f"DHT() got an unexpected keyword argument {name!r}")
             if name == "use_ipfs" and value:
-                raise ValueError("hivemesh does not join IPFS; pass initial_peers instead")
-            if name == "record_validators" and value:
-                raise ValueError("hivemesh's DHT validates records itself (owner subkeys)")
+                warnings.warn("hivemesh does not join IPFS (use_ipfs=True is ignored): pass "
+                              "initial_peers", RuntimeWarning, stacklevel=2)
+            elif name == "record_validators":
+                if value:
+                    warnings.warn("record_validators are ignored: hivemesh's DHT validates "
+                                  "records itself (signed owner subkeys, size limits)",
+                                  RuntimeWarning, stacklevel=2)
+            elif name != "use_ipfs":
+                warnings.warn(f"DHT(): {name}= means nothing in hivemesh and is ignored",
+                              RuntimeWarning, stacklevel=2)
         if initial_peers is None:
             initial_peers = ()
         if isinstance(initial_peers, (str, bytes)):
@@ -158,12 +221,16 @@ class DHT:
             client_mode=bool(client_mode),
             identity_path=None if identity_path is None else str(identity_path),
             relay=bool(relay),
-            external=[str(a) for a in external_maddrs],
+            # hivemind's announce_maddrs are addresses others reach this node at.
+            external=[str(a) for a in external_maddrs] + [str(a) for a in announce_maddrs],
             start_timeout=float(start_timeout),
             swarm_key=None if swarm_key is None else str(swarm_key),
             metrics_listen=None if metrics_addr is None else str(metrics_addr),
         )
         self._node: Optional[_hivemesh.Node] = None
+        self._ready = threading.Event()
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._executor_lock = threading.Lock()
         self.client_mode = bool(client_mode)
         if start:
             self.run_in_background()
@@ -173,6 +240,22 @@ class DHT:
         until the node has joined."""
         if self._node is None:
             self._node = _hivemesh.Node(**self._config)
+            self._ready.set()
+
+    def wait_until_ready(self, timeout: Optional[float] = None) -> None:
+        """Returns once the node runs (at once after ``start=True`` or
+        :meth:`run_in_background`, which wait until it has joined); raises ``TimeoutError`` if
+        it was not started within ``timeout`` seconds."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the DHT was not started within {timeout} s")
+
+    def _in_background(self, call: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+        """``call()`` on this DHT's threads (the native calls release the GIL)."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=8, thread_name_prefix="hivemesh-dht")
+            return self._executor.submit(call)
 
     @property
     def _native(self) -> _hivemesh.Node:
@@ -206,44 +289,59 @@ class DHT:
     def store(
         self,
         key: Key,
-        value: bytes,
+        value: Any,
         expiration_time: float,
         subkey: Optional[Key] = None,
         return_future: bool = False,
         **kwargs: Any,
-    ) -> bool:
-        """Stores ``value`` (bytes) under ``key`` (and ``subkey``) until ``expiration_time``
-        (DHT time: :func:`get_dht_time` + seconds). Returns whether the write was stored."""
-        if return_future:
-            raise ValueError("return_future=True is not supported; call store() in a thread")
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise TypeError(
-                f"DHT values are bytes, not {type(value).__name__}; serialize them first"
-            )
+    ) -> Union[bool, "concurrent.futures.Future[bool]"]:
+        """Stores ``value`` (anything msgpack carries, see the module docs; ``None`` too) under
+        ``key`` (and ``subkey``) until ``expiration_time`` (DHT time: :func:`get_dht_time` +
+        seconds). Returns whether it was stored: a replica holds it when read back, or for a
+        node that knows no other peer, its own store took it. A failed write (expired, too
+        large, another peer's owner subkey, the network) warns and returns ``False``. With
+        ``return_future=True`` a ``concurrent.futures.Future`` of that at once."""
         k = _key_bytes("key", key)
         s = None if subkey is None else _key_bytes("subkey", subkey)
+        data = _encode_value(value)
+        expiration = float(expiration_time)
+        native = self._native
+        if return_future:
+            return self._in_background(lambda: self._store(native, key, k, data, expiration, s))
+        return self._store(native, key, k, data, expiration, s)
+
+    @staticmethod
+    def _store(native: _hivemesh.Node, key: Key, k: bytes, data: bytes, expiration: float,
+               s: Optional[bytes]) -> bool:
         try:
-            self._native.store(k, bytes(value), float(expiration_time), s)
+            return native.store(k, data, expiration, s) > 0
         except DHTError as e:
-            warnings.warn(f"DHT store of {key!r} failed: {e}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"DHT store of {key!r} failed: {e}", RuntimeWarning, stacklevel=3)
             return False
-        return True
 
     def get(self, key: Key, latest: bool = True, return_future: bool = False, **kwargs: Any
-            ) -> Optional[ValueWithExpiration]:
-        """The value under ``key``: a :class:`ValueWithExpiration`, whose ``value`` is bytes,
-        or for a key written with subkeys a dict ``{subkey: ValueWithExpiration}``; ``None``
-        if there is none (or every write expired)."""
+            ) -> Union[Optional[ValueWithExpiration],
+                       "concurrent.futures.Future[Optional[ValueWithExpiration]]"]:
+        """The value under ``key``: a :class:`ValueWithExpiration` of the value, or for a key
+        written with subkeys of a dict ``{subkey: ValueWithExpiration}``; ``None`` if there is
+        none (or every write expired). With ``return_future=True`` a
+        ``concurrent.futures.Future`` of that at once."""
+        k = _key_bytes("key", key)
+        native = self._native
         if return_future:
-            raise ValueError("return_future=True is not supported; call get() in a thread")
-        got = self._native.get(_key_bytes("key", key))
+            return self._in_background(lambda: self._get(native, k))
+        return self._get(native, k)
+
+    @staticmethod
+    def _get(native: _hivemesh.Node, k: bytes) -> Optional[ValueWithExpiration]:
+        got = native.get(k)
         if got is None:
             return None
         plain, entries = got
         if plain is not None:
-            return ValueWithExpiration(plain[0], plain[1])
+            return ValueWithExpiration(_decode_value(plain[0]), plain[1])
         d: Dict[Key, ValueWithExpiration] = {
-            _subkey_out(s): ValueWithExpiration(v, e) for s, v, e in entries
+            _subkey_out(s): ValueWithExpiration(_decode_value(v), e) for s, v, e in entries
         }
         return ValueWithExpiration(d, max(e for _, _, e in entries))
 
@@ -253,6 +351,10 @@ class DHT:
 
     def shutdown(self) -> None:
         """Stops the node (shut its averagers down first). Idempotent."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
         if self._node is not None:
             self._node.shutdown()
 

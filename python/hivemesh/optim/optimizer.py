@@ -176,6 +176,7 @@ class Optimizer(torch.optim.Optimizer):
         #: The last gradient round: group size and seconds (``None`` before the first).
         self.last_round: Optional[Dict[str, Any]] = None
         self._round_started = time.perf_counter()
+        self._epoch_began = time.monotonic()
 
         self.tracker = ProgressTracker(
             dht, f"{run_id}_progress", target_batch_size, client_mode=self.client_mode,
@@ -384,15 +385,20 @@ class Optimizer(torch.optim.Optimizer):
         self._log_epoch()
 
     def _log_epoch(self) -> None:
+        """With ``verbose``: one line per epoch, the swarm's pace measured as the epoch's
+        samples over the time since the last epoch began."""
+        now = time.monotonic()
+        seconds, self._epoch_began = now - self._epoch_began, now
         if not self.verbose:
             return
         g = self.tracker.global_progress
         rnd = self.last_round
-        averaged = (f", averaged with {rnd['group_size']} peers in {rnd['seconds']:.2f} s"
-                    if rnd and rnd.get("group_size") else "")
+        averaged = (f", averaged gradients with {rnd['group_size']} peers in "
+                    f"{rnd['seconds']:.2f} s" if rnd and rnd.get("group_size", 1) > 1 else "")
         logger.info(
-            f"epoch {self.local_epoch} | swarm: {g.num_peers} peers ({g.num_clients} clients), "
-            f"{self.tracker.performance_ema.samples_per_second:.1f} samples/s here{averaged}"
+            f"epoch {self.local_epoch} | swarm: {self.target_batch_size / max(seconds, 1e-9):.1f} "
+            f"samples/s, {g.num_peers} peers ({g.num_clients} clients) | this peer: "
+            f"{self.tracker.performance_ema.samples_per_second:.1f} samples/s{averaged}"
         )
 
     def _begin_averaging_gradients(self, grad_scaler: Optional[GradScaler]) -> bool:

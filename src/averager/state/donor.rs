@@ -64,26 +64,25 @@ pub(super) async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
     let built = {
         let _one_at_a_time = inner.building.lock().await;
         match inner.current_snapshot() {
-            Some(snapshot) => Ok(snapshot),
+            Some(snapshot) => Some(snapshot),
             None => {
-                let builder = inner.clone();
-                tokio::task::spawn_blocking(move || {
-                    let (version, external, snapshot) = build_snapshot(&builder);
-                    let snapshot = Arc::new(snapshot);
-                    builder.snapshots_built.fetch_add(1, Ordering::SeqCst);
-                    *lock(&builder.last_snapshot) = Some(CachedSnapshot {
-                        version,
-                        external,
-                        built: Instant::now(),
-                        snapshot: snapshot.clone(),
-                    });
-                    snapshot
-                })
-                .await
+                let provider = lock(&inner.provider).clone();
+                match provider {
+                    None => {
+                        let builder = inner.clone();
+                        tokio::task::spawn_blocking(move || {
+                            let (version, external, snapshot) = build_snapshot(&builder);
+                            cache(&builder, version, external, false, snapshot)
+                        })
+                        .await
+                        .ok()
+                    }
+                    Some(provider) => provided_snapshot(inner, provider).await,
+                }
             }
         }
     };
-    let Ok(snapshot) = built else {
+    let Some(snapshot) = built else {
         return Response::Refused(Refusal::Busy);
     };
     if !inner.sharing() {
@@ -110,12 +109,113 @@ pub(super) async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
     Response::Metadata(meta)
 }
 
+/// Keeps `snapshot` as the donor's last one and counts it.
+fn cache(
+    inner: &Inner,
+    version: u64,
+    external: bool,
+    provided: bool,
+    snapshot: Snapshot,
+) -> Arc<Snapshot> {
+    let snapshot = Arc::new(snapshot);
+    inner.snapshots_built.fetch_add(1, Ordering::SeqCst);
+    *lock(&inner.last_snapshot) = Some(CachedSnapshot {
+        version,
+        external,
+        provided,
+        built: Instant::now(),
+        snapshot: snapshot.clone(),
+    });
+    snapshot
+}
+
+/// Clears the "a provider call is running" flag when the call ends, however it ends.
+struct Providing<'a>(&'a AtomicBool);
+
+impl Drop for Providing<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+/// A snapshot of what `provider` returns, built on a blocking thread under the request
+/// timeout; `None` (the newcomer is refused as busy) if a call is still running, the provider
+/// fails or is late, or its state breaks the wire's limits.
+async fn provided_snapshot(
+    inner: &Arc<Inner>,
+    provider: Arc<dyn StateProvider>,
+) -> Option<Arc<Snapshot>> {
+    if inner.providing.swap(true, Ordering::SeqCst) {
+        tracing::debug!("the state provider is still busy with an earlier call");
+        return None;
+    }
+    let builder = inner.clone();
+    let call = tokio::task::spawn_blocking(move || {
+        let _providing = Providing(&builder.providing);
+        // Read before the call: a change made meanwhile makes the next request rebuild.
+        let version = builder.shared.version.load(Ordering::SeqCst);
+        let state = provider.current_state()?;
+        check_provided(&state)?;
+        let mut data = Vec::with_capacity(state.tensors.iter().map(Tensor::size_bytes).sum());
+        for t in &state.tensors {
+            data.extend_from_slice(t.flat().as_bytes());
+        }
+        let tensors = state.tensors.iter().map(TensorDescriptor::of).collect();
+        let snapshot = snapshot_of(&builder, data, tensors, state.metadata);
+        Ok::<_, String>(cache(&builder, version, true, true, snapshot))
+    });
+    let timeout = inner.config.request_timeout;
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(Ok(snapshot))) => Some(snapshot),
+        Ok(Ok(Err(e))) => {
+            tracing::warn!(error = %e, "the state provider failed; newcomers are refused");
+            None
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "the state provider panicked; newcomers are refused");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(?timeout, "the state provider did not answer in time");
+            None
+        }
+    }
+}
+
+/// Whether a provided state fits what a newcomer accepts.
+fn check_provided(state: &ProvidedState) -> Result<(), String> {
+    if state.metadata.len() > wire::MAX_METADATA_BYTES {
+        return Err(format!(
+            "metadata of {} bytes (at most {})",
+            state.metadata.len(),
+            wire::MAX_METADATA_BYTES
+        ));
+    }
+    if state.tensors.len() > wire::MAX_TENSORS {
+        return Err(format!(
+            "{} tensors (at most {})",
+            state.tensors.len(),
+            wire::MAX_TENSORS
+        ));
+    }
+    if let Some(t) = state
+        .tensors
+        .iter()
+        .find(|t| t.shape().len() > wire::MAX_DIMS)
+    {
+        return Err(format!(
+            "a tensor of {} dimensions (at most {})",
+            t.shape().len(),
+            wire::MAX_DIMS
+        ));
+    }
+    Ok(())
+}
+
 /// A snapshot of the tensors and metadata, the tensors' version it was taken at, and whether
 /// any tensor is [external](Tensor::External). Only the copy runs under the tensor lock; the
 /// hashes after it.
 pub(super) fn build_snapshot(inner: &Inner) -> (u64, bool, Snapshot) {
-    let chunk_bytes =
-        (inner.config.chunk_bytes as u64).clamp(wire::MIN_CHUNK_BYTES, wire::MAX_CHUNK_BYTES);
     let (version, external, data, tensors) = {
         let tensors = lock(&inner.shared.tensors);
         // Read under the lock: every change through a guard counted before it was taken.
@@ -130,6 +230,22 @@ pub(super) fn build_snapshot(inner: &Inner) -> (u64, bool, Snapshot) {
         (version, external, data, descriptors)
     };
     let metadata = lock(&inner.metadata).clone();
+    (
+        version,
+        external,
+        snapshot_of(inner, data, tensors, metadata),
+    )
+}
+
+/// The served form of a state: its data, chunk hashes and description.
+fn snapshot_of(
+    inner: &Inner,
+    data: Vec<u8>,
+    tensors: Vec<TensorDescriptor>,
+    metadata: Bytes,
+) -> Snapshot {
+    let chunk_bytes =
+        (inner.config.chunk_bytes as u64).clamp(wire::MIN_CHUNK_BYTES, wire::MAX_CHUNK_BYTES);
     let mut hashes =
         Vec::with_capacity(data.len().div_ceil(chunk_bytes as usize) * wire::HASH_BYTES);
     for c in data.chunks(chunk_bytes as usize) {
@@ -144,7 +260,7 @@ pub(super) fn build_snapshot(inner: &Inner) -> (u64, bool, Snapshot) {
         &hashes,
         &metadata,
     );
-    let snapshot = Snapshot {
+    Snapshot {
         data: data.into(),
         meta: Metadata {
             session: Bytes::new(),
@@ -156,8 +272,7 @@ pub(super) fn build_snapshot(inner: &Inner) -> (u64, bool, Snapshot) {
             content_hash,
             metadata,
         },
-    };
-    (version, external, snapshot)
+    }
 }
 
 pub(super) fn chunk(inner: &Inner, peer: PeerId, session: &Bytes, index: u64) -> Response {

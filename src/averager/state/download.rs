@@ -7,7 +7,9 @@ use super::*;
 /// What the newcomer's state looks like (a donor's must match).
 pub(super) struct Expected {
     schema_hash: Bytes,
-    tensors: Vec<TensorDescriptor>,
+    /// The tensors' shapes and dtypes, when the state is to be installed into them (a state
+    /// only fetched may hold any tensors: a donor's [`StateProvider`] decides).
+    tensors: Option<Vec<TensorDescriptor>>,
 }
 
 /// A donor that described a usable state.
@@ -151,7 +153,7 @@ impl Inner {
             let tensors = lock(&self.shared.tensors);
             Expected {
                 schema_hash: self.schema_hash.clone(),
-                tensors: tensors.iter().map(TensorDescriptor::of).collect(),
+                tensors: install.then(|| tensors.iter().map(TensorDescriptor::of).collect()),
             }
         };
         let mut candidates = self.donors().await?.into_iter();
@@ -285,7 +287,11 @@ impl Inner {
             .await
             {
                 Ok(Response::Metadata(meta)) => {
-                    if meta.schema_hash != expected.schema_hash || meta.tensors != expected.tensors
+                    if meta.schema_hash != expected.schema_hash
+                        || expected
+                            .tensors
+                            .as_ref()
+                            .is_some_and(|t| *t != meta.tensors)
                     {
                         release(vec![(stream, meta.session)], timeout);
                         return Err(DonorError::SchemaMismatch);
