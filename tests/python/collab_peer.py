@@ -40,7 +40,7 @@ def make_model() -> nn.Module:
 
 
 def make_opt(params):
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.SGD(params, lr=0.2, momentum=0.5)
 
 
 def make_sched(opt):

@@ -26,8 +26,10 @@ metadata. :meth:`load_state_from_peers` refuses a state older than the local one
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from itertools import chain
@@ -532,8 +534,11 @@ class TrainingStateAverager(DecentralizedAverager):
     def _update_scheduler(self) -> None:
         """Steps the scheduler until it matches :attr:`local_epoch`."""
         if self.scheduler is not None:
-            while self.scheduler._step_count <= self.local_epoch:
-                self.scheduler.step()
+            with warnings.catch_warnings():
+                # Catching up with an epoch is not a call out of order.
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+                while self.scheduler._step_count <= self.local_epoch:
+                    self.scheduler.step()
 
     # --- state for newcomers ---------------------------------------------------------------
 
@@ -551,6 +556,10 @@ class TrainingStateAverager(DecentralizedAverager):
         except (AttributeError, NotImplementedError):
             group_bits = ""
         metadata = dict(epoch=self.local_epoch, group_bits=group_bits, optimizer=opt_meta)
+        if self.scheduler is not None:
+            # The schedule's own state: a chained scheduler (StepLR) scales the loaded lr
+            # again if it is merely stepped up to the epoch.
+            metadata["scheduler"] = _encode_tree(self.scheduler.state_dict(), [])
         tensors = [_carried(t) for t in chain(params, extras)] + opt_tensors
         return metadata, tensors
 
@@ -589,6 +598,12 @@ class TrainingStateAverager(DecentralizedAverager):
             except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
                 logger.error(f"refusing a peer's state: its optimizer state does not fit: {e}")
                 return False
+            sched_state = metadata.get("scheduler")
+            if self.scheduler is not None and sched_state is not None:
+                try:
+                    self.scheduler.load_state_dict(_decode_tree(sched_state, [], [0]))
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                    logger.warning(f"the peer's scheduler state does not fit ({e}): stepping ours")
             for local, loaded in zip(targets, tensors[:n]):
                 local.copy_(loaded.reshape(local.shape))
         if self.offload_optimizer:
@@ -636,76 +651,86 @@ def initialize_optimizer_state_(opt: TorchOptimizer) -> None:
 # a tuple, a list a list, anything else a JSON scalar.
 
 
+def _encode_tree(x: Any, tensors: List[torch.Tensor]) -> Any:
+    """``x`` (a state dict) as JSON-safe tagged nodes; its tensors appended to ``tensors``."""
+    if isinstance(x, torch.Tensor):
+        tensors.append(_carried(x.detach().cpu().clone()))
+        return {"t": len(tensors) - 1, "dt": str(x.dtype).replace("torch.", ""),
+                "s": list(x.shape)}
+    if isinstance(x, dict):
+        return {"m": [[_encode_tree(k, tensors), _encode_tree(v, tensors)] for k, v in x.items()]}
+    if isinstance(x, tuple):
+        return {"u": [_encode_tree(v, tensors) for v in x]}
+    if isinstance(x, list):
+        return [_encode_tree(v, tensors) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"cannot share state of type {type(x).__name__}")
+
+
+def _decode_tree(x: Any, tensors: Sequence[torch.Tensor], used: List[int], depth: int = 0) -> Any:
+    """The inverse of :func:`_encode_tree`; ``ValueError`` for anything malformed (a peer's
+    state is hostile input). Counts the tensors referenced in ``used[0]``."""
+    if depth > 64:
+        raise ValueError("state nested too deeply")
+    if isinstance(x, list):
+        return [_decode_tree(v, tensors, used, depth + 1) for v in x]
+    if isinstance(x, dict):
+        if "t" in x:
+            i = x["t"]
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tensors):
+                raise ValueError(f"bad tensor index {i!r}")
+            dtype = getattr(torch, str(x.get("dt", "float32")), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"bad dtype {x.get('dt')!r}")
+            shape = x.get("s", list(tensors[i].shape))
+            if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            ):
+                raise ValueError(f"bad shape {shape!r}")
+            if math.prod(shape) != tensors[i].numel():
+                raise ValueError(f"tensor {i}: shape {shape} does not fit {tensors[i].numel()} values")
+            used[0] += 1
+            return tensors[i].reshape(shape).to(dtype)
+        if "m" in x:
+            pairs = x["m"]
+            if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 for p in pairs
+            ):
+                raise ValueError("bad mapping in the state")
+            out = {}
+            for k, v in pairs:
+                key = _decode_tree(k, tensors, used, depth + 1)
+                if isinstance(key, (list, dict)):
+                    raise ValueError("unhashable key in the state")
+                out[key] = _decode_tree(v, tensors, used, depth + 1)
+            return out
+        if "u" in x:
+            if not isinstance(x["u"], list):
+                raise ValueError("bad tuple in the state")
+            return tuple(_decode_tree(v, tensors, used, depth + 1) for v in x["u"])
+        raise ValueError("unknown node in the state")
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise ValueError(f"unexpected {type(x).__name__} in the state")
+
+
 def dump_optimizer_state(opt: TorchOptimizer) -> Tuple[Any, List[torch.Tensor]]:
-    """``opt.state_dict()`` as ``(metadata, tensors)`` (see :func:`load_optimizer_state`)."""
+    """``opt.state_dict()`` as ``(metadata, tensors)``: JSON-safe tagged nodes (a tensor as
+    its index, dtype and shape; a mapping as key/value pairs, so integer keys stay integers;
+    a tuple) and the tensors, as host tensors that state sharing carries (see
+    :func:`load_optimizer_state`)."""
     tensors: List[torch.Tensor] = []
-
-    def enc(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors.append(_carried(x.detach().cpu().clone()))
-            return {"t": len(tensors) - 1, "dt": str(x.dtype).replace("torch.", ""),
-                    "s": list(x.shape)}
-        if isinstance(x, dict):
-            return {"m": [[enc(k), enc(v)] for k, v in x.items()]}
-        if isinstance(x, tuple):
-            return {"u": [enc(v) for v in x]}
-        if isinstance(x, list):
-            return [enc(v) for v in x]
-        if x is None or isinstance(x, (bool, int, float, str)):
-            return x
-        raise TypeError(f"cannot share optimizer state of type {type(x).__name__}")
-
     with torch.no_grad():
-        return enc(opt.state_dict()), tensors
+        return _encode_tree(opt.state_dict(), tensors), tensors
 
 
 def load_optimizer_state(opt: TorchOptimizer, metadata: Any, tensors: Sequence[torch.Tensor]
                          ) -> None:
-    """Loads what :func:`dump_optimizer_state` made into ``opt``; a malformed tree raises
-    ``ValueError`` (a peer's state is hostile input)."""
+    """Loads what :func:`dump_optimizer_state` made into ``opt``; a malformed tree, or
+    tensors it does not use, raise ``ValueError``."""
     used = [0]
-
-    def dec(x: Any, depth: int = 0) -> Any:
-        if depth > 64:
-            raise ValueError("optimizer state nested too deeply")
-        if isinstance(x, list):
-            return [dec(v, depth + 1) for v in x]
-        if isinstance(x, dict):
-            if "t" in x:
-                i = x["t"]
-                if not isinstance(i, int) or not 0 <= i < len(tensors):
-                    raise ValueError(f"bad tensor index {i!r}")
-                dtype = getattr(torch, str(x.get("dt", "float32")), None)
-                if not isinstance(dtype, torch.dtype):
-                    raise ValueError(f"bad dtype {x.get('dt')!r}")
-                shape = x.get("s", list(tensors[i].shape))
-                if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-                    raise ValueError(f"bad shape {shape!r}")
-                used[0] += 1
-                return tensors[i].reshape(shape).to(dtype)
-            if "m" in x:
-                pairs = x["m"]
-                if not isinstance(pairs, list) or not all(
-                    isinstance(p, list) and len(p) == 2 for p in pairs
-                ):
-                    raise ValueError("bad mapping in optimizer state")
-                out = {}
-                for k, v in pairs:
-                    key = dec(k, depth + 1)
-                    if isinstance(key, list):
-                        raise ValueError("unhashable key in optimizer state")
-                    out[key] = dec(v, depth + 1)
-                return out
-            if "u" in x:
-                if not isinstance(x["u"], list):
-                    raise ValueError("bad tuple in optimizer state")
-                return tuple(dec(v, depth + 1) for v in x["u"])
-            raise ValueError("unknown node in optimizer state")
-        if x is None or isinstance(x, (bool, int, float, str)):
-            return x
-        raise ValueError(f"unexpected {type(x).__name__} in optimizer state")
-
-    state = dec(metadata)
+    state = _decode_tree(metadata, tensors, used)
     if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
         raise ValueError("the optimizer state has no 'state' and 'param_groups'")
     if used[0] != len(tensors):
