@@ -191,7 +191,10 @@ class Optimizer(torch.optim.Optimizer):
         self.state_averager = TrainingStateAverager(
             dht=dht, prefix=f"{run_id}_state_averager", optimizer=optimizer, params=params,
             scheduler=scheduler, offload_optimizer=offload_optimizer,
-            custom_gradients=offload_optimizer, status_loglevel=self.status_loglevel,
+            # The gradient round fills the offloaded optimizer's gradients; local updates use
+            # the model's own, copied in before each step.
+            custom_gradients=offload_optimizer and not use_local_updates,
+            status_loglevel=self.status_loglevel,
             delta_rule_averaging=use_local_updates and delay_state_averaging,
             compression=state_averaging_compression, state_compression=load_state_compression,
             average_opt_statistics=average_opt_statistics,
