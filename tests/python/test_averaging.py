@@ -456,6 +456,7 @@ def test_weight_set_after_scheduling_is_the_one_used(make_dht):
         lagging = averagers[1].step(wait=False, require_trigger=True, timeout=STEP_TIMEOUT)
         other = averagers[0].step(wait=False, timeout=STEP_TIMEOUT)
         assert lagging.weight == 1.0
+        assert other.scheduled_time is not None, "hivemind's default: now + matchmaking time"
         lagging.weight = 0
         assert lagging.weight == 0.0
         with pytest.raises(ValueError, match="weight"):

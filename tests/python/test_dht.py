@@ -52,8 +52,8 @@ def test_bad_arguments(bootstrap):
     with pytest.raises(TypeError):
         hivemesh.DHT(no_such_argument=True)
     with hivemesh.DHT(initial_peers=bootstrap, host_maddrs=["/ip4/127.0.0.1/tcp/0"]) as dht:
-        with pytest.raises(TypeError):
-            dht.store("k", "not bytes", get_dht_time() + 10)
+        with pytest.raises(TypeError, match="msgpack"):
+            dht.store("k", {"not msgpack-able": object()}, get_dht_time() + 10)
         with pytest.raises(TypeError):
             dht.get(123)
     assert not dht.is_alive()

@@ -280,14 +280,17 @@ class DecentralizedAverager:
         ``wait=False`` a :class:`StepControl`.
 
         ``gather``: bytes or JSON-serializable data shared with the group; ``scheduled_time``:
-        when the all-reduce should begin at the earliest (DHT time); ``weight``: this peer's
+        when the all-reduce should begin at the earliest (DHT time; default now +
+        ``min_matchmaking_time``, settable on the :class:`StepControl` until the all-reduce
+        begins, as ``weight`` is); ``weight``: this peer's
         weight (default 1, 0 for an auxiliary peer); ``timeout``: give up after this long;
         ``require_trigger``: begin the all-reduce only after ``StepControl.trigger()``."""
         if weight is None:
             weight = 0.0 if self.auxiliary else 1.0
-        scheduled_in = None
-        if scheduled_time is not None:
-            scheduled_in = max(0.0, float(scheduled_time) - get_dht_time())
+        if scheduled_time is None:
+            # hivemind's default, so that StepControl.scheduled_time is always a time.
+            scheduled_time = get_dht_time() + self.matchmaking_kwargs["min_matchmaking_time"]
+        scheduled_in = max(0.0, float(scheduled_time) - get_dht_time())
         native = self._averager.schedule_step(
             weight=float(weight),
             gather=_encode_value(gather),
