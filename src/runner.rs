@@ -575,7 +575,7 @@ pub(crate) fn link_budget(max_queued: usize, max_frame_bytes: usize) -> Arc<Sema
 /// Frames up to this size are read through the link's small staging buffer; larger ones go
 /// straight into a pooled buffer of their own size (one copy out of the TLS layer, no
 /// reallocation as the frame grows).
-const STAGING_BYTES: usize = 64 << 10;
+pub(crate) const STAGING_BYTES: usize = 64 << 10;
 
 /// The most a frame's announced length makes the reader reserve ahead of the bytes actually
 /// arriving: a peer announcing a 16 MiB frame and sending nothing costs at most this much.
