@@ -52,11 +52,12 @@
 mod admit;
 mod chain;
 mod exchange;
+mod invitation;
 mod mesh;
 mod ops;
 
-pub use admit::Formation;
 pub(crate) use admit::join;
+pub use admit::{Authorizer, Formation};
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -282,6 +283,8 @@ pub struct Group {
     pool_bytes: usize,
     /// What matchmaking said about the group ([`Group::admit`] needs it).
     formation: Option<Formation>,
+    /// Who may join while this member leads ([`Group::with_authorizer`]).
+    authorizer: Option<Authorizer>,
 }
 
 impl std::fmt::Debug for Group {
@@ -349,6 +352,7 @@ impl Group {
             pool,
             pool_bytes: crate::buffers::DEFAULT_RETAIN_BYTES,
             formation: None,
+            authorizer: None,
         })
     }
 

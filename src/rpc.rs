@@ -303,7 +303,7 @@ impl Rpc {
             });
         }
         let body = request.encode_length_delimited_to_vec();
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let timed_out = || RpcError::Timeout {
             method: method.into(),
             peer,
@@ -669,6 +669,15 @@ async fn write_answer(stream: &mut P2pStream, answer: Vec<u8>) -> Result<(), Ser
     .await
     .map_err(|_| ServeError::WriteTimeout)??;
     Ok(())
+}
+
+/// `now + after`, or where that is past what an instant holds (a caller's `Duration::MAX`,
+/// which panicked in `Instant + Duration`), a deadline about 30 years ahead: never, in effect.
+pub(crate) fn deadline_after(after: Duration) -> Instant {
+    const NEVER: Duration = Duration::from_secs(30 * 365 * 86_400);
+    let now = Instant::now();
+    now.checked_add(after.min(NEVER))
+        .unwrap_or_else(|| now + Duration::from_secs(86_400))
 }
 
 /// A call's request.

@@ -344,7 +344,7 @@ impl Group {
         like: &[TensorDescriptor],
     ) -> Result<(usize, Vec<Tensor>), GroupError> {
         let arrivals = self.mesh().arrivals();
-        let deadline = tokio::time::Instant::now() + self.cfg.op_timeout;
+        let deadline = crate::rpc::deadline_after(self.cfg.op_timeout);
         loop {
             let notified = arrivals.notified();
             tokio::pin!(notified);
