@@ -3,8 +3,9 @@
 //! Every current member calls [`Group::admit`] at the same point of its sequence of
 //! operations (it is a collective). Member 0, the leader, publishes an invitation in the DHT
 //! (key `"{prefix}.group"`, its own owner subkey: the group's base id, its members and its
-//! contact addresses), every other member an endorsement of it (`invitation.rs`: how a
-//! newcomer tells a group's invitation from a stranger's), and the leader serves the RPC
+//! contact addresses) once every other member has stored an endorsement of it (a barrier
+//! between the two; `invitation.rs`: how a newcomer tells a group's invitation from a
+//! stranger's), and the leader serves the RPC
 //! method `hivemesh.group.join.<base>` for the admission window. A newcomer
 //! ([`crate::Averager::join_group`]) reads the invitations, takes the endorsed one with the
 //! most members, calls its leader with what it brings (its [`MemberInfo`]: reach, addresses)
@@ -157,6 +158,10 @@ impl Group {
         if !leader {
             self.endorse(node, &formation.name, window).await;
         }
+        // The leader publishes its invitation once every member has endorsed it: a newcomer
+        // that finds the invitation finds its endorsements too (and does not settle for a
+        // stranger's smaller group while they are on their way).
+        self.barrier().await?;
         if leader {
             requests = self.collect_requests(node, &formation, window).await?;
             let mut members: Vec<GroupMember> = self
