@@ -694,3 +694,25 @@ fn request(method: &str, payload: &[u8], timeout: Duration) -> proto::Request {
 pub fn encode_request(method: &str, payload: &[u8], timeout: Duration) -> Vec<u8> {
     request(method, payload, timeout).encode_length_delimited_to_vec()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 29, item 8: a caller's `Duration::MAX` (or anything past what an instant holds)
+    /// is a deadline far ahead, not a panic in `Instant + Duration`.
+    #[test]
+    fn deadlines_past_what_an_instant_holds_are_far_ahead() {
+        let now = Instant::now();
+        for after in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+            let deadline = deadline_after(after);
+            assert!(
+                deadline >= now + Duration::from_secs(365 * 86_400),
+                "{after:?}"
+            );
+        }
+        let soon = deadline_after(Duration::from_secs(5));
+        assert!(soon >= now + Duration::from_secs(5));
+        assert!(soon <= Instant::now() + Duration::from_secs(5));
+    }
+}
