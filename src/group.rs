@@ -35,8 +35,10 @@
 //! reducer), or sends a bad part ends the operation for the others with
 //! [`GroupError::Failed`], which names every failed member and carries what was completed
 //! ([`Partial`]). The group does not change by itself: the caller decides, and every
-//! survivor calls [`Group::shrink`], which exchanges each survivor's list of failed members
-//! and removes the union (and anyone who does not answer). Later operations run over the
+//! survivor calls [`Group::shrink`], which exchanges each survivor's list of the members it
+//! saw fail (not those it only heard of) and removes those named by two survivors, or by
+//! every other survivor where fewer than two remain (and anyone who does not answer): one
+//! lying member cannot expel the others. Later operations run over the
 //! smaller membership, under a new operation-id prefix, so frames of the old membership are
 //! dropped. Shrinking is not consensus: survivors that saw different failures during the
 //! shrink itself end up with different memberships, their next operation fails by timeouts,
@@ -52,11 +54,12 @@
 mod admit;
 mod chain;
 mod exchange;
+mod invitation;
 mod mesh;
 mod ops;
 
-pub use admit::Formation;
 pub(crate) use admit::join;
+pub use admit::{Authorizer, Formation};
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -282,6 +285,8 @@ pub struct Group {
     pool_bytes: usize,
     /// What matchmaking said about the group ([`Group::admit`] needs it).
     formation: Option<Formation>,
+    /// Who may join while this member leads ([`Group::with_authorizer`]).
+    authorizer: Option<Authorizer>,
 }
 
 impl std::fmt::Debug for Group {
@@ -349,6 +354,7 @@ impl Group {
             pool,
             pool_bytes: crate::buffers::DEFAULT_RETAIN_BYTES,
             formation: None,
+            authorizer: None,
         })
     }
 
@@ -449,9 +455,19 @@ impl Group {
             detail: e.to_string(),
         })?;
         let mut failed: Vec<FailedMember> = Vec::new();
-        for (local, reason) in failures {
+        for crate::runner::Failure {
+            peer: local,
+            reason,
+            hearsay,
+        } in failures
+        {
             let original = members[local];
-            self.suspects.insert(original);
+            // What another member only reports is no suspicion of ours: a shrink weighs each
+            // member's own (`ops::removed_by_shrink`), and a liar's notice repeated by those
+            // who heard it would count as several witnesses.
+            if !hearsay {
+                self.suspects.insert(original);
+            }
             if let Some(f) = failed.iter_mut().find(|f| f.peer == self.peers[original]) {
                 f.reason = format!("{}; {reason}", f.reason);
             } else {

@@ -70,6 +70,7 @@
 //! a silent stream and re-open it (`crate::links` does, with its Hello/Ack).
 
 mod identity;
+mod inbound;
 mod nat;
 mod private;
 mod store;
@@ -266,21 +267,35 @@ pub struct P2pConfig {
     pub swarm_key: Option<SwarmKey>,
 }
 
-/// Bounds on the swarm's connections (libp2p's `connection_limits`): connections beyond them
-/// are refused before their handshake completes (pending) or right after it (established).
+/// Bounds on the swarm's connections: connections beyond them are refused before their
+/// handshake completes (pending) or right after it (established).
 ///
 /// The defaults: **128 pending inbound** (handshakes in flight: a burst of dials costs at most
 /// that many noise handshakes at once), **1024 established inbound** (a bootstrap node of a
 /// swarm of a thousand peers), **8 per peer** (TCP and QUIC, direct, relayed and hole-punched
-/// connections of one peer, with room for redials while old ones close).
+/// connections of one peer, with room for redials while old ones close). Both inbound pools
+/// are shared out by remote address (`inbound.rs`: an IPv4 address or an IPv6 /64): once half
+/// of a pool is in use, an address holding **8 handshakes** or **64 established connections**
+/// gets no more, so one address cannot lock others out. A handshake not finished within
+/// **5 s** is dropped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConnectionLimits {
     /// Inbound connections still in their handshake.
     pub max_pending_incoming: u32,
+    /// Handshakes one remote address (IPv6: one /64) may hold once half of
+    /// `max_pending_incoming` is in use.
+    pub max_pending_per_address: u32,
     /// Established inbound connections.
     pub max_established_incoming: u32,
+    /// Established inbound connections one remote address may hold once half of
+    /// `max_established_incoming` is in use.
+    pub max_established_per_address: u32,
     /// Established connections (either direction) with one peer.
     pub max_per_peer: u32,
+    /// The longest a connection may take from its first byte to a finished handshake (noise
+    /// and the multiplexer, or QUIC's), both directions; a silent or stalled handshake holds
+    /// its slot no longer than this.
+    pub handshake_timeout: Duration,
     /// Refuse new connections (both directions) while this process uses more memory than this
     /// (resident bytes, as libp2p's `memory_connection_limits` measures them, refreshed at most
     /// every 100 ms). Off by default: the averaged tensors live in the same process and may
@@ -293,8 +308,11 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         Self {
             max_pending_incoming: 128,
+            max_pending_per_address: 8,
             max_established_incoming: 1024,
+            max_established_per_address: 64,
             max_per_peer: 8,
+            handshake_timeout: Duration::from_secs(5),
             max_process_memory_bytes: None,
         }
     }

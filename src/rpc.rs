@@ -303,7 +303,7 @@ impl Rpc {
             });
         }
         let body = request.encode_length_delimited_to_vec();
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let timed_out = || RpcError::Timeout {
             method: method.into(),
             peer,
@@ -671,6 +671,15 @@ async fn write_answer(stream: &mut P2pStream, answer: Vec<u8>) -> Result<(), Ser
     Ok(())
 }
 
+/// `now + after`, or where that is past what an instant holds (a caller's `Duration::MAX`,
+/// which panicked in `Instant + Duration`), a deadline about 30 years ahead: never, in effect.
+pub(crate) fn deadline_after(after: Duration) -> Instant {
+    const NEVER: Duration = Duration::from_secs(30 * 365 * 86_400);
+    let now = Instant::now();
+    now.checked_add(after.min(NEVER))
+        .unwrap_or_else(|| now + Duration::from_secs(86_400))
+}
+
 /// A call's request.
 fn request(method: &str, payload: &[u8], timeout: Duration) -> proto::Request {
     proto::Request {
@@ -684,4 +693,26 @@ fn request(method: &str, payload: &[u8], timeout: Duration) -> proto::Request {
 #[doc(hidden)]
 pub fn encode_request(method: &str, payload: &[u8], timeout: Duration) -> Vec<u8> {
     request(method, payload, timeout).encode_length_delimited_to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 29, item 8: a caller's `Duration::MAX` (or anything past what an instant holds)
+    /// is a deadline far ahead, not a panic in `Instant + Duration`.
+    #[test]
+    fn deadlines_past_what_an_instant_holds_are_far_ahead() {
+        let now = Instant::now();
+        for after in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+            let deadline = deadline_after(after);
+            assert!(
+                deadline >= now + Duration::from_secs(365 * 86_400),
+                "{after:?}"
+            );
+        }
+        let soon = deadline_after(Duration::from_secs(5));
+        assert!(soon >= now + Duration::from_secs(5));
+        assert!(soon <= Instant::now() + Duration::from_secs(5));
+    }
 }

@@ -31,7 +31,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
-use crate::allreduce::{Butterfly, Message, Outcome, RoundConfig, RoundError, RoundEvent};
+use crate::allreduce::{
+    Butterfly, Message, Outcome, RoundConfig, RoundError, RoundEvent, Violation,
+};
 use crate::buffers::BufferPool;
 use crate::compression::CompressionType;
 use crate::tensor::{DType, Tensor, ops};
@@ -414,6 +416,17 @@ impl Outbox for mpsc::Sender<Message> {
     }
 }
 
+/// A member an operation gave up on, as the compute loop saw it.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    /// The member (index in the operation).
+    pub(crate) peer: usize,
+    /// Why.
+    pub(crate) reason: String,
+    /// Only heard of from another member (a chain neighbour's notice), not seen here.
+    pub(crate) hearsay: bool,
+}
+
 /// Drives `machine` to its end on the calling (blocking) thread: see [`compute_loop`].
 /// Returns the members it banned or failed, with why.
 #[allow(clippy::too_many_arguments)]
@@ -425,7 +438,7 @@ pub(crate) fn drive<M: Machine, O: Outbox>(
     cancel: &mut watch::Receiver<bool>,
     abandoned: &mut oneshot::Receiver<()>,
     lanes: Option<&[String]>,
-) -> Result<Vec<(usize, String)>, RunnerError> {
+) -> Result<Vec<Failure>, RunnerError> {
     let mut failures = Vec::new();
     compute_loop(
         handle,
@@ -449,7 +462,7 @@ fn compute_loop<M: Machine, O: Outbox>(
     cancel: &mut watch::Receiver<bool>,
     abandoned: &mut oneshot::Receiver<()>,
     lanes: Option<&[String]>,
-    failures: &mut Vec<(usize, String)>,
+    failures: &mut Vec<Failure>,
 ) -> Result<(), RunnerError> {
     let mut inbound_open = true;
     let mut cancel_open = true;
@@ -466,11 +479,19 @@ fn compute_loop<M: Machine, O: Outbox>(
             match ev {
                 RoundEvent::Banned { peer, reason } => {
                     tracing::info!(peer, %reason, "banned sender");
-                    failures.push((peer, reason.to_string()));
+                    failures.push(Failure {
+                        peer,
+                        reason: reason.to_string(),
+                        hearsay: matches!(reason, Violation::ReportedFailed { .. }),
+                    });
                 }
                 RoundEvent::ReducerFailed { peer, reason } => {
                     tracing::info!(peer, %reason, "reducer failed");
-                    failures.push((peer, format!("as reducer: {reason}")));
+                    failures.push(Failure {
+                        peer,
+                        reason: format!("as reducer: {reason}"),
+                        hearsay: false,
+                    });
                 }
                 RoundEvent::Rejected { peer, reason } => {
                     tracing::debug!(peer, %reason, "rejected message")
@@ -575,7 +596,7 @@ pub(crate) fn link_budget(max_queued: usize, max_frame_bytes: usize) -> Arc<Sema
 /// Frames up to this size are read through the link's small staging buffer; larger ones go
 /// straight into a pooled buffer of their own size (one copy out of the TLS layer, no
 /// reallocation as the frame grows).
-const STAGING_BYTES: usize = 64 << 10;
+pub(crate) const STAGING_BYTES: usize = 64 << 10;
 
 /// The most a frame's announced length makes the reader reserve ahead of the bytes actually
 /// arriving: a peer announcing a 16 MiB frame and sending nothing costs at most this much.

@@ -7,6 +7,11 @@
 //! where no peer id is known yet) holds at most `per_peer` of the `total` slots. One peer
 //! holding its whole share then leaves `total - per_peer` slots to everyone else.
 //!
+//! A pool may also hand out its first slots freely ([`Shares::lenient`]): the per-peer bound
+//! then applies only once that many slots are in use, so a burst from one address that is
+//! legitimate (many local processes joining one bootstrap node) passes while the node is not
+//! under pressure, and one peer can still take at most the free part plus nothing more.
+//!
 //! [`Shares::try_take`] either hands out a [`Share`], which gives its slot back when dropped
 //! (so a task that holds one and is aborted frees it too), or says which bound refused it.
 
@@ -28,6 +33,8 @@ pub(crate) enum Refused {
 struct Books<K> {
     total: usize,
     per_peer: usize,
+    /// The per-peer bound applies once this many slots are in use.
+    strict_from: usize,
     in_use: usize,
     held: HashMap<K, usize>,
 }
@@ -56,11 +63,18 @@ impl<K: Hash + Eq + Clone> Shares<K> {
     /// A pool of `total` slots (at least one) with `per_peer` (at least one, at most `total`)
     /// per peer.
     pub(crate) fn new(total: usize, per_peer: usize) -> Self {
+        Self::lenient(total, per_peer, 0)
+    }
+
+    /// As [`Shares::new`], but the per-peer bound applies only while at least `free` slots
+    /// are in use: below that, anyone takes a slot (see the module docs).
+    pub(crate) fn lenient(total: usize, per_peer: usize, free: usize) -> Self {
         let total = total.max(1);
         Self {
             books: Arc::new(Mutex::new(Books {
                 total,
                 per_peer: per_peer.clamp(1, total),
+                strict_from: free.min(total),
                 in_use: 0,
                 held: HashMap::new(),
             })),
@@ -74,8 +88,9 @@ impl<K: Hash + Eq + Clone> Shares<K> {
             return Err(Refused::Full);
         }
         let per_peer = books.per_peer;
+        let strict = books.in_use >= books.strict_from;
         let held = books.held.entry(peer.clone()).or_insert(0);
-        if *held >= per_peer {
+        if strict && *held >= per_peer {
             return Err(Refused::PeerShare);
         }
         *held += 1;
@@ -137,6 +152,20 @@ mod tests {
     }
 
     #[test]
+    fn a_lenient_pool_applies_the_share_once_busy() {
+        let pool = Shares::lenient(6, 1, 3);
+        let a: Vec<_> = (0..3).map(|_| pool.try_take("a").unwrap()).collect();
+        assert_eq!(pool.try_take("a").err(), Some(Refused::PeerShare));
+        let _b = pool.try_take("b").unwrap();
+        assert_eq!(pool.try_take("b").err(), Some(Refused::PeerShare));
+        let _c = pool.try_take("c").unwrap();
+        let _d = pool.try_take("d").unwrap();
+        assert_eq!(pool.try_take("e").err(), Some(Refused::Full));
+        drop(a);
+        let _a = pool.try_take("a").unwrap();
+    }
+
+    #[test]
     fn the_share_is_clamped_to_the_pool() {
         let pool = Shares::new(0, 0);
         let s = pool.try_take(1).unwrap();
@@ -154,21 +183,26 @@ mod tests {
         fn bounds_hold_under_any_sequence(
             total in 1usize..8,
             per_peer in 1usize..8,
+            free in 0usize..10,
             ops in proptest::collection::vec((0u8..4, any::<bool>()), 0..64),
         ) {
-            let pool = Shares::new(total, per_peer);
+            let pool = Shares::lenient(total, per_peer, free);
             let per_peer = per_peer.min(total);
+            let free = free.min(total);
             let mut held: Vec<(u8, Share<u8>)> = Vec::new();
             for (peer, take) in ops {
                 if take {
                     let mine = held.iter().filter(|(p, _)| *p == peer).count();
                     match pool.try_take(peer) {
                         Ok(s) => {
-                            prop_assert!(held.len() < total && mine < per_peer);
+                            prop_assert!(held.len() < total);
+                            prop_assert!(mine < per_peer || held.len() < free);
                             held.push((peer, s));
                         }
                         Err(Refused::Full) => prop_assert_eq!(held.len(), total),
-                        Err(Refused::PeerShare) => prop_assert!(mine >= per_peer),
+                        Err(Refused::PeerShare) => {
+                            prop_assert!(mine >= per_peer && held.len() >= free);
+                        }
                     }
                 } else if let Some(i) = held.iter().position(|(p, _)| *p == peer) {
                     held.swap_remove(i);

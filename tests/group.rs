@@ -479,3 +479,181 @@ async fn side(groups: &mut [Group], scale: f32) -> Vec<(Vec<Tensor>, Vec<Vec<Ten
     }))
     .await
 }
+
+/// Issue 29, attack 2 (eclipse): a stranger whose peer id was ground to sort before every
+/// member's (owner subkeys sort by peer id, and newcomers took the first invitation) invites
+/// to a group of its own under the same prefix. The newcomer joins the real group, whose
+/// invitation every member endorses, not the stranger's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newcomer_joins_the_endorsed_group_not_an_impostor() {
+    use hivemesh::averager::node::{Node, NodeConfig};
+    use hivemesh::group::Formation;
+    use hivemesh::matchmaking::MemberInfo;
+    let _serial = SERIAL.lock().await;
+    let swarm = Swarm::start(4, |_| false).await;
+    // The impostor's id sorts before those of the nodes that will form the group. (Its node
+    // starts before the group forms: later, its dial from its listen port may meet a port
+    // still in TIME_WAIT from the forming's connections, "address already in use".)
+    let key = loop {
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        let id = key.public().to_peer_id().to_bytes();
+        if (0..3).all(|i| id < swarm.peer(i).to_bytes()) {
+            break key;
+        }
+    };
+    let impostor_id = key.public().to_peer_id();
+    let mut node_config = NodeConfig::loopback();
+    node_config.p2p.initial_peers = vec![swarm.bootstrap.join_address().await.unwrap()];
+    let impostor_node = Node::start(node_config, key).await.unwrap();
+    let (mut averagers, mut groups) = form(&swarm, 3, "eclipse", |_| {}).await;
+    let members = groups[0].members().to_vec();
+    let mut impostor = Group::new(
+        b"impostor",
+        vec![impostor_id],
+        0,
+        vec![None],
+        vec![None],
+        hivemesh::GroupConfig::default(),
+    )
+    .unwrap()
+    .with_formation(Formation {
+        group_id: bytes::Bytes::from_static(b"impostor"),
+        name: "eclipse".into(),
+        infos: vec![MemberInfo::new(Mode::Node)],
+    });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let impostor_task = tokio::spawn(async move {
+        tokio::select! {
+            _ = impostor.admit(&impostor_node, Duration::from_secs(120)) => {}
+            _ = stopped => {}
+        }
+        impostor.close().await;
+        impostor_node.shutdown().await;
+    });
+    let admitting = futures::future::join_all(groups.iter_mut().map(|g| {
+        let node = node_of(&swarm, g);
+        async move { g.admit(node, Duration::from_secs(60)).await }
+    }));
+    let newcomer = swarm.averager(
+        3,
+        vec![vec![0.0f32; 4]],
+        config("eclipse", 3, CompressionType::None),
+    );
+    let joining = async {
+        // The leader's and the impostor's invitations are out before the newcomer looks (a
+        // leader publishes its invitation once the members have endorsed it).
+        let key = hivemesh::dht::owned_key(b"eclipse.group");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let authors: Vec<libp2p::PeerId> = swarm.nodes[3]
+                .dht()
+                .get(&key)
+                .await
+                .ok()
+                .flatten()
+                .map(|v| v.owner_entries().map(|(p, _)| p).collect())
+                .unwrap_or_default();
+            if [members[0], impostor_id]
+                .iter()
+                .all(|m| authors.contains(m))
+            {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "entries: {authors:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        newcomer
+            .join_group(&swarm.nodes[3], Duration::from_secs(60))
+            .await
+    };
+    let (joined, admitted) = tokio::join!(joining, admitting);
+    let _ = stop.send(());
+    impostor_task.await.unwrap();
+    let joined = joined.expect("the newcomer joins");
+    let mut want = members.clone();
+    want.push(swarm.peer(3));
+    assert_eq!(joined.members(), want, "joined the real group");
+    for a in admitted {
+        assert_eq!(a.unwrap(), vec![swarm.peer(3)]);
+    }
+    groups.push(joined);
+    for g in groups {
+        g.close().await;
+    }
+    averagers.push(newcomer);
+    swarm.shutdown(averagers).await;
+}
+
+/// Issue 29, attack 2 (duplicates, who may join): a member asking to join its own group, a
+/// newcomer asking twice at once, and a stranger the group's authorizer refuses. Before, the
+/// member (or the newcomer's second request) took a second place in the membership and every
+/// member's admission failed on it; the group admitted whoever asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_refuses_members_duplicates_and_the_unauthorized() {
+    let _serial = SERIAL.lock().await;
+    let swarm = Swarm::start(5, |_| false).await;
+    let (mut averagers, groups) = form(&swarm, 3, "dupes", |_| {}).await;
+    let allowed = swarm.peer(3);
+    let mut groups: Vec<Group> = groups
+        .into_iter()
+        .map(|g| g.with_authorizer(Arc::new(move |peer, _| *peer == allowed)))
+        .collect();
+    let newcomer = swarm.averager(
+        3,
+        vec![vec![0.0f32; 4]],
+        config("dupes", 3, CompressionType::None),
+    );
+    let stranger = swarm.averager(
+        4,
+        vec![vec![0.0f32; 4]],
+        config("dupes", 3, CompressionType::None),
+    );
+    let join = |a: &Arc<Averager>, node: usize| {
+        let a = a.clone();
+        let node = &swarm.nodes[node];
+        async move { a.join_group(node, Duration::from_secs(20)).await }
+    };
+    // The member and the stranger ask first: both are refused without closing the window.
+    let refused = futures::future::join_all([join(&averagers[1], 1), join(&stranger, 4)]);
+    let admitting = futures::future::join_all(groups.iter_mut().map(|g| {
+        let node = node_of(&swarm, g);
+        async move { g.admit(node, Duration::from_secs(60)).await }
+    }));
+    let ((refused, joins), admitted) = tokio::join!(
+        async {
+            let refused = refused.await;
+            let joins = futures::future::join_all([join(&newcomer, 3), join(&newcomer, 3)]).await;
+            (refused, joins)
+        },
+        admitting
+    );
+    for r in refused {
+        let e = r.expect_err("refused");
+        assert!(matches!(e, GroupError::Internal { .. }), "{e}");
+    }
+    for a in admitted {
+        assert_eq!(a.expect("the admission works"), vec![allowed]);
+    }
+    let mut joined: Vec<Group> = joins.into_iter().filter_map(Result::ok).collect();
+    assert_eq!(joined.len(), 1, "one place for the newcomer");
+    groups.append(&mut joined);
+    let results = futures::future::join_all(groups.iter_mut().map(|g| async move {
+        g.all_reduce(
+            ReduceOp::Sum,
+            vec![Tensor::from_f32(&[1], vec![1.0]).unwrap()],
+        )
+        .await
+    }))
+    .await;
+    for r in results {
+        assert_eq!(r.unwrap()[0].to_f32_vec(), vec![4.0]);
+    }
+    for g in groups {
+        g.close().await;
+    }
+    averagers.extend([newcomer, stranger]);
+    swarm.shutdown(averagers).await;
+}

@@ -656,3 +656,132 @@ async fn peers_dialing_each_other_at_once_both_connect() {
         b.shutdown().await.unwrap();
     }
 }
+
+/// How a flooding connection behaves once connected.
+#[derive(Clone, Copy)]
+enum Flood {
+    /// Sends nothing, ever (a handshake that never starts).
+    Silent,
+    /// Starts multistream-select (the header's length prefix and half of it), then stalls.
+    Stalled,
+    /// Random bytes, then silence (refused by the node's parser, so it churns).
+    Garbage,
+}
+
+/// One flooding connection from `from` to `target`, made again whenever the node closes it,
+/// until `stop`. A silent connection the node closes counts in `closed_silent`.
+async fn flood_one(
+    from: std::net::IpAddr,
+    target: std::net::SocketAddr,
+    kind: Flood,
+    closed_silent: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    while !*stop.borrow() {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(std::net::SocketAddr::new(from, 0)).unwrap();
+        let Ok(mut conn) = socket.connect(target).await else {
+            continue;
+        };
+        let sent: Vec<u8> = match kind {
+            Flood::Silent => Vec::new(),
+            Flood::Stalled => b"\x13/multistream/1".to_vec(),
+            Flood::Garbage => (0..64)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect(),
+        };
+        if conn.write_all(&sent).await.is_err() {
+            continue;
+        }
+        let mut buf = [0u8; 1024];
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                r = conn.read(&mut buf) => match r {
+                    Ok(n) if n > 0 => continue,
+                    _ => break,
+                },
+            }
+        }
+        if matches!(kind, Flood::Silent) {
+            closed_silent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+/// Issue 29, attack 0: one address holding a node's handshake slots with connections that
+/// never finish their handshake (silent, stalled after a few bytes, or garbage) must not keep
+/// a newcomer from another address out. The attacker dials from 127.0.0.2 and keeps 256
+/// connections open, each made again as soon as the node drops it; once the node has dropped
+/// one of its silent connections (its handshake slots are taken: before the per-address share,
+/// 128 slots for everyone and all of them the attacker's), an honest node joins from 127.0.0.1
+/// and writes a record the bootstrap node then reads. Before the share the join was refused
+/// ("connection denied": the pending-inbound limit) for as long as the flood lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_flood_from_one_address_leaves_room_for_newcomers() {
+    let boot = node(vec![], false).await;
+    let addrs = boot.listen_addrs().await.unwrap();
+    let target = addrs
+        .iter()
+        .find_map(|a| {
+            let mut ip = None;
+            let mut port = None;
+            for p in a.iter() {
+                match p {
+                    libp2p::multiaddr::Protocol::Ip4(i) => ip = Some(i),
+                    libp2p::multiaddr::Protocol::Tcp(t) => port = Some(t),
+                    _ => {}
+                }
+            }
+            Some(std::net::SocketAddr::from((ip?, port?)))
+        })
+        .expect("a TCP listen address");
+    let attacker: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+    let closed_silent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let mut flood = tokio::task::JoinSet::new();
+    for i in 0..256 {
+        let kind = match i % 4 {
+            0 | 1 => Flood::Silent,
+            2 => Flood::Stalled,
+            _ => Flood::Garbage,
+        };
+        flood.spawn(flood_one(
+            attacker,
+            target,
+            kind,
+            closed_silent.clone(),
+            stop.clone(),
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while closed_silent.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the node never dropped a silent connection"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let honest = try_join(addrs)
+        .await
+        .expect("a newcomer from another address joins during the flood");
+    honest
+        .put_record(b"door".to_vec(), b"open".to_vec())
+        .await
+        .expect("the newcomer writes to the DHT during the flood");
+    assert_eq!(
+        union(&boot.get_record(b"door".to_vec()).await.unwrap()),
+        BTreeSet::from(["open".to_owned()])
+    );
+    stop_tx.send(true).unwrap();
+    while flood.join_next().await.is_some() {}
+    honest.shutdown().await.unwrap();
+    boot.shutdown().await.unwrap();
+}

@@ -140,11 +140,12 @@ impl Node {
                 })
             })
             .transpose()?;
-        if !(start_timeout.is_finite() && start_timeout >= 0.0) {
-            return Err(PyValueError::new_err(format!(
+        // Finite and not negative, and within what a duration holds (1e30 panicked).
+        let start_timeout = Duration::try_from_secs_f64(start_timeout).map_err(|_| {
+            PyValueError::new_err(format!(
                 "start_timeout must be a non-negative number of seconds, not {start_timeout}"
-            )));
-        }
+            ))
+        })?;
         let swarm_key = swarm_key
             .map(|path| {
                 hivemesh::p2p::SwarmKey::read(&path)
@@ -196,7 +197,7 @@ impl Node {
             data_listen: data_plane.then(|| SocketAddr::new(data_ip(&p2p.listen), 0)),
             p2p,
             hub: HubConfig::default(),
-            reachability_wait: Duration::from_secs_f64(start_timeout),
+            reachability_wait: start_timeout,
             metrics_listen,
             rpc: hivemesh::rpc::RpcConfig::default(),
         };

@@ -102,7 +102,8 @@ where
 {
     let rt = handle()?;
     let mut task = rt.spawn(fut);
-    let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    // A timeout past what an instant holds (timeout=1e19) is no deadline.
+    let deadline = timeout.and_then(|t| std::time::Instant::now().checked_add(t));
     loop {
         let step = match deadline {
             Some(d) => SIGNAL_CHECK.min(d.saturating_duration_since(std::time::Instant::now())),

@@ -2,14 +2,20 @@
 //!
 //! Every current member calls [`Group::admit`] at the same point of its sequence of
 //! operations (it is a collective). Member 0, the leader, publishes an invitation in the DHT
-//! (key `"{prefix}.group"`, its own owner subkey: the group's base id and its contact
-//! addresses) and serves the RPC method `hivemesh.group.join.<base>` for the admission window.
-//! A newcomer ([`crate::Averager::join_group`]) reads the invitation, calls the method with
-//! what it brings (its [`MemberInfo`]: reach, addresses) and waits. When the first request
-//! arrives (or the window passes) the leader stops serving, appends the newcomers to the
-//! membership and broadcasts it to the members over the group (a [`Begin`] of matchmaking,
-//! whose encoding checks every field, carried as bytes); it answers every newcomer with the
-//! same membership. Then every member and newcomer link: newcomers to everyone, old members
+//! (key `"{prefix}.group"`, its own owner subkey: the group's base id, its members and its
+//! contact addresses) once every other member has stored an endorsement of it (a barrier
+//! between the two; `invitation.rs`: how a newcomer tells a group's invitation from a
+//! stranger's), and the leader serves the RPC
+//! method `hivemesh.group.join.<base>` for the admission window. A newcomer
+//! ([`crate::Averager::join_group`]) reads the invitations, takes the endorsed one with the
+//! most members, calls its leader with what it brings (its [`MemberInfo`]: reach, addresses)
+//! and waits. The leader refuses a caller that is already a member, asks twice, or is refused
+//! by the group's authorizer ([`Group::with_authorizer`]). When the first request arrives (or
+//! the window passes) the leader stops serving, appends the newcomers to the membership and
+//! broadcasts it to the members over the group (a [`Begin`] of matchmaking, whose decoding
+//! checks every field and refuses a peer named twice, carried as bytes); it answers every
+//! newcomer with the same membership, which the newcomer checks extends the one it was
+//! invited to. Then every member and newcomer link: newcomers to everyone, old members
 //! only to newcomers (old members "send" but do not "reduce" in the link plan, so the plan
 //! leaves their links to each other alone: those are kept). The group moves to the new
 //! membership's prefix, as after [`Group::shrink`].
@@ -17,6 +23,8 @@
 //! A newcomer whose links fail is still a member: the first operation fails it by name, and
 //! [`Group::shrink`] removes it.
 
+use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,6 +32,7 @@ use libp2p::PeerId;
 use sha2::Digest;
 use tokio::sync::{mpsc, oneshot};
 
+use super::invitation::{self, Invitation};
 use super::{Group, GroupConfig, GroupError};
 use crate::averager::{add_addresses, from_mm, link_peer, to_mm};
 use crate::compression::{Compression, CompressionType};
@@ -41,6 +50,10 @@ pub struct Formation {
     /// What each member (original index) brought.
     pub infos: Vec<MemberInfo>,
 }
+
+/// Decides who may join a group ([`Group::with_authorizer`]): called by the leader with each
+/// peer that asks and what it brings; `false` refuses it.
+pub type Authorizer = Arc<dyn Fn(&PeerId, &MemberInfo) -> bool + Send + Sync>;
 
 /// Join requests waiting for the leader's admission (at most this many per window).
 const MAX_NEWCOMERS: usize = 16;
@@ -117,6 +130,14 @@ impl Group {
         self
     }
 
+    /// Lets `authorize` decide who [`Group::admit`] admits while this member leads the group
+    /// (without one, the leader admits whoever asks first within the window). Every member may
+    /// set one: after a [`Group::shrink`] another member may lead.
+    pub fn with_authorizer(mut self, authorize: Authorizer) -> Self {
+        self.authorizer = Some(authorize);
+        self
+    }
+
     /// Admits the members that ask to join within `window` (see the module docs): every
     /// current member calls it at the same point; `node` is this member's node (its DHT,
     /// RPC and link hub). Returns the admitted members' peer ids (none if nobody asked).
@@ -134,6 +155,13 @@ impl Group {
         let leader = self.me() == 0;
         let mut requests: Vec<Request> = Vec::new();
         let mut begin_bytes = Vec::new();
+        if !leader {
+            self.endorse(node, &formation.name, window).await;
+        }
+        // The leader publishes its invitation once every member has endorsed it: a newcomer
+        // that finds the invitation finds its endorsements too (and does not settle for a
+        // stranger's smaller group while they are on their way).
+        self.barrier().await?;
         if leader {
             requests = self.collect_requests(node, &formation, window).await?;
             let mut members: Vec<GroupMember> = self
@@ -202,9 +230,14 @@ impl Group {
     ) -> Result<Vec<Request>, GroupError> {
         let method = method(&self.base);
         let (tx, mut rx) = mpsc::channel::<Request>(MAX_NEWCOMERS);
-        let answer_wait = window + self.cfg.op_timeout;
+        let answer_wait = window.saturating_add(self.cfg.op_timeout);
+        let members: Vec<PeerId> = self.live.iter().map(|&m| self.peers[m]).collect();
+        let member_set: Arc<HashSet<PeerId>> = Arc::new(members.iter().copied().collect());
+        let authorizer = self.authorizer.clone();
         node.serve(&method, move |caller, payload| {
             let tx = tx.clone();
+            let member_set = member_set.clone();
+            let authorizer = authorizer.clone();
             async move {
                 let begin = decode_members(&payload)?;
                 let [me] = begin.members.as_slice() else {
@@ -212,6 +245,12 @@ impl Group {
                 };
                 if to_libp2p(&me.peer).ok() != Some(caller) {
                     return Err("a join request must name its caller".into());
+                }
+                if member_set.contains(&caller) {
+                    return Err("already a member".into());
+                }
+                if authorizer.is_some_and(|a| !a(&caller, &me.info)) {
+                    return Err("not authorized to join this group".into());
                 }
                 let (answer, answered) = oneshot::channel();
                 tx.try_send((caller, me.info.clone(), answer))
@@ -226,26 +265,18 @@ impl Group {
             op: "admit",
             detail: e.to_string(),
         })?;
-        let dht = node.dht();
-        let mut value = self.base.to_vec();
-        crate::dht::encode_addrs(&crate::averager::contact_addrs(dht.p2p()).await, &mut value);
-        let expiration = crate::dht::DhtTime::now().saturating_add(window);
-        if let Err(e) = dht
-            .store_unconfirmed(
-                &invitation_key(&formation.name),
-                Some(&dht.own_subkey()),
-                &value,
-                expiration,
-            )
-            .await
-        {
-            tracing::info!(error = %e, "group invitation not stored");
-        }
-        let mut requests = Vec::new();
+        let addrs = crate::averager::contact_addrs(node.dht().p2p()).await;
+        let value = invitation::invitation_value(&self.base, &members, &addrs);
+        store_entry(node, &formation.name, &value, window).await;
+        let mut requests: Vec<Request> = Vec::new();
         if let Ok(Some(first)) = tokio::time::timeout(window, rx.recv()).await {
             requests.push(first);
             while let Ok(more) = rx.try_recv() {
-                requests.push(more);
+                // One place per peer: a second request of the same peer gets "not admitted"
+                // (its answer is dropped).
+                if !requests.iter().any(|(p, _, _)| *p == more.0) {
+                    requests.push(more);
+                }
             }
         }
         node.rpc().unserve(&method);
@@ -254,6 +285,17 @@ impl Group {
             drop(late);
         }
         Ok(requests)
+    }
+
+    /// A member's endorsement of its leader's invitation (`invitation.rs`).
+    async fn endorse(&self, node: &crate::Node, name: &str, window: Duration) {
+        store_entry(
+            node,
+            name,
+            &invitation::endorsement_value(&self.base),
+            window,
+        )
+        .await;
     }
 
     /// Links old members to newcomers (and newcomers to each other) and moves to the new
@@ -310,6 +352,23 @@ impl Group {
     }
 }
 
+/// Stores this member's entry under the invitation key for the admission window.
+async fn store_entry(node: &crate::Node, name: &str, value: &[u8], window: Duration) {
+    let dht = node.dht();
+    let expiration = crate::dht::DhtTime::now().saturating_add(window);
+    if let Err(e) = dht
+        .store_unconfirmed(
+            &invitation_key(name),
+            Some(&dht.own_subkey()),
+            value,
+            expiration,
+        )
+        .await
+    {
+        tracing::info!(error = %e, "group invitation not stored");
+    }
+}
+
 /// [`crate::Averager::join_group`]: the newcomer's side (see the module docs).
 pub(crate) async fn join(
     node: &crate::Node,
@@ -320,32 +379,33 @@ pub(crate) async fn join(
 ) -> Result<Group, GroupError> {
     const OP: &str = "join";
     let failed = |detail: String| GroupError::Internal { op: OP, detail };
-    let deadline = tokio::time::Instant::now() + timeout;
+    let deadline = crate::rpc::deadline_after(timeout);
     let dht = node.dht();
     let me = dht.p2p().peer_id();
-    // The invitation: the leader's base id and addresses (retried until the deadline: the
-    // members publish it when they reach their admission).
-    let (leader, base) = loop {
+    // The invitation: the endorsed one with the most members (retried until the deadline:
+    // the members publish theirs when they reach their admission).
+    let invitation: Invitation = loop {
         let found = dht
             .get(&invitation_key(name))
             .await
             .ok()
             .flatten()
             .and_then(|v| {
-                v.owner_entries().find_map(|(peer, entry)| {
-                    let (base, addrs) = entry.value.split_at_checked(16)?;
-                    Some((peer, base.to_vec(), crate::dht::decode_addrs(addrs)?))
-                })
+                invitation::choose(v.owner_entries().map(|(peer, e)| (peer, &e.value[..])))
             });
-        if let Some((leader, base, addrs)) = found {
-            let _ = dht.p2p().add_peer_addresses(leader, addrs).await;
-            break (leader, base);
+        if let Some(found) = found {
+            let _ = dht
+                .p2p()
+                .add_peer_addresses(found.leader(), found.addrs.clone())
+                .await;
+            break found;
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(GroupError::Timeout(timeout));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    let (leader, base) = (invitation.leader(), invitation.base);
     let request = encode_members(
         &Bytes::copy_from_slice(&base),
         vec![GroupMember {
@@ -365,6 +425,11 @@ pub(crate) async fn join(
         .map(|m| to_libp2p(&m.peer))
         .collect::<Result<_, _>>()
         .map_err(failed)?;
+    if !invitation::extends(&invitation, &peers, me) {
+        return Err(failed(format!(
+            "{leader} answered with a membership that does not extend the one it invited to"
+        )));
+    }
     let index = peers
         .iter()
         .position(|p| *p == me)

@@ -9,6 +9,13 @@
 //! frame of a finished one (a member still sending after our side ended) is dropped; a frame
 //! of an operation not yet opened here (a faster member) waits in the router, still counted in
 //! its link's budget, so a member running ahead cannot make us buffer more than that budget.
+//! What a held frame retains is what it is charged: its bytes are copied out of the reader's
+//! staging buffer (a small frame is otherwise a slice that keeps the whole 64 KiB buffer
+//! alive: tiny held frames between large dropped ones pinned ~64 KiB per ~40 bytes of budget),
+//! and every frame is charged [`FRAME_OVERHEAD`] beyond its bytes for the bookkeeping around
+//! it, which also bounds how many frames a link's budget can hold. Held frames are indexed by
+//! prefix and operation, so opening an operation or looking for a waiting message costs no
+//! scan of everything held.
 //! The same holds for frames under an unknown prefix: a member that finished a membership
 //! change (shrink, admit) before us already sends under the next one; when we change, frames
 //! of the new prefix are used and any others dropped. Frames under a prefix we left are
@@ -18,7 +25,7 @@
 //! A link that fails (read error, malformed frame, write timeout) stays failed for the group's
 //! life: every open operation is told at once, and every later one starts with it failed.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -38,8 +45,14 @@ use crate::wire::{self, Frame, FrameDecoder};
 /// Bytes of the group prefix: a 16-byte base and an 8-byte membership digest.
 pub(crate) const PREFIX_BYTES: usize = 24;
 
-/// What an operation id names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Bytes a frame is charged in its link's budget beyond its own: what holding it costs around
+/// its bytes (its entry in the router's index, the message's fields), so that a link's budget
+/// also bounds the number of frames it holds.
+pub(crate) const FRAME_OVERHEAD: usize = 512;
+
+/// What an operation id names. (Ordered collectives first, by sequence number: the router's
+/// index relies on it.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) enum OpId {
     /// The `seq`-th collective of the current membership.
     Collective(u64),
@@ -99,12 +112,45 @@ struct Route {
 /// A frame that arrived before its operation opened here.
 struct Early {
     from: usize,
-    /// The prefix it came under: the current one, or (from a member that finished a
-    /// membership change first) the next one.
-    prefix: Bytes,
-    id: OpId,
+    /// Order of arrival among held frames.
+    arrival: u64,
     message: Message,
     queued: QueuedBytes,
+}
+
+/// Held frames of one prefix, by operation (each operation's in order of arrival).
+type HeldOps = BTreeMap<OpId, VecDeque<Early>>;
+
+/// Frames held for operations not open yet (module docs).
+#[derive(Default)]
+struct Held {
+    /// Under the current prefix.
+    current: HeldOps,
+    /// Under other prefixes (from members that finished a membership change first).
+    next: HashMap<Bytes, HeldOps>,
+    arrivals: u64,
+}
+
+impl Held {
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        let count = |ops: &HeldOps| ops.values().map(VecDeque::len).sum::<usize>();
+        count(&self.current) + self.next.values().map(count).sum::<usize>()
+    }
+}
+
+/// `message` with its payload in an allocation of its own when it may be a slice of a
+/// reader's staging buffer (larger frames are read into a buffer of their own size).
+fn unshared(mut message: Message) -> Message {
+    let payload = match &mut message {
+        Message::Part(p) => &mut p.payload,
+        Message::Averaged(a) => &mut a.payload,
+        Message::Abort { .. } | Message::Notice { .. } => return message,
+    };
+    if payload.len() <= crate::runner::STAGING_BYTES {
+        *payload = Bytes::copy_from_slice(payload);
+    }
+    message
 }
 
 /// Where frames go (see the module docs).
@@ -113,7 +159,7 @@ pub(crate) struct Router {
     prefix: Bytes,
     old_prefixes: Vec<Bytes>,
     routes: Vec<Route>,
-    early: VecDeque<Early>,
+    early: Held,
     /// Collectives opened so far under the current prefix.
     next_collective: u64,
     /// Per source: messages from it received (opened) so far.
@@ -136,8 +182,8 @@ impl Router {
         self.next_collective = 0;
         self.next_message.iter_mut().for_each(|n| *n = 0);
         // Frames that came early under the new prefix stay; the rest can never be used.
-        let current = self.prefix.clone();
-        self.early.retain(|e| e.prefix == current);
+        self.early.current = self.early.next.remove(&self.prefix).unwrap_or_default();
+        self.early.next.clear();
     }
 
     fn route(
@@ -211,13 +257,24 @@ impl Router {
         message: Message,
         queued: QueuedBytes,
     ) -> Routed {
-        self.early.push_back(Early {
+        let arrival = self.early.arrivals;
+        self.early.arrivals += 1;
+        let early = Early {
             from,
-            prefix,
-            id,
-            message,
+            arrival,
+            message: unshared(message),
             queued,
-        });
+        };
+        let ops = if prefix == self.prefix {
+            &mut self.early.current
+        } else {
+            // Copied: a slice would keep the reader's buffer alive.
+            self.early
+                .next
+                .entry(Bytes::copy_from_slice(&prefix))
+                .or_default()
+        };
+        ops.entry(id).or_default().push_back(early);
         Routed::Kept
     }
 }
@@ -233,6 +290,8 @@ pub(crate) struct Mesh {
     pool: BufferPool,
     /// Timeline lane of each member's link (when the timeline is on).
     lanes: Vec<Option<String>>,
+    /// Each link's byte budget (what its reader has read and not yet used or dropped).
+    budgets: Vec<Option<Arc<Semaphore>>>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -304,7 +363,7 @@ impl Mesh {
             prefix,
             old_prefixes: Vec::new(),
             routes: Vec::new(),
-            early: VecDeque::new(),
+            early: Held::default(),
             next_collective: 0,
             next_message: vec![0; n],
             failed,
@@ -319,6 +378,7 @@ impl Mesh {
             cfg: cfg.clone(),
             pool: pool.clone(),
             lanes,
+            budgets: Vec::with_capacity(n),
         };
         for link in links {
             mesh.spawn(link);
@@ -341,6 +401,7 @@ impl Mesh {
         let peer = self.writers.len();
         let Some(link) = link else {
             self.writers.push(None);
+            self.budgets.push(None);
             return;
         };
         let cfg = &self.cfg;
@@ -348,6 +409,11 @@ impl Mesh {
         let (read, write) = tokio::io::split(link);
         let (tx, rx) = mpsc::channel(cfg.link_queue.max(1));
         self.writers.push(Some(tx));
+        let budget = crate::runner::link_budget(
+            cfg.max_queued_bytes_per_link,
+            cfg.max_frame_bytes + FRAME_OVERHEAD,
+        );
+        self.budgets.push(Some(budget.clone()));
         self.reader_tasks.spawn(read_loop(
             peer,
             lane.clone(),
@@ -355,7 +421,7 @@ impl Mesh {
             self.router.clone(),
             self.arrivals.clone(),
             cfg.max_frame_bytes,
-            crate::runner::link_budget(cfg.max_queued_bytes_per_link, cfg.max_frame_bytes),
+            budget,
             self.pool.clone(),
         ));
         self.writer_tasks.spawn(write_loop(
@@ -401,21 +467,14 @@ impl Mesh {
         let local: Arc<[Option<usize>]> = local.into();
         let mut r = lock(&self.router);
         let prefix = r.prefix.clone();
-        let early: Vec<Early> = {
-            let (mine, rest): (VecDeque<Early>, VecDeque<Early>) = r
-                .early
-                .drain(..)
-                .partition(|e| e.id == id && e.prefix == prefix);
-            r.early = rest;
-            mine.into_iter().collect()
-        };
+        let early = r.early.current.remove(&id).unwrap_or_default();
         match id {
             OpId::Collective(seq) => {
                 r.next_collective = r.next_collective.max(seq + 1);
-                // Frames of collectives that were skipped here can never be used.
-                r.early.retain(|e| {
-                    e.prefix != prefix || !matches!(e.id, OpId::Collective(s) if s < seq)
-                });
+                // Frames of collectives that were skipped here can never be used (collectives
+                // sort first, by sequence number).
+                let kept = r.early.current.split_off(&OpId::Collective(seq));
+                r.early.current = kept;
             }
             OpId::Message { src, seq, .. } => {
                 let src = usize::from(src);
@@ -469,16 +528,18 @@ impl Mesh {
     /// (original index), if any.
     pub(crate) fn pending_message(&self) -> Option<usize> {
         let r = lock(&self.router);
-        r.early.iter().find_map(|e| match e.id {
-            OpId::Message { src, dst, seq }
-                if e.prefix == r.prefix
-                    && usize::from(dst) == r.me
-                    && seq == r.next_message[usize::from(src)] =>
-            {
-                Some(usize::from(src))
-            }
-            _ => None,
-        })
+        let dst = u16::try_from(r.me).ok()?;
+        (0..r.next_message.len())
+            .filter_map(|src| {
+                let id = OpId::Message {
+                    src: u16::try_from(src).ok()?,
+                    dst,
+                    seq: r.next_message[src],
+                };
+                Some((r.early.current.get(&id)?.front()?.arrival, src))
+            })
+            .min()
+            .map(|(_, src)| src)
     }
 
     /// Notified whenever a frame arrives early (e.g. a message nobody receives yet).
@@ -551,7 +612,7 @@ async fn read_loop(
             Ok(body) => body,
             Err(e) => break e,
         };
-        let cost = u32::try_from(body.len().max(1)).unwrap_or(u32::MAX);
+        let cost = u32::try_from(body.len() + FRAME_OVERHEAD).unwrap_or(u32::MAX);
         let Ok(queued) = budget.clone().acquire_many_owned(cost).await else {
             return;
         };
@@ -649,7 +710,7 @@ mod tests {
             prefix: Bytes::copy_from_slice(prefix),
             old_prefixes: Vec::new(),
             routes: Vec::new(),
-            early: VecDeque::new(),
+            early: Held::default(),
             next_collective: 0,
             next_message: vec![0; n],
             failed: vec![None; n],
@@ -702,11 +763,132 @@ mod tests {
         // The change to `b`: its frame stays, `c`'s goes.
         r.change_prefix(Bytes::copy_from_slice(&b));
         assert_eq!(r.early.len(), 1);
-        assert_eq!(r.early[0].from, 1);
+        assert_eq!(r.early.current[&OpId::Collective(0)][0].from, 1);
         assert!(matches!(
             r.route(1, frame(&a, OpId::Collective(5)), permit()),
             Ok(Routed::Dropped)
         ));
+    }
+
+    /// A tiny part (payload of `payload` bytes) of operation `id`.
+    fn part(prefix: &[u8], id: OpId, payload: usize) -> Frame {
+        Frame {
+            group_id: id.encode(prefix),
+            message: Message::Part(crate::allreduce::PartMessage {
+                part: 0,
+                weight: 1.0,
+                codec: CompressionType::None,
+                dtype: DType::F32,
+                payload: Bytes::from(vec![7u8; payload]),
+            }),
+        }
+    }
+
+    /// A reader's staging buffer that counts itself while alive.
+    struct Staging(Vec<u8>, Arc<std::sync::atomic::AtomicUsize>);
+
+    impl AsRef<[u8]> for Staging {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    impl Drop for Staging {
+        fn drop(&mut self) {
+            self.1.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Issue 29, attack 1: a member alternates tiny frames that are always held (a collective
+    /// that never opens) with ~60 KiB frames that are always dropped (under a prefix we left),
+    /// so each 64 KiB staging buffer of the reader carries one held frame. Frames are sliced
+    /// out of the buffer as the reader does; once the reader has moved on, no held frame may
+    /// keep its buffer alive (before: every held frame pinned one, ~64 KiB per ~40 bytes of
+    /// budget), and what is held is exactly the held frames' bytes.
+    #[test]
+    fn held_frames_keep_no_reader_buffer_alive() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (left, current) = ([1u8; PREFIX_BYTES], [2u8; PREFIX_BYTES]);
+        let mut r = router(0, 2, &left);
+        r.change_prefix(Bytes::copy_from_slice(&current));
+        let live = Arc::new(AtomicUsize::new(0));
+        let decoder = FrameDecoder::new(1 << 20);
+        for _ in 0..64 {
+            let mut bytes = BytesMut::new();
+            wire::encode_frame(&part(&current, OpId::Collective(u64::MAX), 8), &mut bytes);
+            wire::encode_frame(&part(&left, OpId::Collective(0), 60 << 10), &mut bytes);
+            let mut buffer = bytes.to_vec();
+            buffer.resize(64 << 10, 0);
+            live.fetch_add(1, Ordering::Relaxed);
+            let staging = Bytes::from_owner(Staging(buffer, live.clone()));
+            let mut at = 0;
+            for kept in [true, false] {
+                let (head, len) = decoder.peek_len(&staging[at..]).unwrap().unwrap();
+                let body = staging.slice(at + head..at + head + len);
+                at += head + len;
+                let frame = wire::decode_frame(body).unwrap();
+                let routed = r.route(1, frame, permit()).unwrap();
+                assert_eq!(matches!(routed, Routed::Kept), kept);
+            }
+        }
+        assert_eq!(r.early.len(), 64);
+        assert_eq!(
+            live.load(Ordering::Relaxed),
+            0,
+            "held frames keep the reader's buffers alive"
+        );
+        // The held frames are still whole.
+        let held = &r.early.current[&OpId::Collective(u64::MAX)];
+        assert!(held.iter().all(|e| e.message.payload_len() == 8));
+    }
+
+    /// The count of held frames is bounded by the link's budget: a member sending nothing but
+    /// tiny held frames gets its link read until the budget is spent (each frame charged its
+    /// bytes and [`FRAME_OVERHEAD`]), then no further (before: charged its bytes alone, ~40 per
+    /// frame, so a 64 KiB budget held over 1,000 of them, each with its bookkeeping).
+    #[tokio::test]
+    async fn a_links_budget_bounds_the_count_of_held_frames() {
+        let cfg = GroupConfig {
+            max_frame_bytes: 64 << 10,
+            max_queued_bytes_per_link: 64 << 10,
+            ..GroupConfig::default()
+        };
+        let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let prefix = [3u8; PREFIX_BYTES];
+        let mesh = Mesh::start(
+            vec![None, Some(Box::new(ours))],
+            0,
+            Bytes::copy_from_slice(&prefix),
+            &cfg,
+            &BufferPool::new(1 << 20),
+            vec![None, None],
+        );
+        let mut bytes = BytesMut::new();
+        for seq in 0..4000 {
+            wire::encode_frame(&part(&prefix, OpId::Collective(seq + 1), 1), &mut bytes);
+        }
+        let body = bytes.len() / 4000;
+        theirs.write_all(&bytes).await.unwrap();
+        let budget = mesh.budgets[1].clone().unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        // Wait until the reader cannot take another frame.
+        while budget.available_permits() >= body + FRAME_OVERHEAD {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the reader never spent its budget ({} held)",
+                lock(&mesh.router).early.len()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let total = cfg
+            .max_queued_bytes_per_link
+            .max(cfg.max_frame_bytes + FRAME_OVERHEAD);
+        let held = lock(&mesh.router).early.len();
+        assert!(
+            held <= total / FRAME_OVERHEAD,
+            "{held} frames held in a budget of {total} bytes"
+        );
+        mesh.close().await;
     }
 
     #[test]

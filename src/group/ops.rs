@@ -1,6 +1,7 @@
 //! The operations of a [`Group`] (see the [module docs](super)): the butterfly for
 //! all-reduce, plans of the exchange machine for the others, and `shrink`.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -344,7 +345,7 @@ impl Group {
         like: &[TensorDescriptor],
     ) -> Result<(usize, Vec<Tensor>), GroupError> {
         let arrivals = self.mesh().arrivals();
-        let deadline = tokio::time::Instant::now() + self.cfg.op_timeout;
+        let deadline = crate::rpc::deadline_after(self.cfg.op_timeout);
         loop {
             let notified = arrivals.notified();
             tokio::pin!(notified);
@@ -404,21 +405,20 @@ impl Group {
                 Compression::Fixed(CompressionType::None),
             )
             .await?;
-        let mut removed = suspects;
-        for (s, values) in received.values.iter().enumerate() {
-            match values {
-                Some(v) => removed.extend(
+        let masks: Vec<Option<Vec<usize>>> = received
+            .values
+            .iter()
+            .map(|values| {
+                values.as_ref().map(|v| {
                     v[0].iter()
                         .enumerate()
                         .filter(|(_, x)| **x != 0.0)
-                        .map(|(i, _)| i),
-                ),
-                None if s != me => {
-                    removed.insert(candidates[s]);
-                }
-                None => {}
-            }
-        }
+                        .map(|(i, _)| i)
+                        .collect()
+                })
+            })
+            .collect();
+        let removed = removed_by_shrink(&candidates, me, &suspects, &masks);
         if removed.contains(&self.me) {
             return Err(GroupError::Expelled);
         }
@@ -432,6 +432,48 @@ impl Group {
         self.renumber();
         Ok(gone)
     }
+}
+
+/// Whom a shrink removes (original indices), as every survivor computes it from the same
+/// exchange: `candidates` took part (original indices; `me` is this member's position among
+/// them), `suspects` are this member's own, `masks[s]` are the members candidate `s` names
+/// (`None`: it did not answer).
+///
+/// A member that did not answer is removed (each survivor sees that for itself). A member
+/// named by others is removed on the word of two of them, or of every other member that took
+/// part (in a pair, the one witness there is): a single liar removes nobody but, at most,
+/// itself (issue 29, attack 3; before, the union of everyone's accusations was removed).
+fn removed_by_shrink(
+    candidates: &[usize],
+    me: usize,
+    suspects: &BTreeSet<usize>,
+    masks: &[Option<Vec<usize>>],
+) -> BTreeSet<usize> {
+    let mut removed = BTreeSet::new();
+    let mut accusers: std::collections::BTreeMap<usize, BTreeSet<usize>> = Default::default();
+    for &s in suspects {
+        accusers.entry(s).or_default().insert(candidates[me]);
+    }
+    for (s, mask) in masks.iter().enumerate() {
+        match mask {
+            Some(named) => {
+                for &m in named {
+                    accusers.entry(m).or_default().insert(candidates[s]);
+                }
+            }
+            None if s != me => {
+                removed.insert(candidates[s]);
+            }
+            None => {}
+        }
+    }
+    for (m, by) in accusers {
+        let witnesses = candidates.iter().filter(|&&c| c != m).count();
+        if by.len() >= 2.min(witnesses) {
+            removed.insert(m);
+        }
+    }
+    removed
 }
 
 /// Per source, its received values as tensors of the declared shapes and dtypes.
@@ -494,5 +536,63 @@ fn into_f32_vec(t: Tensor) -> Vec<f32> {
             }
         },
         other => other.to_f32_vec(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(v: &[usize]) -> BTreeSet<usize> {
+        v.iter().copied().collect()
+    }
+
+    /// Issue 29, attack 3: one member naming every other member as failed (a forged
+    /// accusation, or a forged chain notice repeated by nobody) removes nobody, in every
+    /// member's view, its own included. Before, the union of the accusations removed everyone
+    /// it named (and every honest member found itself expelled).
+    #[test]
+    fn one_accuser_removes_nobody() {
+        let candidates = [0, 1, 2, 3];
+        let mut masks = vec![Some(Vec::new()); 4];
+        masks[3] = Some(vec![0, 1, 2]);
+        for me in 0..4 {
+            let mut seen = masks.clone();
+            seen[me] = None;
+            let mine = if me == 3 { set(&[0, 1, 2]) } else { set(&[]) };
+            assert_eq!(
+                removed_by_shrink(&candidates, me, &mine, &seen),
+                set(&[]),
+                "member {me}'s view"
+            );
+        }
+    }
+
+    /// Members that really failed are still removed: one that does not answer the shrink, one
+    /// named by two witnesses, and in a pair the one the other names (it is every witness
+    /// there is).
+    #[test]
+    fn failed_members_are_removed() {
+        // Member 4 died (silent), members 0 and 1 both saw member 3 misbehave.
+        let candidates = [0, 1, 2, 3, 4];
+        let masks = vec![
+            None,
+            Some(vec![3]),
+            Some(Vec::new()),
+            Some(Vec::new()),
+            None,
+        ];
+        assert_eq!(
+            removed_by_shrink(&candidates, 0, &set(&[3]), &masks),
+            set(&[3, 4])
+        );
+        // Member 2 of a group of three suspects member 1, which the others no longer reach:
+        // the shrink runs among 0 and 2, and both name it.
+        let masks = vec![Some(vec![1]), None];
+        assert_eq!(removed_by_shrink(&[0, 2], 1, &set(&[1]), &masks), set(&[1]));
+        // A pair: the one witness there is suffices.
+        let masks = vec![None, Some(vec![0])];
+        assert_eq!(removed_by_shrink(&[0, 1], 0, &set(&[]), &masks), set(&[0]));
+        assert_eq!(removed_by_shrink(&[0], 0, &set(&[1]), &[None]), set(&[1]));
     }
 }

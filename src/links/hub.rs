@@ -786,6 +786,11 @@ async fn punch(
     let socket = PunchSocket::bind().map_err(|e| failed(e.to_string()))?;
     let ours = super::establish::mapped_endpoint(&shared.p2p, socket.port())
         .ok_or_else(|| failed("no observed address to punch from".into()))?;
+    if !punchable(endpoint, ours) {
+        return Err(failed(format!(
+            "the punch names {endpoint}, which {ours} does not dial"
+        )));
+    }
     tokio::time::timeout(
         config.hello_timeout,
         write_link_frame(&mut stream, &LinkMessage::PunchAnswer(ours)),
@@ -820,6 +825,19 @@ async fn punch(
     Ok(())
 }
 
+/// Whether the endpoint a punch request names (where the requester says its NAT maps it) may
+/// be dialled from `ours` (issue 29, item 8): never an address that is nobody's (unspecified,
+/// multicast, broadcast, port 0), and a loopback address only from a loopback endpoint, so a
+/// member cannot make this node send SYNs to services on its own host.
+fn punchable(endpoint: SocketAddr, ours: SocketAddr) -> bool {
+    let ip = endpoint.ip().to_canonical();
+    let nobody = ip.is_unspecified()
+        || ip.is_multicast()
+        || matches!(ip, std::net::IpAddr::V4(v4) if v4.is_broadcast())
+        || endpoint.port() == 0;
+    !nobody && (!ip.is_loopback() || ours.ip().to_canonical().is_loopback())
+}
+
 /// `inbound_links_total{result}` from the hub's stats (see [`crate::metrics`]).
 fn register_metrics(shared: &Shared) {
     type Read = fn(&HubStats) -> u64;
@@ -840,4 +858,28 @@ fn register_metrics(shared: &Shared) {
             results,
         ),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn punch_endpoints_are_checked() {
+        let public: SocketAddr = "203.0.113.5:4000".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+        assert!(punchable("198.51.100.7:5000".parse().unwrap(), public));
+        assert!(punchable("127.0.0.1:5000".parse().unwrap(), local));
+        for bad in [
+            "127.0.0.1:22",
+            "[::1]:22",
+            "[::ffff:127.0.0.1]:22",
+            "0.0.0.0:5000",
+            "224.0.0.1:5000",
+            "255.255.255.255:5000",
+            "198.51.100.7:0",
+        ] {
+            assert!(!punchable(bad.parse().unwrap(), public), "{bad}");
+        }
+    }
 }

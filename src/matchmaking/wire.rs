@@ -257,6 +257,15 @@ fn parse_reply(m: proto::MessageFromLeader) -> Result<Reply, WireError> {
                     })
                 })
                 .collect::<Result<Vec<_>, WireError>>()?;
+            // A peer named twice would hold two places in the group: every member's plan
+            // (one link per peer) fails on it.
+            let mut seen = std::collections::HashSet::with_capacity(members.len());
+            if let Some(twice) = members.iter().find(|m| !seen.insert(&m.peer)) {
+                return Err(invalid(
+                    "members",
+                    format!("peer {:?} is named twice", twice.peer),
+                ));
+            }
             ReplyBody::Begin(Begin {
                 group_id: m.group_id,
                 members,
@@ -478,6 +487,31 @@ mod tests {
         for m in samples() {
             assert_eq!(decode(&encode(&m)).unwrap(), m);
         }
+    }
+
+    /// Issue 29, attack 2: a membership naming one peer twice (two concurrent join requests
+    /// of one peer, or a member asking to join its own group) is refused when decoded.
+    #[test]
+    fn a_membership_naming_a_peer_twice_is_refused() {
+        let Message::Reply(Reply {
+            body: ReplyBody::Begin(mut begin),
+            ..
+        }) = samples()[3].clone()
+        else {
+            panic!("sample 3 is a Begin");
+        };
+        begin.members[1].peer = peer("a");
+        let twice = Message::Reply(Reply {
+            request_id: 2,
+            body: ReplyBody::Begin(begin),
+        });
+        assert!(matches!(
+            decode(&encode(&twice)),
+            Err(WireError::Invalid {
+                field: "members",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -54,6 +54,7 @@ pub(super) struct Behaviour {
     dcutr: Toggle<dcutr::Behaviour>,
     autonat_client: Toggle<autonat::v2::client::Behaviour>,
     autonat_server: Toggle<autonat::v2::server::Behaviour>,
+    inbound: super::inbound::Behaviour,
     limits: libp2p::connection_limits::Behaviour,
     memory_limits: Toggle<libp2p::memory_connection_limits::Behaviour>,
 }
@@ -268,10 +269,14 @@ impl EventLoop {
                     .autonat_server
                     .then(autonat::v2::server::Behaviour::default)
                     .into(),
+                inbound: super::inbound::Behaviour::new(
+                    conn_limits.max_pending_incoming as usize,
+                    conn_limits.max_pending_per_address as usize,
+                    conn_limits.max_established_incoming as usize,
+                    conn_limits.max_established_per_address as usize,
+                ),
                 limits: libp2p::connection_limits::Behaviour::new(
                     libp2p::connection_limits::ConnectionLimits::default()
-                        .with_max_pending_incoming(Some(conn_limits.max_pending_incoming))
-                        .with_max_established_incoming(Some(conn_limits.max_established_incoming))
                         .with_max_established_per_peer(Some(conn_limits.max_per_peer)),
                 ),
                 memory_limits: conn_limits
@@ -280,6 +285,7 @@ impl EventLoop {
                     .into(),
             }
         };
+        let handshake_timeout = config.connections.handshake_timeout;
         let idle = config.idle_connection_timeout;
         let swarm_config = move |c: libp2p::swarm::Config| c.with_idle_connection_timeout(idle);
         // The same after the transports, whose builder types differ between the two.
@@ -293,6 +299,7 @@ impl EventLoop {
                     .with_behaviour(make_behaviour)
                     .map_err(|e| build(&e))?
                     .with_swarm_config(swarm_config)
+                    .with_connection_timeout(handshake_timeout)
                     .build()
             };
         }
