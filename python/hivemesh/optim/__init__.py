@@ -1,0 +1,1 @@
+"""Collaborative training: hivemind's ``hivemind.optim`` over hivemesh."""
