@@ -53,6 +53,7 @@ mod shares;
 pub mod sim;
 pub mod tensor;
 pub mod timeline;
+pub mod train;
 pub mod transport;
 pub mod wire;
 
@@ -77,3 +78,4 @@ pub use metrics::Metrics;
 pub use p2p::{P2p, P2pConfig};
 pub use rpc::{Rpc, RpcConfig, RpcError};
 pub use tensor::Tensor;
+pub use train::{GlobalProgress, LocalProgress, ProgressConfig, ProgressTracker};

@@ -185,3 +185,61 @@ class Averager:
     def set_state_priority(self, priority: float) -> None: ...
     def shutdown(self) -> None:
         """Stops the averager. Idempotent."""
+
+class ProgressTracker:
+    """Training progress through the DHT (the Rust ``hivemesh::train::ProgressTracker``); see
+    ``hivemesh.optim.progress_tracker`` for the Python API built on it."""
+
+    def __init__(
+        self,
+        node: Node,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        client_mode: bool = ...,
+        min_refresh_period: float = ...,
+        max_refresh_period: float = ...,
+        default_refresh_period: float = ...,
+        expected_drift_peers: float = ...,
+        expected_drift_rate: float = ...,
+        performance_ema_alpha: float = ...,
+        metadata_expiration: float = ...,
+        request_timeout: float = ...,
+        start: bool = ...,
+    ) -> None: ...
+    def start(self) -> None:
+        """Starts publishing and fetching in the background."""
+    @property
+    def is_alive(self) -> bool:
+        """Whether the background loops run."""
+    def global_progress(self) -> Tuple[int, int, int, int, int, float, float]:
+        """``(epoch, samples_accumulated, target_batch_size, num_peers, num_clients,
+        eta_next_epoch, next_fetch_time)``."""
+    def local_progress(self) -> Tuple[bytes, int, int, float, float, bool]:
+        """``(peer_id, epoch, samples_accumulated, samples_per_second, time, client_mode)``."""
+    @property
+    def global_epoch(self) -> int: ...
+    @property
+    def ready_to_update_epoch(self) -> bool: ...
+    @property
+    def estimated_next_update_time(self) -> float: ...
+    def report_local_progress(
+        self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = ...
+    ) -> None: ...
+    def update_epoch(self, new_epoch: Optional[int] = ...) -> int: ...
+    def pause(self) -> None:
+        """Pauses fetches' updates and the throughput clock (pair with ``resume``)."""
+    def resume(self) -> None: ...
+    @property
+    def samples_per_second(self) -> float:
+        """The local throughput estimate."""
+    def ema_update(self, task_size: float, interval: Optional[float] = ...) -> float: ...
+    def ema_pause(self) -> None: ...
+    def ema_resume(self) -> None: ...
+    def ema_reset_timer(self) -> None: ...
+    def fetched_this_epoch(self) -> bool: ...
+    def clear_fetched(self) -> None: ...
+    def wait_fetched(self, timeout: Optional[float] = ...) -> bool:
+        """Waits (GIL released) for a fetch after the last epoch change."""
+    def shutdown(self, timeout: Optional[float] = ...) -> None:
+        """Stops the loops and withdraws this peer's record. Idempotent."""

@@ -7,6 +7,7 @@
 //! * [`node`]: `Node`, a hivemesh node (swarm, DHT, link hub) with the DHT's store/get.
 //! * [`averager`]: `Averager` over tensors shared with Python (PyTorch or numpy memory, not
 //!   copied), `StepControl`, `TensorLock`.
+//! * [`progress`]: `ProgressTracker`, the Rust progress tracker of collaborative training.
 //!
 //! Every error reaches Python as an exception under `HivemeshError` carrying the Rust error's
 //! message.
@@ -18,6 +19,7 @@ mod averager;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod node;
+mod progress;
 mod runtime;
 
 create_exception!(
@@ -71,6 +73,7 @@ fn _hivemesh(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<averager::Averager>()?;
     m.add_class::<averager::StepControl>()?;
     m.add_class::<averager::TensorLock>()?;
+    m.add_class::<progress::ProgressTracker>()?;
     m.add_function(wrap_pyfunction!(node::get_dht_time, m)?)?;
     m.add_function(wrap_pyfunction!(node::peer_id_to_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(node::peer_id_to_base58, m)?)?;
