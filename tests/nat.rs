@@ -244,7 +244,8 @@ fn answering_routers_refuse_unsolicited_packets() {
     .unwrap();
     accept(&at_a);
 
-    let within = Duration::from_secs(5);
+    // Generous: the two sides cross after 0.1-5 s of retries (docs/architecture.md).
+    let within = Duration::from_secs(30);
     simultaneous_open(&h0, &h1, within, Duration::ZERO)
         .expect("a simultaneous open between answering routers");
     // The two sides learn each other's endpoint a relay round trip apart: one starts late.
@@ -907,8 +908,9 @@ fn peers_behind_port_preserving_nats_link_over_a_punched_stream() {
     }
 }
 
-/// Prints a scenario's hole punches (summed over its NATed peers) and round times, the numbers
-/// docs/architecture.md records per router variant.
+/// Prints a scenario's DCUtR hole punches (summed over its NATed peers, punches with public
+/// peers included), the rounds in which the NATed pair had a punched link, and round times: the
+/// numbers docs/architecture.md records per router variant.
 fn report_punches(homes: Homes, runs: &[PeerRun]) {
     let (ok, failed) = runs
         .iter()
@@ -919,9 +921,17 @@ fn report_punches(homes: Homes, runs: &[PeerRun]) {
         .iter()
         .map(|r| format!("{}={:?}", r.name, r.round_secs()))
         .collect();
+    // Rounds in which the NATed pair had a hole-punched link (seen from the first NATed peer).
+    let nated = runs.iter().find(|r| r.nated).expect("a NATed peer");
+    let pair_punched = nated
+        .details()
+        .iter()
+        .filter(|d| PeerRun::field(d, "links").contains("punched"))
+        .count();
     eprintln!(
-        "punches variant={} ok={ok} failed={failed} round_secs: {}",
+        "punches variant={} dcutr_ok={ok} dcutr_failed={failed} pair_punched_rounds={pair_punched}/{} round_secs: {}",
         homes.name,
+        nated.details().len(),
         rounds.join(" ")
     );
 }
@@ -984,12 +994,12 @@ fn a_pair_that_can_never_punch_averages_whole_rounds() {
         return;
     };
     for run in runs.iter().filter(|r| r.nated) {
-        let (ok, _) = run.punches();
-        assert_eq!(
-            ok, 0,
-            "{}: a punch through a cut worked?\n{}",
-            run.name, run.transcript
-        );
+        // DCUtR may punch to the public peers (it runs on every relayed connection); never a
+        // link between the two NATed peers.
+        for d in run.details() {
+            let links = PeerRun::field(d, "links");
+            assert!(!links.contains("punched"), "{}: {d}", run.name);
+        }
         for d in &run.details()[1..] {
             let links: Vec<&str> = PeerRun::field(d, "links").split(',').collect();
             // Linked to the two public peers only.
