@@ -30,9 +30,10 @@
 //! connect.
 //!
 //! After every round a second line goes to stderr, for tests and the curious:
-//! `round R: mode=M reach=C links=L contributors=MIN..MAX local_parts=N` (L: how the link to
-//! each member was carried, in member order; MIN..MAX: fewest and most members averaged into
-//! any part we hold; N: parts that kept local values). At exit it prints its hole punches and
+//! `round R: mode=M reach=C links=L contributors=MIN..MAX local_parts=N banned=B
+//! failed_reducers=F` (L: how the link to each member was carried, in member order; MIN..MAX:
+//! fewest and most members averaged into any part we hold; N: parts that kept local values; B:
+//! senders we banned from our span, F: reducers that failed us). At exit it prints its hole punches and
 //! relay reservations: `nat: punches_ok=.. punches_failed=.. reservations=.. reservations_lost=..`.
 
 use std::net::{IpAddr, SocketAddr};
@@ -285,13 +286,15 @@ fn detail(outcome: &hivemesh::averager::StepOutcome) -> String {
         .map(|seg| seg.contributors.as_ref().map_or(0, |c| c.len()))
         .collect();
     format!(
-        "mode={} reach={} links={} contributors={}..{} local_parts={}",
+        "mode={} reach={} links={} contributors={}..{} local_parts={} banned={} failed_reducers={}",
         outcome.mode,
         outcome.reach,
         links.join(","),
         counts.iter().min().copied().unwrap_or(0),
         counts.iter().max().copied().unwrap_or(0),
-        outcome.report.local_parts().count()
+        outcome.report.local_parts().count(),
+        outcome.report.banned.len(),
+        outcome.report.failed_reducers.len()
     )
 }
 

@@ -725,6 +725,8 @@ fn instant_of(t: DhtTime) -> tokio::time::Instant {
 struct Prepared {
     members: Vec<libp2p::PeerId>,
     round_members: Vec<crate::allreduce::Member>,
+    /// The members as the link layer planned them (for the census).
+    link_peers: Vec<LinkPeer>,
     expectation: crate::links::Expectation,
 }
 
@@ -1128,6 +1130,7 @@ impl Actor {
         Ok(Prepared {
             members,
             round_members,
+            link_peers,
             expectation,
         })
     }
@@ -1315,6 +1318,54 @@ impl Actor {
         }
     }
 
+    /// Where the plan has hole-punched pairs ([`crate::links::census::needs_census`]): tells
+    /// every linked member which members we could not link to, hears theirs, and re-plans the
+    /// round's fractions with the pairs that failed ([`load_balancing::group_cuts`]), so that
+    /// no member whom a sender cannot reach keeps a span: the round goes on at once with every
+    /// contribution instead of banning the pair and waiting for timeouts. A link whose census
+    /// does not come is dropped (the runner fails it at once).
+    async fn census(
+        &self,
+        group: &matchmaking::Group,
+        link_peers: &[LinkPeer],
+        established: &mut crate::links::EstablishedLinks,
+        round_members: Vec<crate::allreduce::Member>,
+    ) -> Result<Vec<crate::allreduce::Member>, AveragerError> {
+        use crate::links::census;
+        use matchmaking::load_balancing;
+        if !census::needs_census(link_peers) {
+            return Ok(round_members);
+        }
+        let n = group.members.len();
+        let mine: Vec<u32> = (0..n)
+            .filter(|&i| established.errors[i].is_some())
+            .map(|i| i as u32)
+            .collect();
+        let heard = census::exchange(&mut established.links, &mine, self.config.link_timeout).await;
+        let mut mine = mine;
+        for (i, heard) in heard.iter().enumerate() {
+            if heard.is_none() && established.links[i].take().is_some() {
+                tracing::info!(member = i, "no census on the link: dropped");
+                established.kinds[i] = None;
+                established.carriers[i] = None;
+                mine.push(i as u32);
+            }
+        }
+        let found = census::failed_pairs(group.me, &mine, &heard, n);
+        let cuts = load_balancing::group_cuts(group, &found);
+        if cuts == load_balancing::group_cuts(group, &[]) {
+            return Ok(round_members);
+        }
+        let elements: usize = self.descriptors.iter().map(TensorDescriptor::numel).sum();
+        let replanned = load_balancing::round_members_cut(group, elements as u64, 1, &cuts)
+            .map_err(|e| AveragerError::Round(e.to_string()))?;
+        tracing::info!(
+            pairs = ?cuts.pairs(),
+            "members that cannot link: the round re-planned around them"
+        );
+        Ok(replanned)
+    }
+
     async fn all_reduce(
         &mut self,
         options: &StepOptions,
@@ -1327,8 +1378,15 @@ impl Actor {
         let Prepared {
             members,
             round_members,
+            link_peers,
             expectation,
         } = prepared;
+        // Device snapshots copy to the host while the links are made.
+        self.shared.devices.begin()?;
+        let mut established = self.link(expectation, options, step_deadline).await?;
+        let round_members = self
+            .census(&group, &link_peers, &mut established, round_members)
+            .await?;
         let mut cfg = RoundConfig::new(round_members, group.me);
         cfg.weight = weight;
         cfg.part_size_bytes = self.config.part_size_bytes;
@@ -1337,10 +1395,6 @@ impl Actor {
         cfg.reducer_timeout = self.config.reducer_timeout;
         cfg.round_timeout = Some(self.config.round_timeout);
         cfg.aggregator = self.config.aggregator;
-
-        // Device snapshots copy to the host while the links are made.
-        self.shared.devices.begin()?;
-        let established = self.link(expectation, options, step_deadline).await?;
         let carriers = established.carriers.clone();
         let links = established.kinds.clone();
         let summary: Vec<String> = links
@@ -1457,6 +1511,7 @@ pub(crate) async fn member_info(
     let mut info = MemberInfo::new(config.resolved_mode(reach));
     info.reach = reach;
     info.relay_data = config.allow_relayed_data;
+    info.unlinkable = hub.unlinkable().iter().map(to_mm).collect();
     info.bandwidth = config.bandwidth;
     info.gathered = gathered;
     if reach == Reach::Public

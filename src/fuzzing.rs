@@ -236,6 +236,12 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             from_peer: peer,
         }),
         LinkMessage::Ack,
+        LinkMessage::GiveUp(Hello {
+            group_id: Bytes::from_static(b"group-1"),
+            from_index: 1,
+            from_peer: peer,
+        }),
+        LinkMessage::Census(vec![0, 2]),
     ] {
         let mut frame = BytesMut::new();
         encode_link_frame(&message, &mut frame);

@@ -89,10 +89,22 @@
 //!   that registered 30 ms late cost them 75 ms: measured start skews of 100 ms in
 //!   `hivemesh bench allreduce` rounds of 190 ms.)
 //! * Any other `Reject` is a verdict: the pair stays unlinked.
+//! * **Giving up is said, not timed out**: an opener whose hole punch failed (and that may not
+//!   relay) sends [`crate::wire::LinkMessage::GiveUp`] with its Hello on a stream (which runs
+//!   through the relay) instead of leaving the acceptor to wait for the deadline; the acceptor
+//!   runs the Hello's checks and stops waiting for that member at once. A relayed link the
+//!   acceptor refuses (`RelayNotAllowed`) settles the pair the same way on both sides.
+//! * **Failed pairs are remembered**: a member behind a NAT that we could not link to is kept
+//!   for [`crate::reach::UNLINKABLE_FOR`] ([`LinkHub::unlinkable`]) and published with our next
+//!   join, so the next group plans no traffic between the pair.
+//! * **The census** ([`census`]): in a round whose plan has hole-punched pairs, every member
+//!   tells every member it is linked to which members it could not link to, once the links are
+//!   made and before the first round frame; the round is re-planned around the failed pairs.
 //!
 //! Every wait is under a timeout, every queue is bounded, and the hub's tasks are owned by the
 //! hub: [`LinkHub::shutdown`] (or dropping it) stops them.
 
+pub mod census;
 mod establish;
 mod hub;
 
@@ -305,13 +317,17 @@ pub struct HubConfig {
     /// Bound on making a direct connection by hole punching, per attempt.
     pub punch_timeout: Duration,
     /// Between two members behind NATs, carry the round over TLS on a TCP connection made by
-    /// a simultaneous open (coordinated over the hole-punched libp2p connection) rather than
-    /// over a libp2p stream on that connection; if the simultaneous open fails, the stream is
-    /// used (and punched TLS with that peer is not tried again for 10 minutes). Only between
+    /// a simultaneous open (coordinated over whatever libp2p connection reaches the peer: the
+    /// relayed one before any hole punch) rather than over a libp2p stream on a hole-punched
+    /// connection; tried first, before DCUtR's punch. If the simultaneous open fails, DCUtR's
+    /// punch and a stream on it are tried (and punched TLS with that peer is not tried again
+    /// for 10 minutes). Only between
     /// peers whose NATs keep ports (a fresh port's endpoint must be predictable). Default on:
     /// on fast links it is 2.5× faster and half the CPU (docs/architecture.md).
     pub punched_tls: bool,
-    /// Bound on the simultaneous open of a punched TLS link.
+    /// Bound on the simultaneous open of a punched TLS link. Behind routers that reset early
+    /// SYNs the two sides need a few hundred attempts to cross (0.1-4.1 s on the namespace
+    /// bed, docs/architecture.md).
     pub punch_connect_timeout: Duration,
 }
 
@@ -331,7 +347,7 @@ impl Default for HubConfig {
             stream_queue: 32,
             punch_timeout: Duration::from_secs(10),
             punched_tls: true,
-            punch_connect_timeout: Duration::from_secs(3),
+            punch_connect_timeout: Duration::from_secs(6),
         }
     }
 }

@@ -183,6 +183,10 @@ pub struct MemberInfo {
     pub reach: Reach,
     /// It allows its tensor data to go through relays.
     pub relay_data: bool,
+    /// Peers it could not link to recently (a failed hole punch), at most
+    /// [`crate::reach::MAX_UNLINKABLE`]: a group plans no traffic between it and those of them
+    /// it contains ([`crate::reach::honoured_cuts`] says which claims count).
+    pub unlinkable: Vec<PeerId>,
 }
 
 impl MemberInfo {
@@ -195,6 +199,7 @@ impl MemberInfo {
             gathered: Bytes::new(),
             reach: Reach::Public,
             relay_data: false,
+            unlinkable: Vec::new(),
         }
     }
 
@@ -207,6 +212,7 @@ impl MemberInfo {
     }
 
     /// Checks the limits a receiver enforces ([`MAX_GATHERED_BYTES`], [`MAX_ADDRS`],
+    /// [`crate::reach::MAX_UNLINKABLE`],
     /// [`MAX_ADDR_BYTES`], a finite non-negative bandwidth).
     pub fn validate(&self) -> Result<(), InfoError> {
         if let Some(b) = self.bandwidth
@@ -222,6 +228,9 @@ impl MemberInfo {
         }
         if self.gathered.len() > MAX_GATHERED_BYTES {
             return Err(InfoError::GatheredTooLarge(self.gathered.len()));
+        }
+        if self.unlinkable.len() > crate::reach::MAX_UNLINKABLE {
+            return Err(InfoError::TooManyUnlinkable(self.unlinkable.len()));
         }
         Ok(())
     }
@@ -243,6 +252,9 @@ pub enum InfoError {
     /// More than [`MAX_GATHERED_BYTES`] gathered bytes.
     #[error("{0} gathered bytes (at most {MAX_GATHERED_BYTES})")]
     GatheredTooLarge(usize),
+    /// More than [`crate::reach::MAX_UNLINKABLE`] peers it cannot link to.
+    #[error("{0} unlinkable peers (at most {max})", max = crate::reach::MAX_UNLINKABLE)]
+    TooManyUnlinkable(usize),
 }
 
 /// One member of an assembled group.

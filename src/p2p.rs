@@ -69,6 +69,7 @@
 //! bounded queue, which makes drops rare but cannot rule them out; protocols on top must detect
 //! a silent stream and re-open it (`crate::links` does, with its Hello/Ack).
 
+mod candidates;
 mod identity;
 mod inbound;
 mod nat;

@@ -41,6 +41,13 @@
 //! over relays, else not at all. A member may reduce only if every member that sends data can
 //! connect to it ([`reducers`]); load balancing gives the others nothing to reduce, and a group in
 //! which nobody may reduce fails at once with a clear error instead of running into timeouts.
+//!
+//! Classes say what should work, not what did: two punchable members whose punch failed (routers
+//! that refuse a punch's first packets, networks that cannot reach each other) cannot link
+//! either. A node remembers such peers and names them when it joins a group; the pairs the
+//! group honours ([`honoured_cuts`], bounded against lying members) are [`Cuts`], and
+//! [`reducers_with`] gives a span to nobody whom a sender cannot link to, so the next round
+//! with that pair is planned around it.
 
 use std::net::IpAddr;
 
@@ -135,6 +142,177 @@ pub fn reducers(members: &[Peer], may_reduce: &[bool], sends: &[bool]) -> Vec<bo
                     .all(|j| j == i || !sends[j] || path(members[i], members[j]).is_some())
         })
         .collect()
+}
+
+/// Most peers a member may name as ones it could not link to
+/// ([`crate::matchmaking::MemberInfo::unlinkable`]); more are refused on the wire.
+pub const MAX_UNLINKABLE: usize = 8;
+
+/// Pairs of members (indices) that cannot link although [`path`] says they could: a hole punch
+/// between them failed. Symmetric.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Cuts {
+    pairs: Vec<(usize, usize)>,
+}
+
+impl Cuts {
+    /// No cut pair.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Marks `a` and `b` as unable to link (nothing for `a == b`).
+    pub fn cut(&mut self, a: usize, b: usize) {
+        let pair = (a.min(b), a.max(b));
+        if a != b && !self.pairs.contains(&pair) {
+            self.pairs.push(pair);
+        }
+    }
+
+    /// Whether `a` and `b` cannot link.
+    pub fn contains(&self, a: usize, b: usize) -> bool {
+        self.pairs.contains(&(a.min(b), a.max(b)))
+    }
+
+    /// The cut pairs, lower index first, in the order they were cut.
+    pub fn pairs(&self) -> &[(usize, usize)] {
+        &self.pairs
+    }
+
+    /// Whether no pair is cut.
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+}
+
+/// How `members[a]` and `members[b]` connect given `cuts`: [`path`], unless the pair is cut.
+pub fn path_between(members: &[Peer], cuts: &Cuts, a: usize, b: usize) -> Option<Path> {
+    if cuts.contains(a, b) {
+        None
+    } else {
+        path(members[a], members[b])
+    }
+}
+
+/// [`reducers`] with `cuts`: a member reduces only if every other member that sends can
+/// link to it.
+pub fn reducers_with(
+    members: &[Peer],
+    cuts: &Cuts,
+    may_reduce: &[bool],
+    sends: &[bool],
+) -> Vec<bool> {
+    (0..members.len())
+        .map(|i| {
+            may_reduce[i]
+                && (0..members.len())
+                    .all(|j| j == i || !sends[j] || path_between(members, cuts, i, j).is_some())
+        })
+        .collect()
+}
+
+/// Which of the members' claims to honour: `claims` are `(claimant, other)` pairs, "the
+/// claimant could not link to the other". What a member publishes is hostile input, so:
+///
+/// * only a pair that needs a hole punch or a relay is cut (both members behind NATs): a public
+///   member is dialled directly, and a claim cannot take its span away;
+/// * a claim names the claimant itself (the caller maps what a member says to pairs with it),
+///   so a member can cost only its own pairs: at most [`MAX_UNLINKABLE`] of them;
+/// * if the cuts would leave nobody to reduce where somebody could without them, the claims
+///   of the member that made the most (the highest index on a tie) are dropped, and so on: a
+///   member claiming it links to nobody cannot stall a group that would average without it.
+///
+/// Every member computes this from the same group, so all agree.
+pub fn honoured_cuts(
+    members: &[Peer],
+    claims: &[(usize, usize)],
+    may_reduce: &[bool],
+    sends: &[bool],
+) -> Cuts {
+    let n = members.len();
+    let nated = |i: usize| i < n && members[i].reach != Reach::Public;
+    let mut kept: Vec<(usize, usize)> = claims
+        .iter()
+        .copied()
+        .filter(|&(a, b)| a != b && nated(a) && nated(b))
+        .collect();
+    let anyone = reducers(members, may_reduce, sends).iter().any(|&r| r);
+    loop {
+        let mut cuts = Cuts::none();
+        for &(a, b) in &kept {
+            cuts.cut(a, b);
+        }
+        if !anyone
+            || reducers_with(members, &cuts, may_reduce, sends)
+                .iter()
+                .any(|&r| r)
+        {
+            return cuts;
+        }
+        let mut count = vec![0usize; n];
+        for &(a, _) in &kept {
+            count[a] += 1;
+        }
+        let Some(worst) = (0..n).max_by_key(|&i| count[i]) else {
+            return Cuts::none();
+        };
+        kept.retain(|&(a, _)| a != worst);
+    }
+}
+
+/// How long a node remembers a peer it could not link to ([`Unlinkable`]).
+pub const UNLINKABLE_FOR: std::time::Duration = std::time::Duration::from_secs(600);
+/// Most peers an [`Unlinkable`] remembers (the oldest are forgotten first).
+pub const MAX_REMEMBERED: usize = 64;
+
+/// The peers a node could not link to lately (sans-IO: the caller passes the time). Bounded
+/// ([`MAX_REMEMBERED`]) and expiring ([`UNLINKABLE_FOR`]); what it publishes is the newest
+/// [`MAX_UNLINKABLE`].
+#[derive(Clone, Debug)]
+pub struct Unlinkable<P> {
+    failed: Vec<(P, std::time::Instant)>,
+}
+
+impl<P> Default for Unlinkable<P> {
+    fn default() -> Self {
+        Self { failed: Vec::new() }
+    }
+}
+
+impl<P: PartialEq + Clone> Unlinkable<P> {
+    /// A link with `peer` could not be made at `now`.
+    pub fn failed(&mut self, peer: P, now: std::time::Instant) {
+        self.failed.retain(|(p, _)| *p != peer);
+        if self.failed.len() >= MAX_REMEMBERED {
+            self.failed.remove(0);
+        }
+        self.failed.push((peer, now));
+    }
+
+    /// A link with `peer` was made: it is linkable again.
+    pub fn linked(&mut self, peer: &P) {
+        self.failed.retain(|(p, _)| p != peer);
+    }
+
+    /// Whether a link with `peer` failed less than [`UNLINKABLE_FOR`] before `now`.
+    pub fn contains(&self, peer: &P, now: std::time::Instant) -> bool {
+        self.failed
+            .iter()
+            .any(|(p, at)| p == peer && now.saturating_duration_since(*at) < UNLINKABLE_FOR)
+    }
+
+    /// The peers to publish at `now`: those that failed less than [`UNLINKABLE_FOR`] ago, the
+    /// newest first, at most [`MAX_UNLINKABLE`]. Forgets the expired ones.
+    pub fn recent(&mut self, now: std::time::Instant) -> Vec<P> {
+        self.failed
+            .retain(|(_, at)| now.saturating_duration_since(*at) < UNLINKABLE_FOR);
+        self.failed
+            .iter()
+            .rev()
+            .take(MAX_UNLINKABLE)
+            .map(|(p, _)| p.clone())
+            .collect()
+    }
 }
 
 /// What peers observed of our outbound connections (identify's observed addresses), and
@@ -361,6 +539,63 @@ mod tests {
         assert_eq!(reducers(&m, &[true; 2], &[true; 2]), vec![false, false]);
     }
 
+    #[test]
+    fn unlinkable_peers_are_bounded_and_expire() {
+        let t0 = std::time::Instant::now();
+        let at = |s: u64| t0 + std::time::Duration::from_secs(s);
+        let mut u = Unlinkable::default();
+        u.failed(1u32, at(0));
+        u.failed(2, at(10));
+        assert!(u.contains(&1, at(599)));
+        assert_eq!(u.recent(at(20)), vec![2, 1]);
+        // Ten minutes after the failure it is forgotten.
+        assert!(!u.contains(&1, at(600)));
+        assert_eq!(u.recent(at(605)), vec![2]);
+        // A link made clears it; a new failure renews it.
+        u.linked(&2);
+        assert!(u.recent(at(606)).is_empty());
+        u.failed(2, at(700));
+        u.failed(2, at(800));
+        assert!(u.contains(&2, at(1399)));
+        // At most MAX_UNLINKABLE published (the newest), MAX_REMEMBERED remembered.
+        for p in 0..1000 {
+            u.failed(p, at(900));
+        }
+        assert_eq!(u.failed.len(), MAX_REMEMBERED);
+        let published = u.recent(at(900));
+        assert_eq!(published.len(), MAX_UNLINKABLE);
+        assert_eq!(published[0], 999);
+    }
+
+    #[test]
+    fn a_cut_pair_reduces_nothing_and_the_others_carry_the_group() {
+        use Reach::*;
+        let m = [peer(Public), peer(Public), peer(Punchable), peer(Punchable)];
+        let all = [true; 4];
+        // Member 2 says it could not link to member 3 (and 3 says nothing).
+        let cuts = honoured_cuts(&m, &[(2, 3)], &all, &all);
+        assert!(cuts.contains(3, 2));
+        assert_eq!(path_between(&m, &cuts, 2, 3), None);
+        assert_eq!(path_between(&m, &cuts, 2, 0), Some(Path::Direct));
+        assert_eq!(
+            reducers_with(&m, &cuts, &all, &all),
+            vec![true, true, false, false]
+        );
+        // A claim against a public member is not honoured: it is dialled directly.
+        let cuts = honoured_cuts(&m, &[(2, 0), (3, 1)], &all, &all);
+        assert!(cuts.is_empty());
+        // Only punchable members: a liar that names everyone cannot leave the group without a
+        // reducer; its claims go, the honest one stays.
+        let m = [peer(Punchable); 4];
+        let lies = [(0, 1), (0, 2), (0, 3), (2, 3)];
+        let cuts = honoured_cuts(&m, &lies, &all, &all);
+        assert_eq!(cuts.pairs(), &[(2, 3)]);
+        assert_eq!(
+            reducers_with(&m, &cuts, &all, &all),
+            vec![true, true, false, false]
+        );
+    }
+
     fn any_reach() -> impl Strategy<Value = Reach> {
         prop_oneof![
             Just(Reach::Public),
@@ -401,6 +636,40 @@ mod tests {
             for i in 0..m.len() {
                 if m[i].reach == Reach::Public {
                     prop_assert!(red[i]);
+                }
+            }
+        }
+
+        /// Whatever members claim: only claimed pairs of two NATed members are cut, public
+        /// reducers keep their spans, a group that had a reducer keeps one, and a reducer can
+        /// link to every sender.
+        #[test]
+        fn claims_are_bounded(
+            reach in prop::collection::vec((any_reach(), any::<bool>(), any::<bool>()), 1..8),
+            claims in prop::collection::vec((0usize..10, 0usize..10), 0..30),
+        ) {
+            let m: Vec<Peer> = reach.iter().map(|&(reach, relay_data, _)| Peer { reach, relay_data }).collect();
+            let sends: Vec<bool> = reach.iter().map(|r| r.2).collect();
+            let may = vec![true; m.len()];
+            let cuts = honoured_cuts(&m, &claims, &may, &sends);
+            for &(a, b) in cuts.pairs() {
+                prop_assert!(claims.contains(&(a, b)) || claims.contains(&(b, a)));
+                prop_assert!(m[a].reach != Reach::Public && m[b].reach != Reach::Public);
+            }
+            let before = reducers(&m, &may, &sends);
+            let after = reducers_with(&m, &cuts, &may, &sends);
+            if before.iter().any(|&r| r) {
+                prop_assert!(after.iter().any(|&r| r));
+            }
+            for i in 0..m.len() {
+                prop_assert!(!after[i] || before[i]);
+                if m[i].reach == Reach::Public {
+                    prop_assert!(after[i]);
+                }
+                for j in 0..m.len() {
+                    if after[i] && sends[j] && i != j {
+                        prop_assert!(path_between(&m, &cuts, i, j).is_some());
+                    }
                 }
             }
         }

@@ -77,6 +77,9 @@ pub enum WireError {
     /// An endpoint is not `ip:port` with a specified IP and a port other than 0.
     #[error("invalid endpoint {0:?}")]
     Endpoint(String),
+    /// A census naming more members than [`MAX_CENSUS`].
+    #[error("a census of {0} members (at most {MAX_CENSUS})")]
+    Census(usize),
 }
 
 /// A validated frame: which round, and what.
@@ -265,7 +268,16 @@ pub enum LinkMessage {
     },
     /// Acceptor → opener: the acceptor's endpoint for the simultaneous open.
     PunchAnswer(std::net::SocketAddr),
+    /// Opener → acceptor, instead of a Hello: the opener cannot make this link (its hole punch
+    /// failed), so the acceptor stops waiting for it.
+    GiveUp(Hello),
+    /// Both ways on every link of a round with hole-punched pairs, before round frames: the
+    /// member indices the sender could not link to (at most [`MAX_CENSUS`]).
+    Census(Vec<u32>),
 }
+
+/// Most member indices a [`LinkMessage::Census`] carries.
+pub const MAX_CENSUS: usize = 64;
 
 /// The first frame on a new link.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -356,6 +368,12 @@ impl From<&LinkMessage> for proto::LinkFrame {
             LinkMessage::PunchAnswer(endpoint) => Body::PunchAnswer(proto::PunchAnswer {
                 endpoint: endpoint.to_string(),
             }),
+            LinkMessage::GiveUp(h) => Body::GiveUp(proto::GiveUp {
+                hello: Some(hello(h)),
+            }),
+            LinkMessage::Census(unlinked) => Body::Census(proto::Census {
+                unlinked: unlinked.iter().take(MAX_CENSUS).copied().collect(),
+            }),
             LinkMessage::Ack => Body::Ack(proto::Ack {}),
             LinkMessage::Reject(r) => {
                 let mut cut = r.detail.len().min(MAX_REJECT_DETAIL_BYTES);
@@ -402,6 +420,15 @@ impl TryFrom<proto::LinkFrame> for LinkMessage {
                 endpoint: endpoint(&p.endpoint)?,
             },
             Body::PunchAnswer(a) => LinkMessage::PunchAnswer(endpoint(&a.endpoint)?),
+            Body::GiveUp(g) => {
+                LinkMessage::GiveUp(hello(g.hello.ok_or(WireError::Missing("hello"))?)?)
+            }
+            Body::Census(c) => {
+                if c.unlinked.len() > MAX_CENSUS {
+                    return Err(WireError::Census(c.unlinked.len()));
+                }
+                LinkMessage::Census(c.unlinked)
+            }
             Body::Ack(proto::Ack {}) => LinkMessage::Ack,
             Body::Reject(r) => {
                 let reason = match proto::RejectReason::try_from(r.reason) {
@@ -910,6 +937,8 @@ mod tests {
                 reason: RejectReason::Duplicate,
                 detail: "x".into(),
             }),
+            LinkMessage::Census(vec![0, 3, 7]),
+            LinkMessage::Census(Vec::new()),
         ];
         let mut buf = BytesMut::new();
         for m in &messages {
@@ -971,6 +1000,26 @@ mod tests {
             LinkMessage::try_from(bad_peer),
             Err(WireError::PeerId(_))
         ));
+        // A census naming more members than allowed (it fits the frame), a give-up without its
+        // Hello.
+        let census = proto::LinkFrame {
+            body: Some(proto::link_frame::Body::Census(proto::Census {
+                unlinked: vec![1; MAX_CENSUS + 1],
+            })),
+        };
+        assert_eq!(
+            LinkMessage::try_from(census),
+            Err(WireError::Census(MAX_CENSUS + 1))
+        );
+        let give_up = proto::LinkFrame {
+            body: Some(proto::link_frame::Body::GiveUp(proto::GiveUp {
+                hello: None,
+            })),
+        };
+        assert_eq!(
+            LinkMessage::try_from(give_up),
+            Err(WireError::Missing("hello"))
+        );
         let no_reason = proto::LinkFrame {
             body: Some(proto::link_frame::Body::Reject(proto::Reject {
                 reason: 0,

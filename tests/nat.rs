@@ -12,7 +12,7 @@ use std::net::{Shutdown, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use netns::{Host, Nat, Testbed};
+use netns::{Host, Nat, Testbed, Unsolicited};
 use socket2::{Domain, SockAddr, Socket, Type};
 
 /// A TCP listener on `host` (all its addresses, `port` 0: any); `accept` times out after 5 s.
@@ -159,6 +159,108 @@ fn namespaces_behave_like_home_routers() {
             Nat::Symmetric => assert_ne!(seen_a.port(), seen_b.port(), "{nat:?}"),
         }
     }
+}
+
+/// A TCP simultaneous open from `a`'s port `pa` to `b`'s, and back, at once (both through their
+/// routers, as the punched TLS link does it) with [`hivemesh::transport::PunchSocket`], which
+/// retries on a reset; `Ok` if both ends connected within `within`.
+fn simultaneous_open(
+    a: &Host,
+    b: &Host,
+    within: Duration,
+    stagger: Duration,
+) -> Result<(), String> {
+    let open = |from: &Host,
+                to: &Host,
+                socket: hivemesh::transport::PunchSocket,
+                port: u16,
+                late: Duration| {
+        let to = SocketAddr::new(to.public_ip(), port);
+        from.run(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let deadline = tokio::time::Instant::now() + within;
+                tokio::time::sleep(late).await;
+                socket.connect(to, deadline).await
+            })
+            .map(drop)
+            .map_err(|e| e.to_string())
+        })
+    };
+    let sa = a.run(|| hivemesh::transport::PunchSocket::bind().unwrap());
+    let sb = b.run(|| hivemesh::transport::PunchSocket::bind().unwrap());
+    let (pa, pb) = (sa.port(), sb.port());
+    std::thread::scope(|s| {
+        let one = s.spawn(|| open(a, b, sa, pb, Duration::ZERO));
+        let two = open(b, a, sb, pa, stagger);
+        let one = one.join().unwrap();
+        one.and(two)
+    })
+}
+
+/// Routers that answer unsolicited packets: a SYN to an unmapped port is reset, a UDP datagram
+/// gets an ICMP port-unreachable (both seen by the sender at once, where the silent routers
+/// make it wait). A TCP simultaneous open between two such homes still works (the first SYN
+/// is refused, the retry crosses the other's), and never between two homes the bed separated.
+#[test]
+fn answering_routers_refuse_unsolicited_packets() {
+    let Some(mut bed) = Testbed::new("answering") else {
+        return;
+    };
+    let a = bed.public_host("a");
+    let h0 = bed.home_with("h0", Nat::PortPreserving, Unsolicited::Answer);
+    let h1 = bed.home_with("h1", Nat::PortPreserving, Unsolicited::Answer);
+    let s0 = bed.home_with("s0", Nat::PortPreserving, Unsolicited::Answer);
+    let s1 = bed.home_with("s1", Nat::PortPreserving, Unsolicited::Answer);
+    bed.separate(&s0, &s1);
+    assert_eq!(h0.unsolicited(), Some(Unsolicited::Answer));
+    let wan = h0.router_ip().unwrap();
+    let _at_home = listen(&h0, 6000);
+    let refused = connect(&a, None, SocketAddr::new(wan, 6000), Duration::from_secs(5));
+    match refused {
+        Err(e) => assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}"),
+        Ok(_) => panic!("a public host connected to the router unsolicited"),
+    }
+    let icmp = a.run(|| {
+        let udp = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        udp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        udp.connect(SocketAddr::new(wan, 6001)).unwrap();
+        udp.send(b"hello").unwrap();
+        // A connected UDP socket reports the ICMP error on its next receive.
+        udp.recv(&mut [0; 16]).unwrap_err()
+    });
+    assert_eq!(icmp.kind(), io::ErrorKind::ConnectionRefused, "{icmp}");
+    // Outgoing connections still work.
+    let at_a = listen(&a, 5000);
+    connect(
+        &h0,
+        None,
+        SocketAddr::new(a.ip(), 5000),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    accept(&at_a);
+
+    // Generous: the two sides cross after 0.1-5 s of retries (docs/architecture.md).
+    let within = Duration::from_secs(30);
+    simultaneous_open(&h0, &h1, within, Duration::ZERO)
+        .expect("a simultaneous open between answering routers");
+    // The two sides learn each other's endpoint a relay round trip apart: one starts late.
+    simultaneous_open(&h0, &h1, within, Duration::from_millis(50))
+        .expect("a staggered simultaneous open between answering routers");
+    let never = simultaneous_open(&s0, &s1, Duration::from_secs(2), Duration::ZERO);
+    assert!(never.is_err());
+    // Separated homes still reach the public internet.
+    connect(
+        &s0,
+        None,
+        SocketAddr::new(a.ip(), 5000),
+        Duration::from_secs(5),
+    )
+    .unwrap();
 }
 
 /// Sends `bytes` over `to` (then closes it); returns how long the receiver `from` took to read
@@ -395,6 +497,28 @@ impl PeerRun {
             .collect()
     }
 
+    /// The hole punches this peer's node made and failed (its `nat:` line at exit).
+    fn punches(&self) -> (u64, u64) {
+        let line = self
+            .stderr
+            .iter()
+            .find(|l| l.starts_with("nat: "))
+            .unwrap_or_else(|| panic!("{}: no nat: line\n{}", self.name, self.transcript));
+        let count = |key| Self::field(line, key).parse::<u64>().unwrap();
+        (count("punches_ok"), count("punches_failed"))
+    }
+
+    /// Each round's step time in seconds (the `(S s)` of its stdout line).
+    fn round_secs(&self) -> Vec<f64> {
+        self.stdout[1..]
+            .iter()
+            .map(|l| {
+                let t = l.rsplit('(').next().unwrap();
+                t.trim_end_matches(" s)").parse().unwrap()
+            })
+            .collect()
+    }
+
     /// `key=value` from a detail line.
     fn field<'a>(line: &'a str, key: &str) -> &'a str {
         line.split_whitespace()
@@ -489,23 +613,51 @@ fn collect_runs(procs: &mut [netns::Proc], peers: &[PeerSpec], rounds: usize) ->
     runs
 }
 
+/// The home routers of a scenario's two NATed peers.
+#[derive(Clone, Copy, Debug)]
+struct Homes {
+    /// For messages: which router variant.
+    name: &'static str,
+    nat: Nat,
+    unsolicited: Unsolicited,
+    /// The two homes cannot reach each other at all ([`Testbed::separate`]).
+    separated: bool,
+}
+
+impl Homes {
+    /// Today's bed: routers that drop unsolicited packets silently.
+    fn silent(nat: Nat) -> Self {
+        Self {
+            name: "silent-drop",
+            nat,
+            unsolicited: Unsolicited::Drop,
+            separated: false,
+        }
+    }
+}
+
 /// A public bootstrap node (a relay), two public peers and two peers each behind its own home
-/// router with `nat`, all running the two-terminal example in groups of 4 for `rounds` rounds
+/// router (`homes`), all running the two-terminal example in groups of 4 for `rounds` rounds
 /// (extra `join` flags in `extra`). Returns every peer's output once all exited successfully.
 fn four_peers_two_behind_nats(
     bed: &mut Testbed,
     join: &std::path::Path,
-    nat: Nat,
+    homes: Homes,
     rounds: usize,
     extra: &[&str],
 ) -> Vec<PeerRun> {
     let boot = bed.public_host("boot");
     let (mut dht, addr) = start_dht(bed, &boot, &[]);
+    let nat0 = bed.home_with("nat0", homes.nat, homes.unsolicited);
+    let nat1 = bed.home_with("nat1", homes.nat, homes.unsolicited);
+    if homes.separated {
+        bed.separate(&nat0, &nat1);
+    }
     let peers = [
         (bed.public_host("pub0"), false),
         (bed.public_host("pub1"), false),
-        (bed.home("nat0", nat), true),
-        (bed.home("nat1", nat), true),
+        (nat0, true),
+        (nat1, true),
     ]
     .map(|(host, nated)| PeerSpec {
         host,
@@ -553,6 +705,14 @@ fn assert_all_four_averaged(runs: &[PeerRun], rounds: usize) {
                 run.name
             );
             assert_eq!(PeerRun::field(d, "local_parts"), "0", "{}: {d}", run.name);
+            // Nobody waited for a sender or a reducer until its timeout.
+            assert_eq!(PeerRun::field(d, "banned"), "0", "{}: {d}", run.name);
+            assert_eq!(
+                PeerRun::field(d, "failed_reducers"),
+                "0",
+                "{}: {d}",
+                run.name
+            );
         }
     }
     let global = initial.iter().sum::<f64>() / initial.len() as f64;
@@ -567,7 +727,7 @@ fn assert_all_four_averaged(runs: &[PeerRun], rounds: usize) {
 /// Two peers behind port-preserving NATs that drop unsolicited inbound connections: they find
 /// out they are punchable, reserve a slot on the bootstrap relay, and reduce like anyone; their
 /// link to each other is TLS over a TCP connection that a simultaneous open made through both
-/// NATs after a hole punch, never relayed; their links to the public peers are direct TLS,
+/// NATs (or a stream on a hole-punched connection), never relayed; their links to the public peers are direct TLS,
 /// opened by them.
 #[test]
 fn peers_behind_port_preserving_nats_reduce_over_hole_punched_links() {
@@ -577,10 +737,12 @@ fn peers_behind_port_preserving_nats_reduce_over_hole_punched_links() {
     let Some(mut bed) = Testbed::new("nat-cone") else {
         return;
     };
-    let runs = four_peers_two_behind_nats(&mut bed, &join, Nat::PortPreserving, 3, &[]);
+    let homes = Homes::silent(Nat::PortPreserving);
+    let runs = four_peers_two_behind_nats(&mut bed, &join, homes, 3, &[]);
     for run in &runs {
         eprintln!("--- {}\n{}", run.name, run.transcript);
     }
+    report_punches(homes, &runs);
     assert_all_four_averaged(&runs, 3);
     for run in &runs {
         for d in run.details() {
@@ -594,7 +756,13 @@ fn peers_behind_port_preserving_nats_reduce_over_hole_punched_links() {
                 run.name
             );
             if run.nated {
-                assert!(links.contains("tls/punched"), "{}: {d}", run.name);
+                // Punched TLS, or (when its simultaneous open, tried first over the relayed
+                // connection, did not cross in time) a stream on DCUtR's punched connection.
+                assert!(
+                    links.contains("tls/punched") || links.contains("punched/"),
+                    "{}: {d}",
+                    run.name
+                );
             }
         }
     }
@@ -611,7 +779,7 @@ fn peers_behind_symmetric_nats_average_as_clients() {
     let Some(mut bed) = Testbed::new("nat-sym") else {
         return;
     };
-    let runs = four_peers_two_behind_nats(&mut bed, &join, Nat::Symmetric, 3, &[]);
+    let runs = four_peers_two_behind_nats(&mut bed, &join, Homes::silent(Nat::Symmetric), 3, &[]);
     for run in &runs {
         eprintln!("--- {}\n{}", run.name, run.transcript);
     }
@@ -714,7 +882,7 @@ fn peers_behind_port_preserving_nats_link_over_a_punched_stream() {
     let runs = four_peers_two_behind_nats(
         &mut bed,
         &join,
-        Nat::PortPreserving,
+        Homes::silent(Nat::PortPreserving),
         3,
         &["--no-punched-tls"],
     );
@@ -730,6 +898,111 @@ fn peers_behind_port_preserving_nats_link_over_a_punched_stream() {
                 "{}: {d}",
                 run.name
             );
+            assert_eq!(
+                links.iter().filter(|l| **l == "tls").count(),
+                2,
+                "{}: {d}",
+                run.name
+            );
+        }
+    }
+}
+
+/// Prints a scenario's DCUtR hole punches (summed over its NATed peers, punches with public
+/// peers included), the rounds in which the NATed pair had a punched link, and round times: the
+/// numbers docs/architecture.md records per router variant.
+fn report_punches(homes: Homes, runs: &[PeerRun]) {
+    let (ok, failed) = runs
+        .iter()
+        .filter(|r| r.nated)
+        .map(PeerRun::punches)
+        .fold((0, 0), |(a, b), (c, d)| (a + c, b + d));
+    let rounds: Vec<String> = runs
+        .iter()
+        .map(|r| format!("{}={:?}", r.name, r.round_secs()))
+        .collect();
+    // Rounds in which the NATed pair had a hole-punched link (seen from the first NATed peer).
+    let nated = runs.iter().find(|r| r.nated).expect("a NATed peer");
+    let pair_punched = nated
+        .details()
+        .iter()
+        .filter(|d| PeerRun::field(d, "links").contains("punched"))
+        .count();
+    eprintln!(
+        "punches variant={} dcutr_ok={ok} dcutr_failed={failed} pair_punched_rounds={pair_punched}/{} round_secs: {}",
+        homes.name,
+        nated.details().len(),
+        rounds.join(" ")
+    );
+}
+
+/// A scenario of one router variant: 2 public + 2 NATed peers in groups of 4, 3 rounds; every
+/// round averages all four with no sender banned and no reducer failed (so none waited for a
+/// timeout), all end on one mean; prints the punch counts and round times.
+fn router_variant(homes: Homes, tag: &str) -> Option<Vec<PeerRun>> {
+    let join = example("join")?;
+    let mut bed = Testbed::new(tag)?;
+    let runs = four_peers_two_behind_nats(&mut bed, &join, homes, 3, &[]);
+    for run in &runs {
+        eprintln!("--- {}\n{}", run.name, run.transcript);
+    }
+    report_punches(homes, &runs);
+    assert_all_four_averaged(&runs, 3);
+    Some(runs)
+}
+
+/// Home routers that answer unsolicited packets (a reset for a SYN, an ICMP port-unreachable for
+/// UDP) instead of dropping them: a hole punch's first packets are refused, not lost. Every
+/// round still averages all four peers, none waits for a timeout.
+#[test]
+fn peers_behind_answering_routers_average_whole_rounds() {
+    let homes = Homes {
+        name: "rst-icmp",
+        nat: Nat::PortPreserving,
+        unsolicited: Unsolicited::Answer,
+        separated: false,
+    };
+    let Some(runs) = router_variant(homes, "nat-rst") else {
+        return;
+    };
+    for run in &runs {
+        for d in run.details() {
+            let reach = if run.nated { "punchable" } else { "public" };
+            assert_eq!(PeerRun::field(d, "reach"), reach, "{}: {d}", run.name);
+            assert!(
+                !PeerRun::field(d, "links").contains("relayed"),
+                "{}: {d}",
+                run.name
+            );
+        }
+    }
+}
+
+/// Two NATed peers that look punchable but can never reach each other (answering routers, the
+/// internet between them cut): whatever the first round's punch does, every round averages
+/// all four, none waits for a timeout, and after the first round the pair is planned without a
+/// link between them (neither reduces; they send to the public reducers).
+#[test]
+fn a_pair_that_can_never_punch_averages_whole_rounds() {
+    let homes = Homes {
+        name: "never",
+        nat: Nat::PortPreserving,
+        unsolicited: Unsolicited::Answer,
+        separated: true,
+    };
+    let Some(runs) = router_variant(homes, "nat-never") else {
+        return;
+    };
+    for run in runs.iter().filter(|r| r.nated) {
+        // DCUtR may punch to the public peers (it runs on every relayed connection); never a
+        // link between the two NATed peers.
+        for d in run.details() {
+            let links = PeerRun::field(d, "links");
+            assert!(!links.contains("punched"), "{}: {d}", run.name);
+        }
+        for d in &run.details()[1..] {
+            let links: Vec<&str> = PeerRun::field(d, "links").split(',').collect();
+            // Linked to the two public peers only.
             assert_eq!(
                 links.iter().filter(|l| **l == "tls").count(),
                 2,

@@ -8,7 +8,7 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use tokio::time::Instant;
 
-use super::hub::{Expectation, Shared, write_link_frame};
+use super::hub::{Arrived, Expectation, Shared, write_link_frame};
 use super::{
     Carrier, EstablishedLinks, HubError, LinkHub, LinkKind, LinkPeer, PART_PROTOCOL, Plan,
 };
@@ -85,8 +85,13 @@ impl Expectation {
         let mut errors: Vec<Option<HubError>> = vec![None; n];
         let mut reopened = 0;
         for a in arrived {
-            kinds[a.from] = Some(a.kind);
-            links[a.from] = Some(a.link);
+            match a {
+                Arrived::Link(a) => {
+                    kinds[a.from] = Some(a.kind);
+                    links[a.from] = Some(a.link);
+                }
+                Arrived::GaveUp { from, error } => errors[from] = Some(error),
+            }
         }
         for (&(j, _), outcome) in to_open.iter().zip(opened) {
             reopened += outcome.reopened;
@@ -115,6 +120,27 @@ impl Expectation {
                 }),
                 Plan::Open(_) | Plan::Await(_) => Some(HubError::NoLink { peer, timeout }),
             };
+        }
+        // Remember the members behind NATs we could not link to (published with our next join,
+        // so that group plans around the pair), and forget those we linked to.
+        {
+            let now = std::time::Instant::now();
+            let mut unlinkable = self.shared.unlinkable();
+            for (i, plan) in self.plan.iter().enumerate() {
+                if !matches!(
+                    plan,
+                    Plan::Open(Path::HolePunch) | Plan::Await(Path::HolePunch)
+                ) {
+                    continue;
+                }
+                let peer = self.members[i].peer_id;
+                if links[i].is_some() {
+                    unlinkable.linked(&peer);
+                } else {
+                    tracing::info!(%peer, "no link with a member behind a NAT: remembered");
+                    unlinkable.failed(peer, now);
+                }
+            }
         }
         let carriers: Vec<Option<Carrier>> =
             kinds.iter().map(|k| k.map(LinkKind::carrier)).collect();
@@ -179,33 +205,10 @@ async fn open_link(
     deadline: Instant,
     timeout: Duration,
 ) -> Opened {
-    if path == Path::HolePunch {
-        let punch = shared
-            .config
-            .punch_timeout
-            .min(deadline.saturating_duration_since(Instant::now()));
-        match shared
-            .p2p
-            .connect_direct(peer.peer_id, peer.relay_addrs.clone(), punch)
-            .await
-        {
-            Ok(conn) => {
-                tracing::debug!(peer = %peer.peer_id, ?conn, "direct connection for the link");
-            }
-            Err(error) if relay_ok => {
-                tracing::info!(peer = %peer.peer_id, %error, "hole punch failed: relaying the link");
-            }
-            Err(error) => {
-                return Opened {
-                    result: Err(HubError::NoPath {
-                        peer: peer.peer_id,
-                        detail: error.to_string(),
-                    }),
-                    reopened: 0,
-                };
-            }
-        }
-    }
+    // Punched TLS first: its simultaneous open needs only signalling, which the relayed
+    // connection carries, so it does not wait for DCUtR (whose TCP punch dies of a reset on
+    // routers that answer, and whose QUIC punch cannot work there while the other router's
+    // own entry for our first datagram holds the port: docs/architecture.md).
     if path == Path::HolePunch
         && shared.config.punched_tls
         && shared.identity.is_some()
@@ -226,10 +229,39 @@ async fn open_link(
             }
         }
     }
+    if path == Path::HolePunch {
+        let punch = shared
+            .config
+            .punch_timeout
+            .min(deadline.saturating_duration_since(Instant::now()));
+        match shared
+            .p2p
+            .connect_direct(peer.peer_id, peer.relay_addrs.clone(), punch)
+            .await
+        {
+            Ok(conn) => {
+                tracing::debug!(peer = %peer.peer_id, ?conn, "direct connection for the link");
+            }
+            Err(error) if relay_ok => {
+                tracing::info!(peer = %peer.peer_id, %error, "hole punch failed: relaying the link");
+            }
+            Err(error) => {
+                give_up(shared, hello, peer).await;
+                return Opened {
+                    result: Err(HubError::NoPath {
+                        peer: peer.peer_id,
+                        detail: error.to_string(),
+                    }),
+                    reopened: 0,
+                };
+            }
+        }
+    }
     let mut opened = open_attempts(shared, hello, peer, deadline, timeout).await;
     if let Ok((_, LinkKind::Relayed)) = &opened.result
         && !relay_ok
     {
+        give_up(shared, hello, peer).await;
         opened.result = Err(HubError::NoPath {
             peer: peer.peer_id,
             detail: "the only connection runs through a relay, which is not allowed for tensor \
@@ -238,6 +270,37 @@ async fn open_link(
         });
     }
     opened
+}
+
+/// Tells `peer` that we cannot open our link to it ([`LinkMessage::GiveUp`], on a stream that
+/// runs wherever the swarm reaches it: through its relay after a failed punch), so that it
+/// stops waiting for the link at once. Best effort, bounded by `hello_timeout`.
+async fn give_up(shared: &Shared, hello: &LinkMessage, peer: &LinkPeer) {
+    let LinkMessage::Hello(h) = hello else {
+        return;
+    };
+    let config = &shared.config;
+    let sent = tokio::time::timeout(config.hello_timeout, async {
+        let mut stream = shared
+            .p2p
+            .open_stream(peer.peer_id, PART_PROTOCOL, config.connect_timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        write_link_frame(&mut stream, &LinkMessage::GiveUp(h.clone()))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::io::AsyncWriteExt::shutdown(&mut stream)
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    match sent {
+        Ok(Ok(())) => tracing::debug!(peer = %peer.peer_id, "gave up the link"),
+        Ok(Err(e)) => {
+            tracing::debug!(peer = %peer.peer_id, error = %e, "could not give up the link")
+        }
+        Err(_) => tracing::debug!(peer = %peer.peer_id, "could not give up the link in time"),
+    }
 }
 
 /// Our endpoint for a simultaneous open from local `port`, as our NAT maps it: the IP peers
@@ -252,8 +315,9 @@ pub(super) fn mapped_endpoint(p2p: &P2p, port: u16) -> Option<std::net::SocketAd
     })
 }
 
-/// The opener's side of a punched TLS link: over a stream on the (hole-punched) connection,
-/// a [`LinkMessage::Punch`] with our endpoint, the acceptor's endpoint back, the simultaneous
+/// The opener's side of a punched TLS link: over a stream on whatever connection we have to the
+/// peer (the relayed one before any hole punch; the signalling is a few bytes), a
+/// [`LinkMessage::Punch`] with our endpoint, the acceptor's endpoint back, the simultaneous
 /// open, the TLS client handshake (the server must be the member), then the Hello over TLS.
 /// Everything under `punch_connect_timeout` plus the usual connect and Hello bounds.
 async fn punched_tls(
@@ -519,12 +583,16 @@ async fn attempt(
             reason: r.reason,
             detail: r.detail,
         }),
-        Ok(LinkMessage::Hello(_) | LinkMessage::Punch { .. } | LinkMessage::PunchAnswer(_)) => {
-            Err(HubError::Unexpected {
-                peer: peer_id,
-                carrier,
-            })
-        }
+        Ok(
+            LinkMessage::Hello(_)
+            | LinkMessage::Punch { .. }
+            | LinkMessage::PunchAnswer(_)
+            | LinkMessage::GiveUp(_)
+            | LinkMessage::Census(_),
+        ) => Err(HubError::Unexpected {
+            peer: peer_id,
+            carrier,
+        }),
         Err(error) => Err(HubError::Frame {
             peer: peer_id,
             carrier,

@@ -72,6 +72,8 @@ pub(super) struct Shared {
     stats: watch::Sender<HubStats>,
     /// Peers a punched TLS link failed with, and when ([`Shared::punch_failed_recently`]).
     punch_failures: Mutex<HashMap<PeerId, std::time::Instant>>,
+    /// Members behind NATs we could not link to lately ([`LinkHub::unlinkable`]).
+    unlinkable: Mutex<crate::reach::Unlinkable<PeerId>>,
 }
 
 impl Shared {
@@ -102,8 +104,23 @@ struct Registration {
     relay_ok: Vec<bool>,
     /// Which of them have a link already (first Hello wins).
     linked: Vec<bool>,
-    /// To the round; room for one link per awaited member, so `try_send` never finds it full.
-    arrivals: mpsc::Sender<Arrival>,
+    /// To the round; room for one link (or give-up) per awaited member, so `try_send` never
+    /// finds it full.
+    arrivals: mpsc::Sender<Arrived>,
+}
+
+/// What the hub hands a round for an awaited member: its link, or word that it will not come.
+pub(super) enum Arrived {
+    /// An acked inbound link.
+    Link(Arrival),
+    /// The member cannot open its link to us (its hole punch failed, or only a relay that is not
+    /// allowed connects us): stop waiting for it.
+    GaveUp {
+        /// The member's index.
+        from: usize,
+        /// Why.
+        error: HubError,
+    },
 }
 
 /// An acked inbound link, on its way to its round.
@@ -133,7 +150,7 @@ pub struct Expectation {
     /// What we do about each member's link.
     pub(super) plan: Vec<Plan>,
     token: u64,
-    pub(super) arrivals: mpsc::Receiver<Arrival>,
+    pub(super) arrivals: mpsc::Receiver<Arrived>,
 }
 
 impl std::fmt::Debug for Expectation {
@@ -196,6 +213,7 @@ impl LinkHub {
             next_token: AtomicU64::new(0),
             stats: watch::Sender::new(HubStats::default()),
             punch_failures: Mutex::new(HashMap::new()),
+            unlinkable: Mutex::new(crate::reach::Unlinkable::default()),
         });
         register_metrics(&shared);
         let (tx, rx) = mpsc::channel(shared.config.max_pending_links.max(1));
@@ -216,6 +234,15 @@ impl LinkHub {
     /// The TLS listener's address (to advertise as this node's data address), if it has one.
     pub fn data_addr(&self) -> Option<SocketAddr> {
         self.shared.data_addr
+    }
+
+    /// Peers behind NATs that a round could not link us to (a failed hole punch) in the last
+    /// [`crate::reach::UNLINKABLE_FOR`], the newest first, at most
+    /// [`crate::reach::MAX_UNLINKABLE`]: what this node publishes when it joins a group
+    /// ([`crate::matchmaking::MemberInfo::unlinkable`]), so that the group plans no traffic
+    /// between them.
+    pub fn unlinkable(&self) -> Vec<PeerId> {
+        self.shared.unlinkable().recent(std::time::Instant::now())
     }
 
     /// Counters of the inbound side so far.
@@ -317,7 +344,7 @@ impl LinkHub {
 struct Admitted {
     from: usize,
     token: u64,
-    arrivals: mpsc::Sender<Arrival>,
+    arrivals: mpsc::Sender<Arrived>,
 }
 
 impl Shared {
@@ -422,6 +449,11 @@ impl Shared {
             failures.remove(&oldest);
         }
         failures.insert(peer, std::time::Instant::now());
+    }
+
+    /// The peers we could not link to ([`LinkHub::unlinkable`]).
+    pub(super) fn unlinkable(&self) -> std::sync::MutexGuard<'_, crate::reach::Unlinkable<PeerId>> {
+        self.unlinkable.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Undoes [`Shared::admit`] when the Ack could not be written.
@@ -647,6 +679,11 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
     let mut registered = shared.registered.subscribe();
     let hello = match tokio::time::timeout(timeout, wire::read_link_frame(&mut link)).await {
         Ok(Ok(LinkMessage::Hello(hello))) => hello,
+        Ok(Ok(LinkMessage::GiveUp(hello))) => {
+            let detail = "the member could not make the link (its hole punch failed)";
+            gave_up(&shared, &mut registered, peer, &hello, detail).await;
+            return;
+        }
         Ok(Ok(LinkMessage::Punch { hello, endpoint })) if carrier == Carrier::Stream => {
             if let Err(error) = punch(&shared, peer, link, &hello, endpoint, registered).await {
                 bump(&shared, |s| &mut s.failed);
@@ -706,6 +743,11 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
             } else {
                 tracing::info!(%error);
             }
+            if reject.reason == RejectReason::RelayNotAllowed {
+                // A verdict for the opener too: neither side waits for this link any longer.
+                let detail = "only a relay connects the member, and it is not allowed";
+                gave_up(&shared, &mut registered, peer, &hello, detail).await;
+            }
             let _ = tokio::time::timeout(timeout, async {
                 write_link_frame(&mut link, &LinkMessage::Reject(reject)).await?;
                 link.shutdown().await
@@ -734,13 +776,41 @@ async fn serve(shared: Arc<Shared>, inbound: Inbound) {
                 kind,
                 link,
             };
-            if admitted.arrivals.try_send(arrival).is_ok() {
+            if admitted.arrivals.try_send(Arrived::Link(arrival)).is_ok() {
                 bump(&shared, |s| &mut s.accepted);
                 tracing::debug!(%peer, %kind, from = admitted.from, "inbound link accepted");
             } else {
                 // The round stopped waiting between the check and now.
                 tracing::debug!(%peer, %carrier, "inbound link acked after its round stopped waiting");
             }
+        }
+    }
+}
+
+/// A member we await gave up its link (a [`LinkMessage::GiveUp`], or a relayed link refused):
+/// after the Hello's checks (waiting for the round like a Hello), the pair counts as settled
+/// (a later Hello from it is a duplicate) and the round stops waiting for it at once.
+async fn gave_up(
+    shared: &Arc<Shared>,
+    registered: &mut watch::Receiver<u64>,
+    peer: PeerId,
+    hello: &Hello,
+    detail: &str,
+) {
+    match when_registered(shared, registered, || shared.admit(hello, peer, false)).await {
+        Ok(admitted) => {
+            let error = HubError::NoPath {
+                peer,
+                detail: detail.to_owned(),
+            };
+            tracing::info!(%peer, from = admitted.from, %detail, "a member gave up its link");
+            let _ = admitted.arrivals.try_send(Arrived::GaveUp {
+                from: admitted.from,
+                error,
+            });
+        }
+        Err(reject) => {
+            tracing::debug!(%peer, reason = %reject.reason, "a give-up that does not count");
         }
     }
 }

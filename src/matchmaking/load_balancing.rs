@@ -200,27 +200,62 @@ fn hagenbach_bishoff(total: u64, scores: &[f64]) -> Vec<u64> {
     alloc
 }
 
+/// The pairs of `group`'s members that cannot link: what its members published
+/// ([`MemberInfo::unlinkable`](super::MemberInfo::unlinkable), mapped to member indices)
+/// plus `found` (`(claimant, other)` pairs learnt in the round), as far as
+/// [`crate::reach::honoured_cuts`] honours them. Every member computes the same from the same
+/// group and the same `found`.
+pub fn group_cuts(group: &Group, found: &[(usize, usize)]) -> crate::reach::Cuts {
+    let index = |peer: &super::PeerId| group.members.iter().position(|m| &m.peer == peer);
+    let mut claims: Vec<(usize, usize)> = Vec::new();
+    for (i, m) in group.members.iter().enumerate() {
+        let named = m.info.unlinkable.iter().take(crate::reach::MAX_UNLINKABLE);
+        claims.extend(named.filter_map(index).map(|j| (i, j)));
+    }
+    claims.extend_from_slice(found);
+    let (peers, may_reduce, sends) = planning(group);
+    crate::reach::honoured_cuts(&peers, &claims, &may_reduce, &sends)
+}
+
+/// The planner's view of `group`: each member's reachability, whether its mode may reduce and
+/// whether it sends.
+fn planning(group: &Group) -> (Vec<crate::reach::Peer>, Vec<bool>, Vec<bool>) {
+    let peers = group.members.iter().map(|m| m.info.plan_peer()).collect();
+    let may_reduce = group
+        .members
+        .iter()
+        .map(|m| m.info.mode != Mode::Client)
+        .collect();
+    let sends = group
+        .members
+        .iter()
+        .map(|m| m.info.mode.is_sender())
+        .collect();
+    (peers, may_reduce, sends)
+}
+
 /// Fractions of a group's vector of `vector_size` elements per member, in group order:
 /// element counts from [`load_balance_peers`] as `f64`, with clients forced to bandwidth 0
-/// (they reduce nothing) and `min_vector_size` as hivemind's `min_size`. Every member computes
-/// the same fractions from the same [`Group`].
+/// (they reduce nothing) and `min_vector_size` as hivemind's `min_size`. Members that some
+/// sender cannot link to ([`crate::reach::reducers_with`], with the group's [`group_cuts`])
+/// reduce nothing either. Every member computes the same fractions from the same [`Group`].
 pub fn group_fractions(
     group: &Group,
     vector_size: u64,
     min_vector_size: u64,
 ) -> Result<Vec<f64>, LoadBalanceError> {
-    let peers: Vec<crate::reach::Peer> = group.members.iter().map(|m| m.info.plan_peer()).collect();
-    let may_reduce: Vec<bool> = group
-        .members
-        .iter()
-        .map(|m| m.info.mode != Mode::Client)
-        .collect();
-    let sends: Vec<bool> = group
-        .members
-        .iter()
-        .map(|m| m.info.mode.is_sender())
-        .collect();
-    let reachable = crate::reach::reducers(&peers, &may_reduce, &sends);
+    group_fractions_cut(group, vector_size, min_vector_size, &group_cuts(group, &[]))
+}
+
+/// [`group_fractions`] with the given cuts (e.g. [`group_cuts`] with pairs found in the round).
+pub fn group_fractions_cut(
+    group: &Group,
+    vector_size: u64,
+    min_vector_size: u64,
+    cuts: &crate::reach::Cuts,
+) -> Result<Vec<f64>, LoadBalanceError> {
+    let (peers, may_reduce, sends) = planning(group);
+    let reachable = crate::reach::reducers_with(&peers, cuts, &may_reduce, &sends);
     if may_reduce.iter().any(|&m| m) && !reachable.iter().any(|&r| r) {
         return Err(LoadBalanceError::Unreachable);
     }
@@ -251,7 +286,17 @@ pub fn round_members(
     vector_size: u64,
     min_vector_size: u64,
 ) -> Result<Vec<Member>, LoadBalanceError> {
-    let fractions = group_fractions(group, vector_size, min_vector_size)?;
+    round_members_cut(group, vector_size, min_vector_size, &group_cuts(group, &[]))
+}
+
+/// [`round_members`] with the given cuts.
+pub fn round_members_cut(
+    group: &Group,
+    vector_size: u64,
+    min_vector_size: u64,
+    cuts: &crate::reach::Cuts,
+) -> Result<Vec<Member>, LoadBalanceError> {
+    let fractions = group_fractions_cut(group, vector_size, min_vector_size, cuts)?;
     Ok(group
         .members
         .iter()
@@ -377,6 +422,34 @@ mod tests {
             leader: PeerId::from_bytes(vec![1]).unwrap(),
             key: GroupKey::parse("p.0b").unwrap(),
         }
+    }
+
+    #[test]
+    fn members_that_cannot_link_reduce_nothing() {
+        let mut g = group(&[(Mode::Node, None); 4]);
+        g.members[2].info.reach = Reach::Punchable;
+        g.members[3].info.reach = Reach::Punchable;
+        assert_eq!(group_fractions(&g, 1200, 0).unwrap(), vec![300.0; 4]);
+        // Member 3 could not link to member 2 last time: neither reduces now; the public two
+        // carry the vector, and the pair needs no link (neither reduces).
+        g.members[3].info.unlinkable = vec![g.members[2].peer.clone()];
+        assert_eq!(
+            group_fractions(&g, 1200, 0).unwrap(),
+            vec![600.0, 600.0, 0.0, 0.0]
+        );
+        // A pair found in the round does the same.
+        g.members[3].info.unlinkable.clear();
+        let cuts = group_cuts(&g, &[(2, 3)]);
+        assert_eq!(
+            group_fractions_cut(&g, 1200, 0, &cuts).unwrap(),
+            vec![600.0, 600.0, 0.0, 0.0]
+        );
+        // Names outside the group, and claims against public members, change nothing.
+        g.members[3].info.unlinkable = vec![
+            PeerId::from_bytes(vec![99]).unwrap(),
+            g.members[0].peer.clone(),
+        ];
+        assert_eq!(group_fractions(&g, 1200, 0).unwrap(), vec![300.0; 4]);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use super::{
     RejectReason, Reply, ReplyBody,
 };
 use crate::proto_guard::{self, Field, Kind};
-use crate::reach::Reach;
+use crate::reach::{MAX_UNLINKABLE, Reach};
 use crate::wire::MAX_GROUP_ID_BYTES;
 
 /// Generated prost types (do not use outside this boundary).
@@ -86,6 +86,11 @@ fn member_data(info: &MemberInfo) -> proto::MemberData {
             Reach::Private => proto::Reach::Private,
         } as i32,
         relay_data: info.relay_data,
+        unlinkable: info
+            .unlinkable
+            .iter()
+            .map(|p| Bytes::copy_from_slice(p.as_bytes()))
+            .collect(),
     }
 }
 
@@ -127,6 +132,17 @@ fn parse_member_data(d: Option<proto::MemberData>) -> Result<MemberInfo, WireErr
     if d.gathered.len() > MAX_GATHERED_BYTES {
         return Err(invalid("gathered", format!("{} bytes", d.gathered.len())));
     }
+    if d.unlinkable.len() > MAX_UNLINKABLE {
+        return Err(invalid(
+            "unlinkable",
+            format!("{} peers", d.unlinkable.len()),
+        ));
+    }
+    let unlinkable = d
+        .unlinkable
+        .into_iter()
+        .map(|p| parse_peer("unlinkable", p))
+        .collect::<Result<_, _>>()?;
     Ok(MemberInfo {
         mode,
         bandwidth: d.bandwidth,
@@ -134,6 +150,7 @@ fn parse_member_data(d: Option<proto::MemberData>) -> Result<MemberInfo, WireErr
         gathered: d.gathered,
         reach,
         relay_data: d.relay_data,
+        unlinkable,
     })
 }
 
@@ -334,14 +351,23 @@ pub fn encode(message: &Message) -> Vec<u8> {
 
 /// What a frame may hold, counted before decoding (`crate::proto_guard`): one body; a reply
 /// with at most [`MAX_GROUP_SIZE`] members, each with one `MemberData`; at most
-/// [`MAX_ADDRS`] addresses per member, summed over the frame.
+/// [`MAX_ADDRS`] addresses and [`MAX_UNLINKABLE`] unlinkable peers per member, summed over
+/// the frame.
 const FRAME_SHAPE: [Field<'static>; 3] = {
-    const MEMBER_DATA: [Field<'static>; 1] = [Field {
-        number: 3,
-        max: MAX_GROUP_SIZE * MAX_ADDRS,
-        slot: 1,
-        kind: Kind::Opaque,
-    }];
+    const MEMBER_DATA: [Field<'static>; 2] = [
+        Field {
+            number: 3,
+            max: MAX_GROUP_SIZE * MAX_ADDRS,
+            slot: 1,
+            kind: Kind::Opaque,
+        },
+        Field {
+            number: 7,
+            max: MAX_GROUP_SIZE * MAX_UNLINKABLE,
+            slot: 5,
+            kind: Kind::Opaque,
+        },
+    ];
     const MEMBER: [Field<'static>; 1] = [Field {
         number: 2,
         max: MAX_GROUP_SIZE,
@@ -411,6 +437,7 @@ mod tests {
             gathered: Bytes::from_static(b"user bytes"),
             reach: crate::reach::Reach::Punchable,
             relay_data: true,
+            unlinkable: vec![peer("cannot-link")],
         }
     }
 
@@ -572,6 +599,22 @@ mod tests {
         assert!(matches!(
             join(&|j| j.member.as_mut().unwrap().addrs = vec!["x".repeat(MAX_ADDR_BYTES + 1)]),
             Err(WireError::Invalid { field: "addrs", .. })
+        ));
+        // A member naming more peers it cannot link to than allowed, or a malformed one.
+        assert!(matches!(
+            join(&|j| j.member.as_mut().unwrap().unlinkable =
+                vec![Bytes::from_static(b"p"); MAX_UNLINKABLE + 1]),
+            Err(WireError::Invalid {
+                field: "unlinkable",
+                ..
+            })
+        ));
+        assert!(matches!(
+            join(&|j| j.member.as_mut().unwrap().unlinkable = vec![Bytes::new()]),
+            Err(WireError::Invalid {
+                field: "unlinkable",
+                ..
+            })
         ));
         assert!(matches!(
             join(&|j| j.member.as_mut().unwrap().gathered =

@@ -59,6 +59,11 @@ pub(super) fn relay_config(limits: &RelayLimits) -> relay::Config {
         .circuit_src_per_ip(per_ip, Duration::from_secs(60))
 }
 
+/// Failed direct dials to a peer we wait to punch to that count as a failed hole punch: DCUtR
+/// reports a failure only on the side that dials as the listener (after its 3 attempts); the
+/// other side sees only its own dials fail, one per attempt.
+const PUNCH_DIALS: u8 = 3;
+
 /// Whether `addr` goes through a relay.
 pub(super) fn is_relayed(addr: &Multiaddr) -> bool {
     addr.iter().any(|p| p == Protocol::P2pCircuit)
@@ -170,6 +175,8 @@ pub(super) struct Nat {
     unknown_since: Option<Instant>,
     /// Peers with a relayed connection whose hole punch has not reported yet, and since when.
     punching: HashMap<PeerId, Instant>,
+    /// Failed direct dials to peers we wait to punch to, since their punch began.
+    failed_dials: HashMap<PeerId, u8>,
     reach_tx: watch::Sender<Reachability>,
     stats_tx: watch::Sender<NatStats>,
 }
@@ -194,6 +201,7 @@ impl Nat {
             direct_waiters: HashMap::new(),
             unknown_since: config.assume.is_none().then(Instant::now),
             punching: HashMap::new(),
+            failed_dials: HashMap::new(),
             reach_tx: watch::Sender::new(reach),
             stats_tx: watch::Sender::new(NatStats::default()),
         }
@@ -295,6 +303,7 @@ impl Nat {
 
     /// Answers and clears the waiters for a direct connection to `peer`.
     fn answer_direct(&mut self, peer: &PeerId, result: Result<ConnPath, P2pError>) {
+        self.failed_dials.remove(peer);
         if let Some(wait) = self.direct_waiters.remove(peer) {
             for w in wait.waiters {
                 let _ = w.send(result.clone());
@@ -610,6 +619,7 @@ impl EventLoop {
         }
         self.close_relayed(&peer);
         self.nat.punching.remove(&peer);
+        self.nat.failed_dials.remove(&peer);
         let opts = DialOpts::peer_id(peer).condition(PeerCondition::Always);
         let opts = if via.is_empty() {
             opts.build()
@@ -627,16 +637,59 @@ impl EventLoop {
         }
     }
 
-    /// A dial to `peer` failed: fail its direct waiters unless some connection exists.
-    pub(super) fn on_dial_failed(&mut self, peer: PeerId, error: &str) {
-        if self.nat.direct_waiters.contains_key(&peer)
-            && !self.nat.conns.values().any(|c| c.peer == peer)
-        {
+    /// A dial to `peer` failed (`direct`: only direct addresses were tried): fail its direct
+    /// waiters unless some connection exists; while we wait to punch to it, the
+    /// [`PUNCH_DIALS`]th failed direct dial counts as a failed punch (the side that dials as
+    /// DCUtR's dialer hears of no failure otherwise, and would wait for its whole timeout).
+    pub(super) fn on_dial_failed(&mut self, peer: PeerId, error: &str, direct: bool) {
+        if !self.nat.direct_waiters.contains_key(&peer) {
+            return;
+        }
+        if !self.nat.conns.values().any(|c| c.peer == peer) {
             self.nat.answer_direct(
                 &peer,
                 Err(P2pError::NoDirectConnection {
                     peer,
                     detail: error.to_owned(),
+                }),
+            );
+            return;
+        }
+        if !direct || self.nat.direct_path(&peer).is_some() {
+            return;
+        }
+        let failed = self.nat.failed_dials.entry(peer).or_default();
+        *failed += 1;
+        if *failed >= PUNCH_DIALS {
+            self.nat.failed_dials.remove(&peer);
+            self.punch_failed(peer, &format!("{PUNCH_DIALS} direct dials failed: {error}"));
+        }
+    }
+
+    /// A hole punch with `peer` failed: punch once more through a fresh relayed connection if
+    /// its waiters have retries left, else fail them.
+    fn punch_failed(&mut self, peer: PeerId, error: &str) {
+        self.nat.punching.remove(&peer);
+        tracing::info!(%peer, %error, "hole punch failed");
+        if self.nat.direct_path(&peer).is_some() {
+            return;
+        }
+        let retry = match self.nat.direct_waiters.get_mut(&peer) {
+            Some(wait) if wait.retries > 0 => {
+                wait.retries -= 1;
+                true
+            }
+            _ => false,
+        };
+        if retry {
+            tracing::debug!(%peer, "punching again through a fresh relayed connection");
+            self.punch_anew(peer);
+        } else {
+            self.nat.answer_direct(
+                &peer,
+                Err(P2pError::NoDirectConnection {
+                    peer,
+                    detail: format!("hole punch failed: {error}"),
                 }),
             );
         }
@@ -693,8 +746,36 @@ impl EventLoop {
             ip,
             port,
         });
+        if port == local_port {
+            self.port_preserved_candidates(ip);
+        }
         push_bounded(&mut self.nat.observed, without_peer_id(observed));
         self.reclassify();
+    }
+
+    /// Our NAT kept a listening port: it keeps the others too, so every listen address of ours
+    /// is reachable (after a punch) at the observed `ip` with its own port. Announced as
+    /// candidates ([`super::candidates`]): DCUtR then punches over QUIC too where identify only
+    /// ever saw our TCP address, and a UDP mapping survives a router's ICMP error where TCP's
+    /// dies of a reset.
+    fn port_preserved_candidates(&mut self, ip: IpAddr) {
+        let candidates: Vec<Multiaddr> = self
+            .listen_addrs()
+            .iter()
+            .filter(|a| !is_relayed(a) && ip_of(a).is_some_and(|own| own != ip))
+            .map(|a| {
+                a.iter()
+                    .map(|p| match p {
+                        Protocol::Ip4(_) | Protocol::Ip6(_) => Protocol::from(ip),
+                        other => other,
+                    })
+                    .filter(|p| !matches!(p, Protocol::P2p(_)))
+                    .collect()
+            })
+            .collect();
+        for addr in candidates {
+            self.swarm.behaviour_mut().candidates.push(addr);
+        }
     }
 
     pub(super) fn on_external_confirmed(&mut self, addr: Multiaddr) {
@@ -771,29 +852,13 @@ impl EventLoop {
             }
             Err(error) => {
                 self.nat.bump(|s| &mut s.punch_failed);
-                self.nat.punching.remove(&peer);
-                tracing::info!(%peer, %error, "hole punch failed");
-                if self.nat.direct_path(&peer).is_some() {
-                    return;
-                }
-                let retry = match self.nat.direct_waiters.get_mut(&peer) {
-                    Some(wait) if wait.retries > 0 => {
-                        wait.retries -= 1;
-                        true
-                    }
-                    _ => false,
-                };
-                if retry {
-                    tracing::debug!(%peer, "punching again through a fresh relayed connection");
-                    self.punch_anew(peer);
+                if self.nat.punching.contains_key(&peer)
+                    || !self.nat.direct_waiters.contains_key(&peer)
+                {
+                    self.punch_failed(peer, &error.to_string());
                 } else {
-                    self.nat.answer_direct(
-                        &peer,
-                        Err(P2pError::NoDirectConnection {
-                            peer,
-                            detail: format!("hole punch failed: {error}"),
-                        }),
-                    );
+                    // Its failed dials told us first, and a fresh punch is under way.
+                    tracing::debug!(%peer, %error, "hole punch failed (handled already)");
                 }
             }
         }

@@ -57,6 +57,7 @@ pub(super) struct Behaviour {
     inbound: super::inbound::Behaviour,
     limits: libp2p::connection_limits::Behaviour,
     memory_limits: Toggle<libp2p::memory_connection_limits::Behaviour>,
+    pub(super) candidates: super::candidates::Candidates,
 }
 
 /// Requests from handles to the event loop.
@@ -283,6 +284,7 @@ impl EventLoop {
                     .max_process_memory_bytes
                     .map(libp2p::memory_connection_limits::Behaviour::with_max_bytes)
                     .into(),
+                candidates: super::candidates::Candidates::default(),
             }
         };
         let handshake_timeout = config.connections.handshake_timeout;
@@ -917,7 +919,13 @@ impl EventLoop {
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
                 if let Some(peer) = peer_id {
-                    self.on_dial_failed(peer, &error.to_string());
+                    // A dial of direct addresses only: a hole punch's dial, or a plain one.
+                    let direct = matches!(
+                        &error,
+                        libp2p::swarm::DialError::Transport(tried)
+                            if tried.iter().all(|(a, _)| !super::nat::is_relayed(a))
+                    );
+                    self.on_dial_failed(peer, &error.to_string(), direct);
                     if self.initial_peers.contains(&peer) && !self.swarm.is_connected(&peer) {
                         self.initial_failures.insert(peer, error.to_string());
                         if let Some(e) = self.every_initial_peer_failed() {

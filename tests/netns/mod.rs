@@ -33,8 +33,12 @@
 //! - A home router forwards (`net.ipv4.ip_forward=1`) and masquerades what leaves its WAN link;
 //!   its filter table accepts from the WAN only packets of connections opened from inside
 //!   (`ESTABLISHED,RELATED`) and drops the rest, both to the LAN (`FORWARD`) and to itself
-//!   (`INPUT`), like a home router without port forwarding. No hairpinning: a home host cannot
-//!   reach its own router's WAN address.
+//!   (`INPUT`), like a home router without port forwarding ([`Unsolicited::Drop`]). Many real
+//!   routers drop only what they would forward and let their own kernel answer the rest: a
+//!   reset for a TCP SYN, an ICMP port-unreachable for UDP ([`Unsolicited::Answer`],
+//!   [`Testbed::home_with`]). No hairpinning: a home host cannot reach its own router's WAN
+//!   address. [`Testbed::separate`] cuts two homes off from each other (a pair no hole punch
+//!   can ever join).
 //! - [`Nat::PortPreserving`] is plain `MASQUERADE`: Linux keeps the source port when the mapped
 //!   tuple is free, so the mapping is endpoint-independent in practice (hole punching can work).
 //!   [`Nat::Symmetric`] is `MASQUERADE --random-fully`: a random public port per connection.
@@ -100,6 +104,20 @@ pub enum Nat {
     Symmetric,
 }
 
+/// What a home router does with an unsolicited packet from the WAN (one that belongs to no
+/// connection opened from inside).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unsolicited {
+    /// Dropped silently, both on the way to the LAN (`FORWARD`) and to the router itself
+    /// (`INPUT`): the sender hears nothing.
+    Drop,
+    /// Dropped only on the way to the LAN (`FORWARD`). The router's own kernel answers what is
+    /// addressed to it: a TCP SYN to an unmapped port with a reset, a UDP datagram with an ICMP
+    /// port-unreachable, as many real routers do. A hole punch's first packet, arriving before
+    /// the other side's own packet made the mapping, is then refused instead of lost.
+    Answer,
+}
+
 /// A host of the bed: a network namespace with one address.
 #[derive(Clone, Debug)]
 pub struct Host {
@@ -116,6 +134,7 @@ struct Router {
     ns: String,
     wan_ip: Ipv4Addr,
     nat: Nat,
+    unsolicited: Unsolicited,
 }
 
 impl Host {
@@ -153,6 +172,11 @@ impl Host {
     /// The home router's NAT (`None` for a public host).
     pub fn nat(&self) -> Option<Nat> {
         self.router.as_ref().map(|r| r.nat)
+    }
+
+    /// What the home router does with unsolicited packets (`None` for a public host).
+    pub fn unsolicited(&self) -> Option<Unsolicited> {
+        self.router.as_ref().map(|r| r.unsolicited)
     }
 
     /// Runs `f` on a thread inside this host's namespace and returns its result; sockets `f`
@@ -288,8 +312,15 @@ impl Testbed {
     /// A home: router namespace `<bed>-<name>-rt` (`wan` on the bridge with the next free
     /// internet address, `lan` 192.168.N.1/24) and the home host `<bed>-<name>` (`eth0`
     /// 192.168.N.2/24, default route via the router), N = 1, 2, ... per home. The router
-    /// forwards, masquerades per `nat`, and drops unsolicited packets from the WAN.
+    /// forwards, masquerades per `nat`, and drops unsolicited packets from the WAN silently
+    /// ([`Unsolicited::Drop`]; [`Testbed::home_with`] chooses).
     pub fn home(&mut self, name: &str, nat: Nat) -> Host {
+        self.home_with(name, nat, Unsolicited::Drop)
+    }
+
+    /// A home as [`Testbed::home`] makes it, whose router treats unsolicited packets from the
+    /// WAN as `unsolicited` says.
+    pub fn home_with(&mut self, name: &str, nat: Nat, unsolicited: Unsolicited) -> Host {
         let (name, ns) = self.claim(name);
         let (_, rt) = self.claim(&format!("{name}-rt"));
         self.homes += 1;
@@ -341,7 +372,11 @@ impl Testbed {
             masquerade.push("--random-fully");
         }
         must(netns_exec(&rt, "iptables", &masquerade));
-        for chain in ["FORWARD", "INPUT"] {
+        let chains: &[&str] = match unsolicited {
+            Unsolicited::Drop => &["FORWARD", "INPUT"],
+            Unsolicited::Answer => &["FORWARD"],
+        };
+        for &chain in chains {
             let established = [
                 "-A",
                 chain,
@@ -370,7 +405,27 @@ impl Testbed {
                 ns: rt,
                 wan_ip,
                 nat,
+                unsolicited,
             }),
+        }
+    }
+
+    /// Cuts the internet between two homes: each router drops what its LAN sends to the other
+    /// router's WAN address. No packet from one ever makes a mapping in its NAT for the other,
+    /// so what the other sends is unsolicited (dropped or answered, per the router): a hole
+    /// punch between the two can never work, while both still reach everyone else (relays
+    /// included). A pair that looks punchable and is not.
+    pub fn separate(&self, a: &Host, b: &Host) {
+        let (Some(ra), Some(rb)) = (&a.router, &b.router) else {
+            panic!(
+                "separate: {} and {} must both be home hosts",
+                a.name, b.name
+            );
+        };
+        for (r, other) in [(ra, rb.wan_ip), (rb, ra.wan_ip)] {
+            let other = other.to_string();
+            let out = ["-I", "FORWARD", "-o", "wan", "-d", &other, "-j", "DROP"];
+            must(netns_exec(&r.ns, "iptables", &out));
         }
     }
 
