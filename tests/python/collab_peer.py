@@ -65,7 +65,7 @@ def main() -> int:
     p.add_argument("--stop-file", required=True)
     p.add_argument("--flags", default="{}", help="Optimizer keyword arguments, JSON")
     p.add_argument("--run-id", default="collab")
-    p.add_argument("--step-time", type=float, default=0.05,
+    p.add_argument("--step-time", type=float, default=0.2,
                    help="seconds of simulated compute per step (a real model's forward and "
                         "backward take time; without it the swarm would overshoot its target)")
     args = p.parse_args()
