@@ -1,6 +1,9 @@
 //! Decentralized training: logistic regression on a synthetic dataset split into one shard per
-//! peer. Each peer runs mini-batch SGD on its own shard and, every `--average-every` steps,
-//! averages its parameters with the others through `Averager::step()`. A single-process
+//! peer. Each peer runs mini-batch SGD on its own shard, reports its samples to a
+//! `hivemesh::train::ProgressTracker`, and whenever the swarm's progress says the collaborative
+//! epoch is over (the peers together accumulated `--average-every × --batch × --peers`
+//! samples, or will have by now at their reported rates) it averages its parameters with the
+//! others through `Averager::step()` and moves to the next epoch. A single-process
 //! baseline trains on the union of the shards with the same hyperparameters; the example
 //! prints both losses (on the full dataset) per epoch and fails unless the decentralized model
 //! ends within `--tolerance` of the baseline.
@@ -25,6 +28,7 @@ use clap::Parser;
 use hivemesh::averager::node::{Node, NodeConfig};
 use hivemesh::averager::{Averager, AveragerConfig, BlockingAverager, StepOptions};
 use hivemesh::tensor::{PartViewMut, Tensor};
+use hivemesh::train::{ProgressConfig, ProgressTracker};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
@@ -50,9 +54,14 @@ struct Args {
     /// Learning rate.
     #[arg(long, default_value_t = 0.5)]
     lr: f32,
-    /// Local SGD steps between two averaging steps.
+    /// Local SGD steps per peer in one collaborative epoch (the swarm's target is this many
+    /// batches per peer); the peers average once per collaborative epoch.
     #[arg(long, default_value_t = 16)]
     average_every: usize,
+    /// Simulated compute time of one SGD step, in milliseconds (the real step takes
+    /// microseconds, far less than the progress tracker's refresh period).
+    #[arg(long, default_value_t = 5)]
+    step_ms: u64,
     /// Seed of the dataset, the shards and the batch order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -210,20 +219,39 @@ impl Peer {
     }
 }
 
-/// The schedule every peer follows (the same on all, so their `step()` calls pair up).
+/// What every peer runs: collaborative epochs (one averaging step each) until the swarm has
+/// seen the dataset `epochs` times.
 #[derive(Clone, Copy)]
 struct Schedule {
     epochs: usize,
     steps_per_epoch: usize,
     average_every: usize,
+    batch: usize,
+    step_time: Duration,
 }
 
 impl Schedule {
-    /// Whether to average after local step `global_step` (counted from 0): every
-    /// `average_every` steps, and after the last one.
-    fn average_after(&self, global_step: usize) -> bool {
-        let last = global_step + 1 == self.epochs * self.steps_per_epoch;
-        (global_step + 1).is_multiple_of(self.average_every) || last
+    /// Collaborative epochs in the run: enough for `epochs` passes over every shard.
+    fn rounds(&self) -> u64 {
+        (self.epochs * self.steps_per_epoch).div_ceil(self.average_every) as u64
+    }
+
+    /// The dataset epoch (counted from 0) that ends with collaborative epoch `round` (counted
+    /// from 1), if one does.
+    fn dataset_epoch_ending(&self, round: u64) -> Option<usize> {
+        let passes = |r: u64| r as usize * self.average_every / self.steps_per_epoch;
+        let (before, after) = (passes(round - 1), passes(round));
+        (after > before && before < self.epochs).then_some(before)
+    }
+
+    /// The tracker's parameters: the target is `average_every` batches from every peer.
+    fn progress(&self, peers: usize) -> ProgressConfig {
+        let mut cfg = ProgressConfig::new((self.average_every * self.batch * peers) as u64);
+        cfg.min_refresh_period = Duration::from_millis(20);
+        cfg.max_refresh_period = Duration::from_millis(500);
+        cfg.default_refresh_period = Duration::from_millis(100);
+        cfg.metadata_expiration = Duration::from_secs(30);
+        cfg
     }
 }
 
@@ -291,17 +319,19 @@ fn main() -> anyhow::Result<()> {
         epochs: args.epochs,
         steps_per_epoch: peers[0].sgd.steps_per_epoch(),
         average_every: args.average_every,
+        batch: args.batch,
+        step_time: Duration::from_millis(args.step_ms),
     };
     println!(
         "{} samples x {} features, {} peers x {} samples, batch {}, lr {}, averaging every {} \
-         steps ({} steps per epoch, {})",
+         samples of the swarm ({} steps per epoch, {})",
         data.len(),
         args.features,
         args.peers,
         shard_len,
         args.batch,
         args.lr,
-        args.average_every,
+        args.average_every * args.batch * args.peers,
         schedule.steps_per_epoch,
         if args.blocking {
             "blocking threads"
@@ -314,7 +344,8 @@ fn main() -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let (nodes, averagers) = runtime.block_on(start_swarm(args.peers, data.dim))?;
+    let (nodes, averagers, trackers) =
+        runtime.block_on(start_swarm(args.peers, data.dim, schedule))?;
 
     // Peer 0 reports its parameters after every epoch; the main thread prints the losses.
     let (reports, mut epochs) = tokio::sync::mpsc::unbounded_channel::<EpochReport>();
@@ -331,14 +362,21 @@ fn main() -> anyhow::Result<()> {
         let threads: Vec<_> = peers
             .into_iter()
             .zip(averagers)
+            .zip(trackers.iter().cloned())
             .enumerate()
-            .map(|(p, (peer, averager))| {
+            .map(|(p, ((peer, averager), tracker))| {
                 let handle = handle.clone();
                 let averager = BlockingAverager::new(averager, handle.clone());
                 let reports = (p == 0).then(|| reports.clone());
                 let data = data.clone();
                 std::thread::spawn(move || {
-                    train_blocking(p, peer, averager, &handle, &data, schedule, reports)
+                    let ctx = PeerLoop {
+                        p,
+                        tracker,
+                        schedule,
+                        reports,
+                    };
+                    train_blocking(ctx, peer, averager, &handle, &data)
                 })
             })
             .collect();
@@ -356,10 +394,19 @@ fn main() -> anyhow::Result<()> {
     } else {
         runtime.block_on(async {
             let mut tasks = tokio::task::JoinSet::new();
-            for (p, (peer, averager)) in peers.into_iter().zip(averagers).enumerate() {
+            let peers = peers
+                .into_iter()
+                .zip(averagers)
+                .zip(trackers.iter().cloned());
+            for (p, ((peer, averager), tracker)) in peers.enumerate() {
                 let reports = (p == 0).then(|| reports.clone());
-                let data = data.clone();
-                tasks.spawn(train_async(p, peer, averager, data, schedule, reports));
+                let ctx = PeerLoop {
+                    p,
+                    tracker,
+                    schedule,
+                    reports,
+                };
+                tasks.spawn(train_async(ctx, peer, averager, data.clone()));
             }
             drop(reports);
             while let Some(report) = epochs.recv().await {
@@ -374,10 +421,14 @@ fn main() -> anyhow::Result<()> {
         })?
     };
     runtime.block_on(async {
+        for tracker in &trackers {
+            tracker.shutdown(Duration::from_secs(10)).await?;
+        }
         for node in nodes {
             node.shutdown().await;
         }
-    });
+        anyhow::Ok(())
+    })?;
 
     // Final comparison.
     let (base_loss, base_acc) = data.evaluate_all(&baseline_w);
@@ -422,8 +473,12 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A bootstrap node and one node + averager per peer, on loopback.
-async fn start_swarm(peers: usize, dim: usize) -> anyhow::Result<(Vec<Node>, Vec<Averager>)> {
+/// A bootstrap node and one node + averager + progress tracker per peer, on loopback.
+async fn start_swarm(
+    peers: usize,
+    dim: usize,
+    schedule: Schedule,
+) -> anyhow::Result<(Vec<Node>, Vec<Averager>, Vec<Arc<ProgressTracker>>)> {
     let bootstrap = Node::start(
         NodeConfig::loopback_bootstrap(),
         libp2p::identity::Keypair::generate_ed25519(),
@@ -433,6 +488,7 @@ async fn start_swarm(peers: usize, dim: usize) -> anyhow::Result<(Vec<Node>, Vec
     let addr = bootstrap.join_address().await?;
     let mut nodes = vec![bootstrap];
     let mut averagers = Vec::new();
+    let mut trackers = Vec::new();
     for p in 0..peers {
         let mut config = NodeConfig::loopback();
         config.p2p.initial_peers = vec![addr.clone()];
@@ -451,79 +507,107 @@ async fn start_swarm(peers: usize, dim: usize) -> anyhow::Result<(Vec<Node>, Vec
             vec![params],
             cfg,
         )?);
+        let tracker = ProgressTracker::new(
+            node.dht().clone(),
+            "training-example",
+            schedule.progress(peers),
+        )
+        .await?;
+        tracker.start();
+        trackers.push(Arc::new(tracker));
         nodes.push(node);
     }
     // The bootstrap node is shut down last.
     nodes.rotate_left(1);
-    Ok((nodes, averagers))
+    Ok((nodes, averagers, trackers))
 }
 
-/// A peer as a tokio task: local SGD, `step().await` on schedule.
-async fn train_async(
+/// What a peer's loop needs besides its model and averager.
+struct PeerLoop {
     p: usize,
+    tracker: Arc<ProgressTracker>,
+    schedule: Schedule,
+    reports: Option<tokio::sync::mpsc::UnboundedSender<EpochReport>>,
+}
+
+impl PeerLoop {
+    /// One local step's bookkeeping: reports `samples` toward `epoch`; whether the swarm's
+    /// collaborative epoch is over.
+    fn report(&self, epoch: u64, samples: u64) -> bool {
+        self.tracker.report_local_progress(epoch, samples, true);
+        self.tracker.ready_to_update_epoch()
+    }
+
+    /// After the averaging step of `epoch`: moves to the next collaborative epoch (every peer
+    /// averaged in this one, so none skips ahead) and reports the dataset epoch it ends.
+    fn next_epoch(&self, epoch: u64, peer: &Peer) -> u64 {
+        let _paused = self.tracker.pause_updates();
+        let next = self.tracker.update_epoch(Some(epoch + 1));
+        if let (Some(reports), Some(pass)) =
+            (&self.reports, self.schedule.dataset_epoch_ending(next))
+        {
+            let _ = reports.send((pass, peer.w.clone()));
+        }
+        next
+    }
+}
+
+/// A peer as a tokio task: local SGD, `step().await` when the swarm's epoch is over.
+async fn train_async(
+    ctx: PeerLoop,
     mut peer: Peer,
     averager: Averager,
     data: Arc<Dataset>,
-    schedule: Schedule,
-    reports: Option<tokio::sync::mpsc::UnboundedSender<EpochReport>>,
 ) -> anyhow::Result<(Peer, usize)> {
-    let mut global_step = 0;
-    for epoch in 0..schedule.epochs {
-        for _ in 0..schedule.steps_per_epoch {
-            peer.sgd.step(&data, &mut peer.w);
-            if schedule.average_after(global_step) {
-                peer.publish(&mut averager.tensors());
-                let started = Instant::now();
-                averager
-                    .step(peer.step_options())
-                    .await
-                    .with_context(|| format!("peer {p}: averaging after step {global_step}"))?;
-                peer.step_times.push(started.elapsed());
-                peer.adopt(&averager.tensors());
-            }
-            global_step += 1;
-            // Let the other peers' tasks run between batches.
-            tokio::task::yield_now().await;
-        }
-        if let Some(reports) = &reports {
-            let _ = reports.send((epoch, peer.w.clone()));
+    let (mut epoch, mut samples) = (0, 0);
+    while epoch < ctx.schedule.rounds() {
+        peer.sgd.step(&data, &mut peer.w);
+        samples += ctx.schedule.batch as u64;
+        tokio::time::sleep(ctx.schedule.step_time).await;
+        if ctx.report(epoch, samples) {
+            peer.publish(&mut averager.tensors());
+            let started = Instant::now();
+            averager
+                .step(peer.step_options())
+                .await
+                .with_context(|| format!("peer {}: averaging in epoch {epoch}", ctx.p))?;
+            peer.step_times.push(started.elapsed());
+            peer.adopt(&averager.tensors());
+            epoch = ctx.next_epoch(epoch, &peer);
+            samples = 0;
         }
     }
     averager.shutdown().await;
-    Ok((peer, p))
+    Ok((peer, ctx.p))
 }
 
-/// A peer as an OS thread: local SGD, a blocking `step()` on schedule.
+/// A peer as an OS thread: local SGD, a blocking `step()` when the swarm's epoch is over.
 fn train_blocking(
-    p: usize,
+    ctx: PeerLoop,
     mut peer: Peer,
     averager: BlockingAverager,
     handle: &tokio::runtime::Handle,
     data: &Dataset,
-    schedule: Schedule,
-    reports: Option<tokio::sync::mpsc::UnboundedSender<EpochReport>>,
 ) -> anyhow::Result<(Peer, usize)> {
-    let mut global_step = 0;
-    for epoch in 0..schedule.epochs {
-        for _ in 0..schedule.steps_per_epoch {
-            peer.sgd.step(data, &mut peer.w);
-            if schedule.average_after(global_step) {
-                peer.publish(&mut averager.tensors());
-                let started = Instant::now();
-                averager
-                    .step(peer.step_options())
-                    .with_context(|| format!("peer {p}: averaging after step {global_step}"))?;
-                peer.step_times.push(started.elapsed());
-                peer.adopt(&averager.tensors());
-            }
-            global_step += 1;
-        }
-        if let Some(reports) = &reports {
-            let _ = reports.send((epoch, peer.w.clone()));
+    let (mut epoch, mut samples) = (0, 0);
+    while epoch < ctx.schedule.rounds() {
+        peer.sgd.step(data, &mut peer.w);
+        samples += ctx.schedule.batch as u64;
+        std::thread::sleep(ctx.schedule.step_time);
+        if ctx.report(epoch, samples) {
+            peer.publish(&mut averager.tensors());
+            let started = Instant::now();
+            averager
+                .step(peer.step_options())
+                .with_context(|| format!("peer {}: averaging in epoch {epoch}", ctx.p))?;
+            peer.step_times.push(started.elapsed());
+            peer.adopt(&averager.tensors());
+            epoch = ctx.next_epoch(epoch, &peer);
+            samples = 0;
         }
     }
     if let Ok(averager) = std::sync::Arc::try_unwrap(averager.into_inner()) {
         handle.block_on(averager.shutdown());
     }
-    Ok((peer, p))
+    Ok((peer, ctx.p))
 }

@@ -22,7 +22,9 @@ pub enum EmaError {
     PausedWithoutInterval,
 }
 
-/// Throughput estimate; see the [module docs](self).
+/// Throughput estimate: an exponential moving average of seconds per sample, bias-corrected
+/// for the number of updates, reported inverted (at most `1 / eps`); `eps` before any update.
+/// While paused, time passing does not count and an update must give its interval.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PerformanceEma {
     alpha: f64,
