@@ -31,9 +31,10 @@ prepare() {
   [[ -n $b && $b != . && $b != / ]] || die "bad bundle directory '$b'"
   rm -rf "$b" "$b.tar.xz" && mkdir -p "$b/bin" "$b/nvrtc12" "$b/wheels" || exit 1
   export CARGO_TERM_COLOR=never
-  # The bench: release. The tests: the dev profile, as CI runs them (no debug info: smaller).
+  # The bench: release. The tests: the dev profile, as the README runs them (its build cache
+  # is reused; the debug info is stripped below).
   cargo build --release --locked --features cuda --bin hivemesh || die "cargo build failed"
-  CARGO_PROFILE_DEV_DEBUG=0 cargo test --locked --features cuda --no-run --lib --test cuda \
+  cargo test --locked --features cuda --no-run --lib --test cuda \
     --message-format=json >"$b/cargo-test.json" || die "cargo test --no-run failed"
   python3 - "$b/cargo-test.json" "$b/bin" <<'PY' || die "test executables not found"
 import json, shutil, sys
