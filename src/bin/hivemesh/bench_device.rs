@@ -175,6 +175,12 @@ pub fn nvrtc_summary() -> String {
     }
 }
 
+/// Without the `cuda` feature there is no NVRTC to name (and `--device cuda` is refused).
+#[cfg(not(feature = "cuda"))]
+pub fn nvrtc_summary() -> String {
+    "nvrtc=none (built without the cuda feature)".to_owned()
+}
+
 /// The error for `--device cuda` in a build without the `cuda` feature.
 pub const NO_CUDA: &str = "--device cuda needs hivemesh built with the cuda feature \
                            (cargo build --release --features cuda)";
