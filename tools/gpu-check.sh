@@ -151,6 +151,8 @@ run() {
       *) st="FAIL(rc=$rc)"; failed=1 ;;
     esac
     log "$(printf '%-14s %-22s %4d s' "$st" "$name" $((SECONDS - t0)))"
+    ((rc == 0)) || grep -hE -A1 'panicked at|^Error|error:' "$logs/$name.log" | grep -vE '^(--|note:)' |
+      sort -u | head -4 | sed 's/^/    /' | tee -a "$res/summary.txt"
     { echo "===== $name: $* -> rc=$rc"; cat "$logs/$name.log"; } >>"$res/all.log"
     return $rc
   }
