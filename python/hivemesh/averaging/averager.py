@@ -12,9 +12,12 @@ CUDA tensors (in an extension built with ``MATURIN_PEP517_ARGS="--features cuda"
 .``) are taken through DLPack, shared as well: a round copies a snapshot to pinned host memory
 and applies ``average - snapshot`` on the GPU, ordered on the CUDA stream that was current for
 the tensor's device when the averager was created (use that stream for training; it is never
-synchronized, it only waits for the snapshot's device-side copy and runs the apply kernel). No
-lock is needed for them, and an averager holding them does not share state
-(``allow_state_sharing`` defaults to ``False`` then).
+synchronized, it only runs the snapshot's device-side copy and the apply kernel). Only that
+stream is ordered: training on side streams (AMP, DDP's communication streams, a
+``torch.cuda.stream(s)`` block) must synchronize with it before a step
+(``stream.wait_stream(side)``) and after it (``side.wait_stream(stream)``). No lock is needed
+for them, and an averager holding them does not share state (``allow_state_sharing`` defaults
+to ``False`` then).
 
 While a step runs, the GIL is released: other Python threads (a data loader, the training
 step) keep running. Ctrl-C during ``step()`` cancels it and raises ``KeyboardInterrupt``;

@@ -118,10 +118,9 @@ impl BenchArgs {
             crate::bench_device::NO_CUDA
         );
         #[cfg(feature = "cuda")]
-        ensure!(
-            self.device == Device::Cpu || hivemesh::cuda::device_count() > 0,
-            "--device cuda: no CUDA device here"
-        );
+        if self.device == Device::Cuda {
+            crate::bench_device::check_device()?;
+        }
         validate_sizes(self.peers, self.mib, self.rounds, self.part_bytes)
     }
 
@@ -317,12 +316,13 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             crate::bench_device::snapshot_bytes(args.elements(), &args.compression) as f64;
         println!(
             "hivemesh_device world={} mib={} device=cuda staging_gbs={:.2} pcie_d2h_gbs={d2h_gbs:.2} \
-             stream_blocked_ms={:.3} apply_kernel_ms={:.3}",
+             stream_blocked_ms={:.3} apply_kernel_ms={:.3} {}",
             args.peers,
             args.mib,
             snapshot_bytes / median(0) / 1e9,
             median(1),
-            median(2)
+            median(2),
+            crate::bench_device::nvrtc_summary()
         );
     }
     Ok(())

@@ -53,10 +53,7 @@ mod imp {
 
     impl Gpu {
         pub fn open(host: &Tensor, compression: &Compression) -> anyhow::Result<Self> {
-            anyhow::ensure!(
-                hivemesh::cuda::device_count() > 0,
-                "--device cuda: no CUDA device here"
-            );
+            super::check_device()?;
             let dev = CudaDevice::open(0).context("--device cuda")?;
             let stream = dev.new_stream()?;
             let tensor = DeviceTensor::from_host(&dev, &stream, host)?;
@@ -152,6 +149,36 @@ pub fn snapshot_bytes(elements: usize, compression: &hivemesh::compression::Comp
 #[cfg(not(feature = "cuda"))]
 pub fn snapshot_bytes(elements: usize, _: &hivemesh::compression::Compression) -> usize {
     elements * 4
+}
+
+/// `Ok` where a CUDA device can be used; else the error, naming the driver's result where
+/// the driver library loads but fails.
+#[cfg(feature = "cuda")]
+pub fn check_device() -> anyhow::Result<()> {
+    hivemesh::cuda::device_count()
+        .map(drop)
+        .map_err(|e| anyhow::anyhow!("--device cuda: no CUDA device here ({e})"))
+}
+
+/// What the `hivemesh_device` line says about NVRTC: `nvrtc=MAJOR.MINOR nvrtc_lib=PATH` (the
+/// library the workers compile their kernels with, found as they find it), or why none.
+#[cfg(feature = "cuda")]
+pub fn nvrtc_summary() -> String {
+    match hivemesh::cuda::nvrtc_info() {
+        Ok(n) => format!(
+            "nvrtc={}.{} nvrtc_lib={}",
+            n.version.0,
+            n.version.1,
+            n.path.as_deref().unwrap_or(&n.name)
+        ),
+        Err(e) => format!("nvrtc=none ({e})"),
+    }
+}
+
+/// Without the `cuda` feature there is no NVRTC to name (and `--device cuda` is refused).
+#[cfg(not(feature = "cuda"))]
+pub fn nvrtc_summary() -> String {
+    "nvrtc=none (built without the cuda feature)".to_owned()
 }
 
 /// The error for `--device cuda` in a build without the `cuda` feature.
