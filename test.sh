@@ -3,7 +3,7 @@
 # bindings' (pytest in tests/python, against the package installed with `pip install .` into
 # a virtual environment, target/python-venv unless HIVEMESH_VENV says otherwise).
 #
-# The first run creates the environment and installs maturin, pytest, numpy and torch from
+# The first run creates the environment and installs maturin, pytest, numpy, msgpack and torch from
 # the package index (torch is large: a few minutes). The extension is built in the dev profile
 # here, which shares `cargo test`'s build; a plain `pip install .` builds it optimized.
 set -euo pipefail
@@ -17,7 +17,7 @@ if [[ ! -x $venv/bin/python ]]; then
   "${PYTHON:-python3}" -m venv "$venv"
 fi
 py=$(cd "$venv" && pwd)/bin/python
-"$py" -m pip install -q --disable-pip-version-check maturin pytest numpy
+"$py" -m pip install -q --disable-pip-version-check maturin pytest numpy msgpack
 if ! "$py" -c "import torch" 2>/dev/null; then
   echo "== installing torch into $venv (large; once)"
   "$py" -m pip install -q --disable-pip-version-check torch

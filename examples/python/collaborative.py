@@ -84,6 +84,10 @@ def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace
         import torch
         from torch.nn import functional as F
 
+        if backend == "hivemind":
+            # hivemind runs its DHT and averagers as forked processes; this peer process was
+            # spawned, which would make them spawn (and pickle what cannot be pickled) too.
+            mp.set_start_method("fork", force=True)
         hm = importlib.import_module(backend)  # `import hivemind as hm` or `import hivemesh as hm`
         torch.set_num_threads(1)
         model = make_model()
@@ -164,7 +168,8 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--late-epoch", type=int, default=2)
     p.add_argument("--target-batch-size", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=None,
+                   help="SGD's learning rate (default 1.0 synchronous, 0.1 with local updates)")
     p.add_argument("--matchmaking-time", type=float, default=3.0)
     p.add_argument("--use-local-updates", action="store_true")
     p.add_argument("--no-late-joiner", action="store_true")
@@ -173,6 +178,8 @@ def main() -> int:
     args = p.parse_args()
     if args.peers < 1 or args.epochs < 1:
         p.error("--peers and --epochs must be positive")
+    if args.lr is None:
+        args.lr = 0.1 if args.use_local_updates else 1.0
 
     hm = importlib.import_module(args.backend)
     dht = hm.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
