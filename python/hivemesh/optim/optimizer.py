@@ -565,7 +565,13 @@ class Optimizer(torch.optim.Optimizer):
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch
                 self.state_averager._update_scheduler()
-            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if self.local_epoch != self.tracker.local_progress.epoch:
+                # A new epoch from the donor: the tracker moves there too (and so does its
+                # view of the global epoch, until its next fetch says more).
+                self.tracker.update_epoch(new_epoch=self.local_epoch)
+            else:
+                self.tracker.report_local_progress(local_epoch=self.local_epoch,
+                                                   samples_accumulated=0)
             if not self.client_mode:
                 self.state_averager.state_sharing_priority = self.local_epoch
             if self.use_gradient_averaging:
