@@ -26,7 +26,8 @@ that algorithm: one optimizer step per epoch on the average gradient of the epoc
 With ``--use-local-updates`` the peers step on every batch and average parameters once per
 epoch, so their loss differs from the baseline's (it usually drops faster).
 
-Output: per peer a line ``peer I: epoch E loss L accuracy A``, then
+Output: a line each time a peer reaches an epoch (``peer I reached epoch E at T s``), per peer
+a line ``peer I: epoch E loss L accuracy A``, then
 ``final: backend=B mode=M peers=N epochs=E wall_s=W loss=L baseline_loss=BL``. Exit status 0
 when every peer (the late joiner too) reached the final epoch, 1 otherwise.
 """
@@ -39,6 +40,7 @@ import multiprocessing as mp
 import queue
 import sys
 import threading
+from typing import Any
 import time
 
 FEATURES, CLASSES, HIDDEN = 32, 10, 64
@@ -78,7 +80,7 @@ def evaluate(model) -> tuple:
 
 
 def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace, late: bool,
-         results: "mp.Queue") -> None:
+         results: "mp.Queue", go: Any) -> None:
     """One peer: the quickstart's training script."""
     try:
         import torch
@@ -105,6 +107,8 @@ def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace
             averaging_timeout=30.0,
             verbose=False,
         )
+        results.put(("ready", index))
+        go.wait()  # the first peers start training together (the late joiner: at once)
         if late:
             opt.load_state_from_peers()
         x_all, y_all = make_data(1, 20000)
@@ -118,6 +122,7 @@ def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace
         deadline = time.monotonic() + args.timeout
         while opt.local_epoch < args.epochs and time.monotonic() < deadline:
             for batch in torch.randperm(len(x_all), generator=gen).split(32):
+                time.sleep(args.step_time)  # the compute of a real model's step
                 opt.zero_grad()
                 loss = F.cross_entropy(model(x_all[batch]), y_all[batch])
                 loss.backward()
@@ -167,7 +172,7 @@ def main() -> int:
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--late-epoch", type=int, default=2)
-    p.add_argument("--target-batch-size", type=int, default=2048)
+    p.add_argument("--target-batch-size", type=int, default=4096)
     p.add_argument("--lr", type=float, default=None,
                    help="SGD's learning rate (default 1.0 synchronous, 0.1 with local updates)")
     p.add_argument("--matchmaking-time", type=float, default=3.0)
@@ -175,6 +180,9 @@ def main() -> int:
     p.add_argument("--no-late-joiner", action="store_true")
     p.add_argument("--progress", action="store_true", help="a tqdm progress bar per peer")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--step-time", type=float, default=0.05,
+                   help="seconds of simulated compute per batch (this MLP alone takes ~1 ms, "
+                        "far less than the CNN of hivemind's quickstart)")
     args = p.parse_args()
     if args.peers < 1 or args.epochs < 1:
         p.error("--peers and --epochs must be positive")
@@ -188,14 +196,15 @@ def main() -> int:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    go = ctx.Event()
     procs = []
     started = time.monotonic()
     for i in range(args.peers):
         procs.append(ctx.Process(target=peer, args=(i, args.backend, initial_peers, args, False,
-                                                    results), daemon=False))
+                                                    results, go), daemon=False))
         procs[-1].start()
     late_index = None if args.no_late_joiner else args.peers
-    done, fatal = {}, None
+    done, fatal, ready = {}, None, set()
     deadline = started + args.timeout
     while True:
         try:
@@ -206,13 +215,23 @@ def main() -> int:
                 break
             continue
         kind, index = msg[0], msg[1]
+        if kind == "ready":
+            ready.add(index)
+            if len(ready) == args.peers and not go.is_set():
+                started = time.monotonic()  # wall time counts from here
+                go.set()
+            continue
         if kind == "fatal":
             fatal = f"peer {index}: {msg[2]}"
             break
+        if kind == "epoch":
+            print(f"peer {index} reached epoch {msg[2]} at {time.monotonic() - started:.1f} s",
+                  flush=True)
         if kind == "epoch" and late_index is not None and len(procs) == args.peers \
                 and msg[2] >= args.late_epoch:
             procs.append(ctx.Process(target=peer, args=(late_index, args.backend, initial_peers,
-                                                        args, True, results), daemon=False))
+                                                        args, True, results, go),
+                                     daemon=False))
             procs[-1].start()
         if kind == "done":
             done[index] = msg[2:]
