@@ -44,3 +44,15 @@ def test_bench_steps_prints_its_line_with_every_step_ok():
     ok, total, median = int(m[1]), int(m[2]), float(m[3])
     assert ok == total == 8
     assert median > 0
+
+
+def test_collaborative_quickstart_trains_every_peer_to_the_final_epoch():
+    out = run("collaborative.py", "--peers", "2", "--epochs", "3", "--late-epoch", "1",
+              "--target-batch-size", "512", "--matchmaking-time", "1")
+    m = re.search(r"^final: backend=hivemesh mode=synchronous peers=(\d+) epochs=3 wall_s=\S+ "
+                  r"loss=(\S+) baseline_loss=(\S+)$", out, re.M)
+    assert m, out
+    peers, loss, baseline = int(m[1]), float(m[2]), float(m[3])
+    assert peers == 3, "two peers and the late joiner"  # the script exits 1 otherwise
+    # One step per epoch on the epoch's samples, as one process would take.
+    assert loss <= 1.1 * baseline, (loss, baseline)
