@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import multiprocessing as mp
+import json
 import queue
+import subprocess
 import sys
 import threading
 from typing import Any
@@ -79,17 +80,27 @@ def evaluate(model) -> tuple:
         return float(F.cross_entropy(out, y)), float((out.argmax(1) == y).float().mean())
 
 
+class _Lines:
+    """A peer's messages to the parent: JSON lines on stdout."""
+
+    def put(self, msg: tuple) -> None:
+        print("@@" + json.dumps(list(msg)), flush=True)
+
+
+class _Stdin:
+    """The parent's go: a line on stdin."""
+
+    def wait(self) -> None:
+        sys.stdin.readline()
+
+
 def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace, late: bool,
-         results: "mp.Queue", go: Any) -> None:
+         results: Any, go: Any) -> None:
     """One peer: the quickstart's training script."""
     try:
         import torch
         from torch.nn import functional as F
 
-        if backend == "hivemind":
-            # hivemind runs its DHT and averagers as forked processes; this peer process was
-            # spawned, which would make them spawn (and pickle what cannot be pickled) too.
-            mp.set_start_method("fork", force=True)
         hm = importlib.import_module(backend)  # `import hivemind as hm` or `import hivemesh as hm`
         torch.set_num_threads(1)
         model = make_model()
@@ -183,7 +194,16 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.05,
                    help="seconds of simulated compute per batch (this MLP alone takes ~1 ms, "
                         "far less than the CNN of hivemind's quickstart)")
+    p.add_argument("--run-peer", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--initial-peers", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--late", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.run_peer is not None:  # one peer process (started by the parent)
+        if args.lr is None:
+            args.lr = 0.1 if args.use_local_updates else 1.0
+        peer(args.run_peer, args.backend, json.loads(args.initial_peers), args, args.late,
+             _Lines(), _Stdin())
+        return 0
     if args.peers < 1 or args.epochs < 1:
         p.error("--peers and --epochs must be positive")
     if args.lr is None:
@@ -194,32 +214,51 @@ def main() -> int:
     initial_peers = [str(a) for a in dht.get_visible_maddrs()]
     print("To join the training, use initial_peers =", initial_peers, flush=True)
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    go = ctx.Event()
-    procs = []
+    # Every peer is a process of its own (this script with --run-peer), as in the quickstart's
+    # terminals; its messages come back as JSON lines on its stdout.
+    messages: "queue.Queue[tuple]" = queue.Queue()
+    procs: list = []
+
+    def launch(index: int, late: bool) -> None:
+        cmd = [sys.executable, __file__, "--run-peer", str(index), "--initial-peers",
+               json.dumps(initial_peers)] + (["--late"] if late else []) + sys.argv[1:]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+
+        def read() -> None:
+            for line in proc.stdout:
+                if line.startswith("@@"):
+                    messages.put(tuple(json.loads(line[2:])))
+        threading.Thread(target=read, daemon=True).start()
+
     started = time.monotonic()
     for i in range(args.peers):
-        procs.append(ctx.Process(target=peer, args=(i, args.backend, initial_peers, args, False,
-                                                    results, go), daemon=False))
-        procs[-1].start()
+        launch(i, False)
     late_index = None if args.no_late_joiner else args.peers
-    done, fatal, ready = {}, None, set()
+    done, fatal, ready, late_started = {}, None, set(), False
     deadline = started + args.timeout
     while True:
         try:
-            msg = results.get(timeout=1.0)
+            msg = messages.get(timeout=1.0)
         except queue.Empty:
             if time.monotonic() > deadline:
                 fatal = "timed out"
+                break
+            if any(p.poll() not in (None, 0) for p in procs):
+                fatal = "a peer process exited"
                 break
             continue
         kind, index = msg[0], msg[1]
         if kind == "ready":
             ready.add(index)
-            if len(ready) == args.peers and not go.is_set():
+            if len(ready) == args.peers and index < args.peers:
                 started = time.monotonic()  # wall time counts from here
-                go.set()
+                for p in procs:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+            elif index == late_index:
+                procs[-1].stdin.write("go\n")
+                procs[-1].stdin.flush()
             continue
         if kind == "fatal":
             fatal = f"peer {index}: {msg[2]}"
@@ -227,12 +266,9 @@ def main() -> int:
         if kind == "epoch":
             print(f"peer {index} reached epoch {msg[2]} at {time.monotonic() - started:.1f} s",
                   flush=True)
-        if kind == "epoch" and late_index is not None and len(procs) == args.peers \
-                and msg[2] >= args.late_epoch:
-            procs.append(ctx.Process(target=peer, args=(late_index, args.backend, initial_peers,
-                                                        args, True, results, go),
-                                     daemon=False))
-            procs[-1].start()
+            if late_index is not None and not late_started and msg[2] >= args.late_epoch:
+                late_started = True
+                launch(late_index, True)
         if kind == "done":
             done[index] = msg[2:]
             if len(done) == len(procs) and (late_index is None or late_index in done):
@@ -241,7 +277,10 @@ def main() -> int:
     for proc in procs:
         proc.terminate()
     for proc in procs:
-        proc.join(timeout=10)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     dht.shutdown()
     if fatal:
         print(f"failed: {fatal}", file=sys.stderr)
