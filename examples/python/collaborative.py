@@ -126,9 +126,12 @@ def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace
         gen = torch.Generator().manual_seed(100 + index)
         bar = None
         if args.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(desc=f"peer {index}", position=index, leave=False)
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                print("--progress needs tqdm (pip install tqdm): no bar", file=sys.stderr)
+            else:
+                bar = tqdm(desc=f"peer {index}", position=index, leave=False)
         last_epoch = opt.local_epoch
         deadline = time.monotonic() + args.timeout
         while opt.local_epoch < args.epochs and time.monotonic() < deadline:
