@@ -381,11 +381,20 @@ class Optimizer(torch.optim.Optimizer):
 
             self.tracker.update_epoch(new_epoch=self.state_averager.local_epoch)
             self._check_sync_on_update = True
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
+            self._announce_epoch()
             if self.use_gradient_averaging and not self.auxiliary:
                 self.grad_averager.reset_accumulated_grads_()
         self._log_epoch()
+
+    def _announce_epoch(self) -> None:
+        """Newcomers ask the peer with the newest epoch first; a node that cannot say so
+        now (its event loop busy or gone) says it at the next epoch."""
+        if self.client_mode:
+            return
+        try:
+            self.state_averager.state_sharing_priority = self.local_epoch
+        except Exception as e:  # noqa: BLE001 - never out of step()
+            logger.log(self.status_loglevel, f"could not announce epoch {self.local_epoch}: {e!r}")
 
     def _log_epoch(self) -> None:
         """With ``verbose``: one line per epoch, the swarm's pace measured as the epoch's
@@ -572,8 +581,7 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 self.tracker.report_local_progress(local_epoch=self.local_epoch,
                                                    samples_accumulated=0)
-            if not self.client_mode:
-                self.state_averager.state_sharing_priority = self.local_epoch
+            self._announce_epoch()
             if self.use_gradient_averaging:
                 self.grad_averager.reset_accumulated_grads_()
 
