@@ -83,10 +83,6 @@ def main() -> int:
     opt = hivemesh.Optimizer(
         dht=dht, run_id=args.run_id, target_batch_size=args.target_batch_size,
         batch_size_per_step=args.batch_size, matchmaking_time=1.0, averaging_timeout=30.0,
-        # A part may take longer than matchmaking_time (hivemind's default for this) on a
-        # loaded 2-core machine running five peers: a sender banned as slow leaves its
-        # peers' gradients unequal.
-        next_chunk_timeout=10.0,
         load_state_timeout=60.0, verbose=True, tracker_opts=dict(min_refresh_period=0.1,
         max_refresh_period=0.5, default_refresh_period=0.2), **opt_args, **flags)
 
