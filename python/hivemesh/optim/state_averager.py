@@ -645,12 +645,6 @@ def initialize_optimizer_state_(opt: TorchOptimizer) -> None:
         p.grad = g
 
 
-# An optimizer's state_dict as JSON-safe metadata plus a flat list of tensors. Each node of
-# the tree is tagged, so dict keys keep their types (state is keyed by int) and tuples stay
-# tuples: {"t": i, "dt": dtype, "s": shape} a tensor, {"m": [[k, v], ...]} a dict, {"u": [...]}
-# a tuple, a list a list, anything else a JSON scalar.
-
-
 def _encode_tree(x: Any, tensors: List[torch.Tensor]) -> Any:
     """``x`` (a state dict) as JSON-safe tagged nodes; its tensors appended to ``tensors``."""
     if isinstance(x, torch.Tensor):
