@@ -22,6 +22,14 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   echo "== installing torch into $venv (large; once)"
   "$py" -m pip install -q --disable-pip-version-check torch
 fi
+# The optimizer, example and tensor tests skip themselves without torch (importorskip, for a
+# bare environment); here torch was installed, so an import that still fails is an error, not
+# a reason to skip them.
+if ! err=$("$py" -c "import torch" 2>&1); then
+  echo "torch is installed in $venv but does not import:" >&2
+  echo "$err" | tail -n 5 >&2
+  exit 1
+fi
 echo "== pip install . (the Python bindings)"
 PATH="$(dirname "$py"):$PATH" MATURIN_PEP517_ARGS="--profile dev" "$py" -m pip install -q --disable-pip-version-check \
   --no-build-isolation --force-reinstall --no-deps .

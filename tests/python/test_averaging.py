@@ -185,32 +185,51 @@ def test_too_few_peers_return_none(make_dht):
         averager.shutdown()
 
 
+def _runs_inside(call):
+    """Whether another Python thread runs while ``call()`` is inside native code.
+
+    With a switch interval far longer than the test, the main thread keeps the GIL until it
+    gives it up itself: a thread woken just before ``call()`` can run before ``call()``
+    returns only if ``call()`` releases the GIL. The thread records whether the main thread
+    was still inside ``call()`` when it first ran, then ends (releasing the GIL)."""
+    inside = [False]
+    saw = []
+    go = threading.Event()
+
+    def observe():
+        go.wait()
+        saw.append(inside[0])
+
+    thread = threading.Thread(target=observe)
+    thread.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        go.set()  # the observer is runnable from here on, but the GIL stays with this thread
+        inside[0] = True
+        call()
+        inside[0] = False
+    finally:
+        sys.setswitchinterval(interval)
+        thread.join(timeout=60)
+    assert saw, "the observer never ran"
+    return saw[0]
+
+
 def test_the_gil_is_released_during_a_step(make_dht):
-    """A Python thread runs while step() waits (here: for peers that never come)."""
+    """Python threads run while step() waits (here: for peers that never come), through the
+    blocking call and through a control's result()."""
     t = torch.ones(3)
     (averager,) = averagers_for(make_dht, [[t]], min_group_size=2, target_group_size=2,
                                 min_matchmaking_time=0.5)
-    counter = [0]
-    stop = threading.Event()
-
-    def spin():
-        while not stop.is_set():
-            counter[0] += 1
-
-    thread = threading.Thread(target=spin)
     try:
-        # The step starts before the thread: everything the thread counts, it counted while
-        # the main thread was inside step().
+        assert _runs_inside(lambda: averager.step(timeout=3.0)), \
+            "no Python thread ran while the blocking step() waited"
         control = averager.step(wait=False, timeout=3.0)
-        thread.start()
-        before = counter[0]
-        assert control.result(timeout=STEP_TIMEOUT) is None
-        during = counter[0]
-        assert during > before, "no Python thread ran while the step waited"
+        assert _runs_inside(lambda: control.result(timeout=STEP_TIMEOUT)), \
+            "no Python thread ran while result() waited"
+        assert control.done()
     finally:
-        stop.set()
-        if thread.is_alive():
-            thread.join(timeout=10)
         averager.shutdown()
 
 
