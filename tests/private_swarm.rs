@@ -153,13 +153,33 @@ async fn members_average_and_outsiders_join_neither_the_dht_nor_a_round() {
     assert_eq!(stats.not_in_swarm, 1, "{stats:?}");
 
     // A round among the three members, over TLS links between peers that may have no libp2p
-    // connection of their own (admitted as registered members).
+    // connection of their own (admitted as registered members). The outsider runs an averager
+    // under the same prefix at the same time, and the groups have room for a fourth: it is
+    // kept out (its step finds no group; had it got in, the members' groups would hold it and
+    // their mean would move toward its 100s).
+    let outsider_averager = Averager::start(
+        outsider.dht().clone(),
+        outsider.hub().clone(),
+        vec![Tensor::from_f32(&[4], vec![100.0; 4]).expect("tensor")],
+        {
+            let mut c = AveragerConfig::new("private");
+            c.target_group_size = Some(4);
+            c.min_group_size = 2;
+            c.min_matchmaking_time = Duration::from_secs(2);
+            c
+        },
+    )
+    .expect("the outsider's averager");
+    let outsider_step = outsider_averager.step(StepOptions {
+        timeout: Some(Duration::from_secs(20)),
+        ..StepOptions::default()
+    });
     let averagers: Vec<Arc<Averager>> = members
         .iter()
         .enumerate()
         .map(|(i, node)| {
             let mut c = AveragerConfig::new("private");
-            c.target_group_size = Some(3);
+            c.target_group_size = Some(4);
             c.min_group_size = 3;
             c.min_matchmaking_time = Duration::from_secs(2);
             let t = Tensor::from_f32(&[4], vec![i as f32; 4]).expect("tensor");
@@ -179,11 +199,19 @@ async fn members_average_and_outsiders_join_neither_the_dht_nor_a_round() {
             .await
         }
     });
-    for (i, outcome) in futures::future::join_all(steps)
-        .await
-        .into_iter()
-        .enumerate()
-    {
+    let (outcomes, outsider_outcome) =
+        futures::future::join(futures::future::join_all(steps), outsider_step).await;
+    assert!(
+        outsider_outcome.is_err(),
+        "the outsider found no group: {outsider_outcome:?}"
+    );
+    assert_eq!(
+        outsider_averager.tensors()[0].to_f32_vec(),
+        vec![100.0; 4],
+        "the outsider averaged with nobody"
+    );
+    outsider_averager.shutdown().await;
+    for (i, outcome) in outcomes.into_iter().enumerate() {
         let outcome = outcome.expect("a group of three formed and averaged");
         assert_eq!(outcome.members.len(), 3, "member {i}");
         assert!(
