@@ -230,7 +230,10 @@ async fn sixteen_peers_groups_of_four_three_rounds() {
             swarm.averager(i, inputs[i].clone(), c)
         })
         .collect();
+    let index_of: std::collections::HashMap<_, usize> =
+        (0..16).map(|i| (swarm.peer(i), i)).collect();
     for round in 0..3 {
+        let before: Vec<Vec<Vec<f32>>> = averagers.iter().map(|a| values(a)).collect();
         let results = step_all(&averagers, |i| StepOptions {
             gather: bytes::Bytes::from(format!("peer {i} round {round}")),
             timeout: Some(Duration::from_secs(60)),
@@ -250,6 +253,18 @@ async fn sixteen_peers_groups_of_four_three_rounds() {
                 o.gathered
                     .iter()
                     .all(|g| g.ends_with(format!("round {round}").as_bytes()))
+            );
+            // Each peer holds its group's mean of what the members held before the round.
+            let group: Vec<(Vec<Vec<f32>>, f64)> = o
+                .members
+                .iter()
+                .map(|p| (before[index_of[p]].clone(), 1.0))
+                .collect();
+            assert_close(
+                &values(&averagers[i]),
+                &weighted_mean(&group),
+                1e-5,
+                &format!("round {round} peer {i}: its group's mean"),
             );
         }
         let now: Vec<Vec<Vec<f32>>> = averagers.iter().map(|a| values(a)).collect();
