@@ -938,8 +938,9 @@ mod chaos {
     use super::{hivemesh, hivemesh_code, key_values};
 
     /// 4 processes step in a loop while one is SIGKILLed and replaced after every 3 finished
-    /// steps (replacements load state): every finished step matches the mean of the inputs its
-    /// report names, none hangs, and the kills did happen (stderr's summary).
+    /// steps (replacements load state): a majority of the steps average and check out, every
+    /// finished step matches the mean of the inputs its report names, a failed step leaves
+    /// its tensors, none hangs, and the kills did happen (stderr's summary).
     #[test]
     fn chaos_bench_kills_and_replaces_workers_and_every_step_checks_out() {
         let (ok, stdout, stderr) = hivemesh(&[
@@ -974,7 +975,9 @@ mod chaos {
         };
         assert_eq!(value("wrong"), 0.0, "{line}");
         assert_eq!(value("hung"), 0.0, "{line}");
-        assert!(value("ok") >= 1.0, "{line}");
+        // A majority of the 24 steps averaged with someone and checked out (the bench itself
+        // fails otherwise); a failed step left its tensors as they were (else it is wrong).
+        assert!(value("ok") >= 13.0, "{line}");
         assert!(value("max_rss_mb") > 0.0, "{line}");
         let kills: usize = stderr
             .lines()

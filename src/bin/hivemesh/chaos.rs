@@ -9,15 +9,18 @@
 //! those three numbers, so that every member can recompute every other member's input. After
 //! a step it checks every element against what its report promises: the mean of the inputs of
 //! exactly the members the report names for that part, or its own input where the part stayed
-//! local. It prints `STEP s ok|wrong <seconds> <detail>` or `STEP s err <seconds> <error>` (a
-//! failed step is allowed: a member was killed under it).
+//! local. It prints `STEP s ok|wrong <seconds> <detail>` or `STEP s err <seconds> <error>`: a
+//! failed step is allowed (a member was killed under it) if it left the tensors as they were
+//! (otherwise it is wrong), and a step whose report names no part averaged with anyone counts
+//! as failed, not ok.
 //!
 //! Every `--kill-every` finished steps (all slots together) the parent SIGKILLs the worker of
 //! a random slot and starts the slot's next incarnation. A worker that prints nothing for
 //! `--step-timeout` plus a minute counts as hung (and is replaced). The run ends once
 //! P × R steps have finished; `ok` counts verified steps, `wrong` steps whose values broke
 //! the report's promise, `max_rss_mb` the largest resident size any worker reached (sampled
-//! every second). Exits with status 1 when `wrong` or `hung` is not zero.
+//! every second). Exits with status 1 when `wrong` or `hung` is not zero, or when fewer than a
+//! majority of the steps are ok.
 
 use std::io::Write;
 use std::process::Child;
@@ -285,8 +288,9 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
     drop(slots);
     runtime.block_on(bootstrap.shutdown());
     eprintln!(
-        "chaos: {finished} steps finished ({failed} failed, allowed), {kills} kills, \
-         {} states loaded, {} replacements found no donor, {} loads failed",
+        "chaos: {finished} steps finished ({failed} failed or averaged nothing; a majority \
+         must be ok), {kills} kills, {} states loaded, {} replacements found no donor, {} \
+         loads failed",
         loads.0, loads.1, loads.2
     );
     println!(
@@ -296,6 +300,10 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
     ensure!(
         wrong == 0 && hung == 0,
         "{wrong} wrong and {hung} hung steps"
+    );
+    ensure!(
+        2 * ok > finished,
+        "only {ok} of {finished} steps averaged and checked out (a majority must)"
     );
     Ok(())
 }
@@ -390,16 +398,39 @@ async fn worker(args: ChaosWorkerArgs) -> anyhow::Result<()> {
             })
             .await;
         let secs = started.elapsed().as_secs_f64();
+        let after = averager.tensors()[0].to_f32_vec();
         let outcome = match result {
             Ok(outcome) => outcome,
             Err(e) => {
-                println!("STEP {s} err {secs:.3} {e}");
+                // A failed step leaves the tensors as they were.
+                match check_unchanged(me, &after) {
+                    Ok(()) => println!("STEP {s} err {secs:.3} {e}"),
+                    Err(wrong) => {
+                        println!("STEP {s} wrong {secs:.3} after a failed step: {wrong:#}")
+                    }
+                }
+                std::io::stdout().flush()?;
                 continue;
             }
         };
-        let after = averager.tensors()[0].to_f32_vec();
-        let verdict = check(&outcome, &partition, me, &after);
+        let ids = outcome
+            .gathered
+            .iter()
+            .map(|g| decode_id(g).context("a member gathered malformed bytes"))
+            .collect::<anyhow::Result<Vec<_>>>();
+        let verdict = ids.and_then(|ids| {
+            check(&ids, outcome.me, &partition, me, &after, |g| {
+                outcome
+                    .report
+                    .contributors(g)
+                    .map(|set| set.iter().collect())
+            })
+        });
         match verdict {
+            Ok(0) => println!(
+                "STEP {s} err {secs:.3} nothing averaged (group={})",
+                outcome.members.len()
+            ),
             Ok(averaged) => println!(
                 "STEP {s} ok {secs:.3} group={} averaged={averaged}",
                 outcome.members.len()
@@ -413,34 +444,35 @@ async fn worker(args: ChaosWorkerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Checks every element of `after` against the report: the mean of the named contributors'
-/// inputs, or our own input where the part stayed local. Returns how many elements were
-/// averaged with someone else.
+/// Checks every element of `after` against a step's report: the mean of the inputs of the
+/// contributors `contributors(part)` names (`None`: the part stayed local, our own input),
+/// `ids` being what each member gathered and `me_index` our place in the group. Returns how
+/// many elements were averaged with someone else (0: the step averaged nothing).
 fn check(
-    outcome: &hivemesh::averager::StepOutcome,
+    ids: &[[u64; 3]],
+    me_index: usize,
     partition: &Partition,
     me: [u64; 3],
     after: &[f32],
+    contributors: impl Fn(usize) -> Option<Vec<usize>>,
 ) -> anyhow::Result<usize> {
-    let ids: Vec<[u64; 3]> = outcome
-        .gathered
-        .iter()
-        .map(|g| decode_id(g).context("a member gathered malformed bytes"))
-        .collect::<anyhow::Result<_>>()?;
     ensure!(
-        ids.get(outcome.me) == Some(&me),
+        ids.get(me_index) == Some(&me),
         "our own gathered id is not ours"
+    );
+    ensure!(
+        after.len() == partition.total_elements(),
+        "{} values for {} elements",
+        after.len(),
+        partition.total_elements()
     );
     let mut averaged = 0;
     for g in 0..partition.num_parts() {
         let spec = *partition.part(g);
-        let contributors: Vec<usize> = match outcome.report.contributors(g) {
-            Some(set) => set.iter().collect(),
-            None => vec![outcome.me],
-        };
+        let contributors = contributors(g).unwrap_or_else(|| vec![me_index]);
         ensure!(
-            contributors.iter().all(|&m| m < ids.len()),
-            "part {g} names a contributor outside the group"
+            !contributors.is_empty() && contributors.iter().all(|&m| m < ids.len()),
+            "part {g} names no contributor or one outside the group: {contributors:?}"
         );
         if contributors.len() > 1 {
             averaged += spec.len;
@@ -460,4 +492,95 @@ fn check(
         }
     }
     Ok(averaged)
+}
+
+/// Checks that `after` is still our own input `me` (what a failed step must leave).
+fn check_unchanged(me: [u64; 3], after: &[f32]) -> anyhow::Result<()> {
+    if let Some(e) = (0..after.len()).find(|&e| after[e] != input(me, e)) {
+        bail!(
+            "element {e} is {} instead of our input {}",
+            after[e],
+            input(me, e)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const N: usize = 5000;
+
+    fn partition() -> Partition {
+        let descriptor = [TensorDescriptor::of(
+            &Tensor::from_f32(&[N], vec![0.0; N]).expect("tensor"),
+        )];
+        Partition::new(&descriptor, &[1.0], 4096, &Compression::default()).expect("partition")
+    }
+
+    fn mean_of(ids: &[[u64; 3]], members: &[usize]) -> Vec<f32> {
+        (0..N)
+            .map(|e| {
+                (members
+                    .iter()
+                    .map(|&m| f64::from(input(ids[m], e)))
+                    .sum::<f64>()
+                    / members.len() as f64) as f32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_checker_accepts_the_true_mean_and_nothing_else() {
+        let p = partition();
+        assert!(
+            p.num_parts() >= 2,
+            "the test needs parts: {}",
+            p.num_parts()
+        );
+        let ids = [[0, 0, 7], [1, 2, 7], [2, 0, 7]];
+        let all = |_: usize| Some(vec![0, 1, 2]);
+        let good = mean_of(&ids, &[0, 1, 2]);
+        assert_eq!(check(&ids, 1, &p, ids[1], &good, all).unwrap(), N);
+
+        // One element off by a little more than the tolerance.
+        let mut bad = good.clone();
+        bad[N - 1] += 1e-3;
+        let err = check(&ids, 1, &p, ids[1], &bad, all).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("element {}", N - 1)),
+            "{err}"
+        );
+
+        // Our own input where every part stayed local: valid, and nothing averaged.
+        let own = mean_of(&ids, &[1]);
+        assert_eq!(check(&ids, 1, &p, ids[1], &own, |_| None).unwrap(), 0);
+        // ... but not where the report says the group averaged it.
+        assert!(check(&ids, 1, &p, ids[1], &own, all).is_err());
+
+        // The first part averaged by two, the rest local.
+        let two = |g: usize| (g == 0).then(|| vec![0, 1]);
+        let mut mixed = own.clone();
+        let first = *p.part(0);
+        let pair = mean_of(&ids, &[0, 1]);
+        mixed[first.range()].copy_from_slice(&pair[first.range()]);
+        assert_eq!(check(&ids, 1, &p, ids[1], &mixed, two).unwrap(), first.len);
+        assert!(check(&ids, 1, &p, ids[1], &good, two).is_err());
+
+        // Not our id at our place, contributors outside the group or none, a short tensor.
+        assert!(check(&ids, 0, &p, ids[1], &good, all).is_err());
+        assert!(check(&ids, 1, &p, ids[1], &good, |_| Some(vec![0, 3])).is_err());
+        assert!(check(&ids, 1, &p, ids[1], &good, |_| Some(vec![])).is_err());
+        assert!(check(&ids, 1, &p, ids[1], &good[..N - 1], all).is_err());
+    }
+
+    #[test]
+    fn a_failed_step_must_leave_our_input() {
+        let me = [3, 1, 4];
+        let mut values: Vec<f32> = (0..N).map(|e| input(me, e)).collect();
+        check_unchanged(me, &values).unwrap();
+        values[17] += 0.5;
+        assert!(check_unchanged(me, &values).is_err());
+    }
 }
