@@ -31,6 +31,8 @@ failed):
   waits, up to ``timeout_waiting_for_peers``, until the tracker shows every peer of the swarm
   done with the epoch, then all of them start matchmaking together; ``NO_WAIT``: it starts at
   once (the slowest peers miss the round and reload);
+* a peer still looking for a group when the tracker shows the others past its epoch stops
+  looking and reloads;
 * a round that fails, or forms no group, is retried at once with the same pseudo-gradient
   until ``averaging_timeout`` has passed since the first try; a peer that sees the swarm's
   epoch move past its own meanwhile (the others succeeded without it) reloads the state; one
@@ -43,6 +45,7 @@ failed):
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -118,8 +121,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     are identical without it; with a lossy one each peer keeps its own compression error (the
     averager's rule, as hivemind's) and the peers drift apart by it until such a round.
 
-    Every peer must use the same ``batch_size`` and ``num_inner_steps``: a peer's share of an
-    outer epoch is ``batch_size * num_inner_steps`` samples.
+    Every peer must use the same ``batch_size`` and ``num_inner_steps`` (a peer's share of an
+    outer epoch is ``batch_size * num_inner_steps`` samples) and start from the same parameters
+    (DiLoCo averages updates: peers that start apart stay apart).
     """
 
     def __init__(
@@ -432,8 +436,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         try:
             # The round's group key carries the epoch: a late retry never meets the next one.
             self.grad_averager.set_group_bits(format(epoch % 256, "08b"))
-            gathered = self.grad_averager.step(gather=epoch, weight=weight,
-                                               timeout=self.averaging_timeout)
+            control = self.grad_averager.step(gather=epoch, weight=weight,
+                                              timeout=self.averaging_timeout, wait=False)
+            while True:
+                try:
+                    gathered = control.result(0.1)
+                    break
+                except concurrent.futures.TimeoutError:
+                    pass
+                # Until a group forms: a peer that missed the others' group stops looking as
+                # soon as the tracker shows them past this epoch (it reloads instead).
+                if not control.began_allreduce and self._behind():
+                    control.cancel()
+                    logger.log(self.status_loglevel, f"the swarm ended epoch {epoch} without "
+                               "this peer: no more looking for a group")
+                    return None
         except Exception as e:  # noqa: BLE001 - never out of step()
             logger.log(self.status_loglevel, f"the outer round of epoch {epoch} failed: {e!r}")
             return None
