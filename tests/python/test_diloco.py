@@ -20,7 +20,7 @@ from hivemesh.compression import (  # noqa: E402
 
 import collab_peer  # noqa: E402
 import diloco_peer  # noqa: E402
-from test_optimizer import HERE, Swarm  # noqa: E402
+from test_optimizer import HERE, Swarm, wait_for  # noqa: E402
 
 H, BATCH = 5, 8  # inner steps per outer step, samples per inner step
 
@@ -224,6 +224,38 @@ def test_a_failed_round_never_raises_and_the_peer_stays_in_lockstep(make_dht):
         for key in ("params", "momentum"):
             for a, b in zip(states[0][key], s[key]):
                 assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (key, reloads)
+
+
+def test_a_peer_that_missed_the_group_stops_looking_and_reloads(make_dht):
+    # Peer 2 starts looking for epoch 2's group only once the others have moved on without
+    # it. It must stop looking (its round's timeout is 10 minutes) and load their state.
+    peers, epochs = Peers(make_dht, "diloco_missed", averaging_timeout=600.0), 4
+    reloads = []
+    try:
+        for _ in range(3):
+            peers.add()
+        opt = peers.opts[2]
+        step, load = opt.grad_averager.step, opt.load_state_from_peers
+
+        def late_step(*args, **kwargs):
+            if opt.local_epoch == 2 and not reloads:
+                wait_for(lambda: peers.opts[0].local_epoch >= 3, what="the others' epoch 3")
+            return step(*args, **kwargs)
+
+        def counting_load(**kwargs):
+            reloads.append(opt.local_epoch)
+            return load(**kwargs)
+
+        opt.grad_averager.step, opt.load_state_from_peers = late_step, counting_load
+        run_threads([peers.trainer(i, epochs) for i in range(3)])
+        states = [diloco_peer.outer_state(o) for o in peers.opts]
+    finally:
+        peers.shutdown()
+    assert reloads and reloads[0] == 2, reloads
+    for s in states[1:]:
+        for key in ("params", "momentum"):
+            for a, b in zip(states[0][key], s[key]):
+                assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, key
 
 
 # --- a stalled peer ------------------------------------------------------------------------
