@@ -75,6 +75,27 @@ def assert_close(a, b, what, tol=1e-5):
         assert err <= tol, f"{what}: {err}"
 
 
+def assert_lockstep(states, what=""):
+    """The outer parameters and momentum (``outer_state`` dicts) of every peer equal the
+    first's (1e-6)."""
+    for s in states[1:]:
+        for key in ("params", "momentum"):
+            for a, b in zip(states[0][key], s[key]):
+                assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (key, what)
+
+
+def count_reloads(opt):
+    """Wraps ``opt.load_state_from_peers``; returns the list of epochs it was called at."""
+    reloads, load = [], opt.load_state_from_peers
+
+    def counting_load(**kwargs):
+        reloads.append(opt.local_epoch)
+        return load(**kwargs)
+
+    opt.load_state_from_peers = counting_load
+    return reloads
+
+
 # --- every outer update against a reference -----------------------------------------------
 
 
@@ -184,10 +205,7 @@ def test_a_late_joiner_loads_the_outer_state_and_ends_in_lockstep(make_dht):
         assert peers.opts[late].local_epoch == epochs
     finally:
         peers.shutdown()
-    for s in states[1:]:
-        for key in ("params", "momentum"):
-            for a, b in zip(states[0][key], s[key]):
-                assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, key
+    assert_lockstep(states)
 
 
 # --- a failed round ------------------------------------------------------------------------
@@ -195,12 +213,12 @@ def test_a_late_joiner_loads_the_outer_state_and_ends_in_lockstep(make_dht):
 
 def test_a_failed_round_never_raises_and_the_peer_stays_in_lockstep(make_dht):
     peers, epochs = Peers(make_dht, "diloco_failed_round"), 4
-    injected, reloads = [], []
+    injected = []
     try:
         for _ in range(3):
             peers.add()
         opt = peers.opts[2]
-        step, load = opt.grad_averager.step, opt.load_state_from_peers
+        step, reloads = opt.grad_averager.step, count_reloads(opt)
 
         def failing_step(*args, **kwargs):
             if opt.local_epoch == 2 and not injected:
@@ -208,11 +226,7 @@ def test_a_failed_round_never_raises_and_the_peer_stays_in_lockstep(make_dht):
                 raise hivemesh.AveragingError("injected: the group's all-reduce failed")
             return step(*args, **kwargs)
 
-        def counting_load(**kwargs):
-            reloads.append(opt.local_epoch)
-            return load(**kwargs)
-
-        opt.grad_averager.step, opt.load_state_from_peers = failing_step, counting_load
+        opt.grad_averager.step = failing_step
         run_threads([peers.trainer(i, epochs) for i in range(3)])
         states = [diloco_peer.outer_state(o) for o in peers.opts]
     finally:
@@ -220,42 +234,31 @@ def test_a_failed_round_never_raises_and_the_peer_stays_in_lockstep(make_dht):
     # The peer retried the round (in time for the others' group) or, once they had moved
     # on without it, reloaded their state: in lockstep either way.
     assert injected
-    for s in states[1:]:
-        for key in ("params", "momentum"):
-            for a, b in zip(states[0][key], s[key]):
-                assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (key, reloads)
+    assert_lockstep(states, reloads)
 
 
 def test_a_peer_that_missed_the_group_stops_looking_and_reloads(make_dht):
     # Peer 2 starts looking for epoch 2's group only once the others have moved on without
     # it. It must stop looking (its round's timeout is 10 minutes) and load their state.
     peers, epochs = Peers(make_dht, "diloco_missed", averaging_timeout=600.0), 4
-    reloads = []
     try:
         for _ in range(3):
             peers.add()
         opt = peers.opts[2]
-        step, load = opt.grad_averager.step, opt.load_state_from_peers
+        step, reloads = opt.grad_averager.step, count_reloads(opt)
 
         def late_step(*args, **kwargs):
             if opt.local_epoch == 2 and not reloads:
                 wait_for(lambda: peers.opts[0].local_epoch >= 3, what="the others' epoch 3")
             return step(*args, **kwargs)
 
-        def counting_load(**kwargs):
-            reloads.append(opt.local_epoch)
-            return load(**kwargs)
-
-        opt.grad_averager.step, opt.load_state_from_peers = late_step, counting_load
+        opt.grad_averager.step = late_step
         run_threads([peers.trainer(i, epochs) for i in range(3)])
         states = [diloco_peer.outer_state(o) for o in peers.opts]
     finally:
         peers.shutdown()
     assert reloads and reloads[0] == 2, reloads
-    for s in states[1:]:
-        for key in ("params", "momentum"):
-            for a, b in zip(states[0][key], s[key]):
-                assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, key
+    assert_lockstep(states)
 
 
 # --- a stalled peer ------------------------------------------------------------------------
@@ -275,9 +278,7 @@ def test_a_stalled_peer_holds_the_others_back_at_most_timeout_waiting_for_peers(
         assert peers.opts[0].last_outer_step["group_size"] == 2
     finally:
         peers.shutdown()
-    for key in ("params", "momentum"):
-        for a, b in zip(states[0][key], states[1][key]):
-            assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, key
+    assert_lockstep(states)
 
 
 # --- a peer killed mid-run ------------------------------------------------------------------
@@ -320,10 +321,7 @@ def test_a_peer_killed_mid_run(bootstrap, tmp_path):
     for r in results:
         assert r["local_epoch"] == epochs and r["global_epoch"] == epochs, r["index"]
     # The survivors averaged together (or reloaded from each other): in lockstep.
-    for r in results[1:]:
-        for key in ("params", "momentum"):
-            for a, b in zip(results[0][key], r[key]):
-                assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, (r["index"], key)
+    assert_lockstep(results)
 
 
 # --- lossy codecs ---------------------------------------------------------------------------
@@ -384,6 +382,4 @@ def test_average_state_every_puts_lossy_peers_back_in_lockstep(make_dht):
     # after every outer step makes the outer state identical again.
     _, states = two_peers(make_dht, "diloco_resync", 3, grad_compression=BlockwiseQuantization(),
                           average_state_every=1, average_opt_statistics=("momentum_buffer",))
-    for key in ("params", "momentum"):
-        for a, b in zip(states[0][key], states[1][key]):
-            assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6, key
+    assert_lockstep(states)
