@@ -49,12 +49,13 @@ __all__ = [
     "get_dht_time",
     "Optimizer",
     "GradScaler",
+    "DiLoCoOptimizer",
 ]
 
 # hivemind's top-level names from hivemesh.optim, imported when first used (they need PyTorch,
 # which ``import hivemesh`` does not).
 _OPTIM = {"Optimizer", "GradScaler", "TrainingStateAverager", "GradientAverager",
-          "ProgressTracker"}
+          "ProgressTracker", "DiLoCoOptimizer"}
 
 
 def __getattr__(name: str):

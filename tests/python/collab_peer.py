@@ -138,12 +138,18 @@ def main() -> int:
         loss=eval_loss(model),
         reloads=reloads,
     )
+    report_and_serve(result, args.stop_file, deadline, opt, dht)
+    return 0
+
+
+def report_and_serve(result: dict, stop_file: str, deadline: float, opt, dht) -> None:
+    """Prints the ``result`` line, keeps serving the state and the DHT to the others until
+    ``stop_file`` exists (or ``deadline``), then shuts down."""
     print("result " + json.dumps(result), flush=True)
-    while not os.path.exists(args.stop_file) and time.monotonic() < deadline:
-        time.sleep(0.1)  # keeps serving the state and the DHT to the others until told
+    while not os.path.exists(stop_file) and time.monotonic() < deadline:
+        time.sleep(0.1)
     opt.shutdown()
     dht.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

@@ -56,3 +56,15 @@ def test_collaborative_quickstart_trains_every_peer_to_the_final_epoch():
     assert peers == 3, "two peers and the late joiner"  # the script exits 1 otherwise
     # One step per epoch on the epoch's samples, as one process would take.
     assert loss <= 1.1 * baseline, (loss, baseline)
+
+
+def test_diloco_trains_every_peer_to_the_final_outer_step_in_lockstep():
+    out = run("diloco.py", "--peers", "2", "--epochs", "3", "--inner-steps", "10",
+              "--matchmaking-time", "0.5")
+    losses = [float(x) for x in re.findall(r"^peer \d: epoch 3 loss (\S+)$", out, re.M)]
+    assert len(losses) == 2 and losses[0] == pytest.approx(losses[1], abs=2e-4), out  # lockstep
+    m = re.search(r"^final: peers=2 epochs=3 inner_steps=10 codec=none outer_rounds=3 "
+                  r"data_parallel_rounds=30 loss=(\S+) baseline_loss=(\S+) wall_s=\S+$", out, re.M)
+    assert m, out
+    # The script checks 1.5x itself (exit code); 30 data-parallel rounds against 3 outer ones.
+    assert float(m[1]) <= 1.5 * float(m[2])

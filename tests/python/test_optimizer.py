@@ -317,8 +317,12 @@ class Swarm:
         args = [sys.executable, str(HERE / "collab_peer.py"), "--index", str(index),
                 "--stop-file", str(self.stop_file), "--flags", json.dumps(self.flags),
                 "--run-id", self.run_id, "--batch-size", str(4 + index), *extra]
+        return self.spawn(index, args)
+
+    def spawn(self, index, args):
+        """Starts peer ``index`` as ``args`` plus the bootstrap addresses."""
         for a in self.bootstrap:
-            args += ["--initial-peer", a]
+            args = [*args, "--initial-peer", a]
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, bufsize=1)
         os.set_blocking(proc.stdout.fileno(), False)

@@ -554,23 +554,9 @@ class Optimizer(torch.optim.Optimizer):
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
-        deadline = time.monotonic() + self.load_state_timeout
         with self.tracker.pause_updates():
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    logger.warning("could not load the state from peers in time; going on")
-                    break
-                try:
-                    if self.state_averager.load_state_from_peers(timeout=left, **kwargs):
-                        break
-                    if self.tracker.global_progress.num_peers <= 1:
-                        break  # nobody to load from
-                except KeyboardInterrupt:
-                    raise
-                except BaseException as e:  # noqa: BLE001 - retried
-                    logger.log(self.status_loglevel, f"loading the state failed: {e!r}; retrying")
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            self.state_averager.load_state_retrying(
+                self.load_state_timeout, lambda: self.tracker.global_progress.num_peers, **kwargs)
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch
                 self.state_averager._update_scheduler()

@@ -551,11 +551,13 @@ class TrainingStateAverager(DecentralizedAverager):
             params = [p.detach().cpu().clone() for p in self._opt_parameters()]
             extras = [t.detach().cpu().clone() for t in self.extra_tensors]
             opt_meta, opt_tensors = dump_optimizer_state(self.optimizer)
+            # Read with the tensors: an update holding the optimizer's lock moves both.
+            epoch = self.local_epoch
         try:
             group_bits = self.get_group_bits()
         except (AttributeError, NotImplementedError):
             group_bits = ""
-        metadata = dict(epoch=self.local_epoch, group_bits=group_bits, optimizer=opt_meta)
+        metadata = dict(epoch=epoch, group_bits=group_bits, optimizer=opt_meta)
         if self.scheduler is not None:
             # The schedule's own state: a chained scheduler (StepLR) scales the loaded lr
             # again if it is merely stepped up to the epoch.
@@ -613,6 +615,28 @@ class TrainingStateAverager(DecentralizedAverager):
         self.local_epoch = metadata["epoch"]
         self._update_scheduler()
         return True
+
+    def load_state_retrying(self, timeout: float, num_peers: Callable[[], int],
+                            **kwargs: Any) -> bool:
+        """:meth:`load_state_from_peers`, retried (a failure is logged) until a state is
+        installed, ``timeout`` seconds pass, or ``num_peers()`` says nobody else is there;
+        whether one was installed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.warning("could not load the state from peers in time; going on")
+                return False
+            try:
+                if self.load_state_from_peers(timeout=left, **kwargs):
+                    return True
+                if num_peers() <= 1:
+                    return False  # nobody to load from
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - retried
+                logger.log(self.status_loglevel, f"loading the state failed: {e!r}; retrying")
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def shutdown(self) -> None:
         """Waits for background work, then stops the averager."""
