@@ -34,6 +34,15 @@
 //!   enough to tell: Private until a second one comes.
 //! * a confirmed dial-back (AutoNAT) makes any peer Public: e.g. a port forwarded by hand.
 //!
+//! **Observers vote.** What a peer says it saw is its claim, and one peer may lie. Each
+//! observing IP has one vote (its newest observation; peers sharing an IP share it), and each
+//! conclusion above needs a strict majority of the votes: "our own IP" must be what most
+//! observers saw; for each local port, most of its observers must have seen one and the same
+//! external address (else the NAT is symmetric); the NAT kept our port if most observers saw
+//! it kept. A lone observer decides alone (there is nobody else to ask); with three or more,
+//! one liar changes nothing. Sybils at many IPs can still outvote the honest observers:
+//! dial-backs (AutoNAT) are the stronger evidence, and a confirmed one wins.
+//!
 //! # A group's plan
 //!
 //! [`path`] says how two members connect: directly when one of them is public (the other one
@@ -365,36 +374,53 @@ impl Observations {
 
 /// This node's class from what peers observed (module docs), or `None` while nothing was
 /// observed and nothing confirmed.
+///
+/// Each observing IP has one vote, its newest observation, and a class needs a strict majority
+/// of the voters ("Observers vote" in the module docs): one peer that lies in identify cannot
+/// make a node public, symmetric or port-preserving against the others' word.
 pub fn classify(obs: &Observations) -> Option<Reach> {
     if obs.confirmed {
         return Some(Reach::Public);
     }
-    if obs.seen.is_empty() {
+    // The newest observation of each remote IP (`seen` is in arrival order).
+    let mut votes: Vec<&Seen> = Vec::new();
+    for s in &obs.seen {
+        match votes.iter_mut().find(|v| v.remote == s.remote) {
+            Some(v) => *v = s,
+            None => votes.push(s),
+        }
+    }
+    if votes.is_empty() {
         return None;
     }
-    if obs.seen.iter().any(|s| obs.own_ips.contains(&s.ip)) {
+    let own = votes.iter().filter(|v| obs.own_ips.contains(&v.ip)).count();
+    if 2 * own > votes.len() {
         return Some(if obs.dial_back_failures >= FIREWALL_FAILURES {
             Reach::Punchable
         } else {
             Reach::Public
         });
     }
-    // Behind a NAT. Does its mapping depend on the destination?
-    let mut consistent = true;
-    let mut remotes: Vec<IpAddr> = Vec::new();
-    let mut preserved = false;
-    for s in &obs.seen {
-        for t in &obs.seen {
-            if s.local_port == t.local_port && (s.ip, s.port) != (t.ip, t.port) {
-                consistent = false;
-            }
-        }
-        if !remotes.contains(&s.remote) {
-            remotes.push(s.remote);
-        }
-        preserved |= s.port == s.local_port;
-    }
-    Some(if consistent && (preserved || remotes.len() >= 2) {
+    // Behind a NAT (as most observers say). Does its mapping depend on the destination? For
+    // each local port, a strict majority of its observers must have seen one and the same
+    // external address; and the NAT kept our port if a strict majority saw it kept.
+    let nat: Vec<&Seen> = votes
+        .into_iter()
+        .filter(|v| !obs.own_ips.contains(&v.ip))
+        .collect();
+    let consistent = nat.iter().all(|s| {
+        let same_port: Vec<&&Seen> = nat
+            .iter()
+            .filter(|t| t.local_port == s.local_port)
+            .collect();
+        let view = |u: &Seen| (u.ip, u.port);
+        same_port.iter().any(|u| {
+            let agreeing = same_port.iter().filter(|t| view(t) == view(u)).count();
+            2 * agreeing > same_port.len()
+        })
+    });
+    let preserved = 2 * nat.iter().filter(|s| s.port == s.local_port).count() > nat.len();
+    Some(if consistent && (preserved || nat.len() >= 2) {
         Reach::Punchable
     } else {
         Reach::Private
@@ -439,8 +465,11 @@ mod tests {
         // A second peer sees the same: still punchable.
         obs.add(seen("10.0.0.2", 4001, "10.0.0.9", 4001));
         assert_eq!(classify(&obs), Some(Reach::Punchable));
-        // A third sees another port for the same local port: symmetric.
+        // A third sees another port for the same local port: outvoted, still punchable.
         obs.add(seen("10.0.0.3", 4001, "10.0.0.9", 5555));
+        assert_eq!(classify(&obs), Some(Reach::Punchable));
+        // A fourth sees yet another: no view holds a majority any more: symmetric.
+        obs.add(seen("10.0.0.4", 4001, "10.0.0.9", 5556));
         assert_eq!(classify(&obs), Some(Reach::Private));
         // A dial-back that worked overrides everything.
         obs.confirmed = true;
@@ -460,6 +489,52 @@ mod tests {
         obs.add(seen("10.0.0.1", 4001, "10.0.0.9", 31000));
         obs.add(seen("10.0.0.1", 4002, "10.0.0.9", 31001));
         assert_eq!(classify(&obs), Some(Reach::Private));
+    }
+
+    /// Issue 29, attack 4: one peer's identify answer set this node's class. Three honest
+    /// observers agree on a port-preserving mapping; one liar claims each other conclusion in
+    /// turn, and none of them takes.
+    #[test]
+    fn one_lying_observer_cannot_change_the_class() {
+        let honest = || {
+            let mut obs = Observations {
+                own_ips: vec![ip("192.168.1.2")],
+                ..Observations::default()
+            };
+            for r in ["10.0.0.1", "10.0.0.2", "10.0.0.3"] {
+                obs.add(seen(r, 4001, "10.0.0.9", 4001));
+            }
+            obs
+        };
+        assert_eq!(classify(&honest()), Some(Reach::Punchable));
+        for lie in [
+            seen("10.6.6.6", 4001, "192.168.1.2", 4001), // "you are at your own IP": public
+            seen("10.6.6.6", 4001, "10.0.0.9", 31337),   // "another port": symmetric
+        ] {
+            let mut obs = honest();
+            obs.add(lie);
+            assert_eq!(classify(&obs), Some(Reach::Punchable), "{lie:?}");
+        }
+        // Against an honest symmetric NAT (every observer sees another port), one liar
+        // claiming a kept port makes it neither consistent nor port-preserving.
+        let mut obs = Observations::default();
+        for (i, r) in ["10.0.0.1", "10.0.0.2", "10.0.0.3"].into_iter().enumerate() {
+            obs.add(seen(r, 4001, "10.0.0.9", 31000 + i as u16));
+        }
+        obs.add(seen("10.6.6.6", 4001, "10.0.0.9", 4001));
+        assert_eq!(classify(&obs), Some(Reach::Private));
+        // The same liar's newest word replaces its older one: still one vote.
+        let mut obs = honest();
+        for port in [5000, 5001, 5002] {
+            obs.add(seen("10.6.6.6", port, "192.168.1.2", port));
+        }
+        assert_eq!(classify(&obs), Some(Reach::Punchable));
+        // A majority of observers at our own IP: public.
+        let mut obs = honest();
+        for r in ["10.0.1.1", "10.0.1.2", "10.0.1.3", "10.0.1.4"] {
+            obs.add(seen(r, 4001, "192.168.1.2", 4001));
+        }
+        assert_eq!(classify(&obs), Some(Reach::Public));
     }
 
     #[test]
