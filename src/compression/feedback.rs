@@ -1,0 +1,333 @@
+//! Error feedback for [`SparseTopK`]: each peer keeps, per element, the residual of what it did
+//! not send, and adds it to its next round's input.
+//!
+//! A round with error feedback, for one peer with input `x` (its tensors when the round
+//! starts) and residual `r` (zero at first):
+//!
+//! 1. [`ErrorFeedback::prepare`]: `z = x + r`, and per part of the round's partition
+//!    `y = decode(encode(z))`: what the reducers will receive. The round runs on `y`; the
+//!    codec reproduces `y` exactly when it encodes it again (see [`super::sparse`]), and this
+//!    peer's own span reads `y` directly, so every reducer averages exactly `y`.
+//! 2. The round. Nothing of the residual changes while it runs.
+//! 3. [`ErrorFeedback::commit`], only for a round that finished, part by part:
+//!    * the part has an average that names this peer (a reply, or its own span): `y` was
+//!      applied, so `r ← z − y` (the values dropped or rounded away);
+//!    * the part stayed local (its reducer died, banned this peer, or had no average): this
+//!      peer's `y` reached no average that it knows of, so nothing counts as sent:
+//!      `r ← z = x + r`, and the part's result becomes 0 (the tensor gets `0 − x` under the
+//!      delta rule: it holds only what the group averaged, and the input is not applied twice,
+//!      once locally and once from the residual later).
+//!
+//!    A round that fails (an error, a cancel, a timeout) never reaches `commit`: the residual
+//!    stays what it was and the tensors are untouched, so nothing is lost.
+//!
+//! Hence, over any sequence of rounds, `Σ applied + r = Σ x` exactly up to f32 rounding
+//! (`applied` = `y` where the peer's report names it, 0 elsewhere): the quantizer's and the
+//! sparsifier's errors sit in `r`, not lost. One caveat stays: a reducer that dies after
+//! answering some senders but not this one applied this peer's `y` for them, while this peer
+//! keeps it in its residual and sends it again later (counted twice by the group, never
+//! lost). Error feedback is meant for additive quantities (gradients, pseudo-gradients), not
+//! parameters.
+
+use bytes::Bytes;
+
+use super::{Compression, SparseTopK};
+use crate::allreduce::{Outcome, PartResult, PartSpec, Partition, TensorDescriptor};
+use crate::tensor::{DType, Tensor, TensorError};
+
+/// Why error feedback could not prepare or commit a round.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FeedbackError {
+    /// The tensors or the outcome do not have the layout the residuals were made for.
+    #[error("error feedback: {0}")]
+    Layout(String),
+    /// The input plus the residual is not finite: nothing can be sent (the residual is kept).
+    #[error("error feedback: the input holds NaN or infinity")]
+    NonFinite,
+}
+
+impl From<TensorError> for FeedbackError {
+    fn from(e: TensorError) -> Self {
+        Self::Layout(e.to_string())
+    }
+}
+
+/// One peer's residuals (see the module docs).
+#[derive(Debug, Clone)]
+pub struct ErrorFeedback {
+    codec: SparseTopK,
+    part_size_bytes: usize,
+    shapes: Vec<Vec<usize>>,
+    residuals: Vec<Vec<f32>>,
+}
+
+impl ErrorFeedback {
+    /// Zero residuals for tensors of these shapes, for rounds with `codec` and parts of
+    /// `part_size_bytes`.
+    pub fn new(
+        codec: SparseTopK,
+        part_size_bytes: usize,
+        descriptors: &[TensorDescriptor],
+    ) -> Self {
+        Self {
+            codec,
+            part_size_bytes,
+            shapes: descriptors.iter().map(|d| d.shape.clone()).collect(),
+            residuals: descriptors.iter().map(|d| vec![0.0; d.numel()]).collect(),
+        }
+    }
+
+    /// The residuals, per tensor, flattened.
+    pub fn residuals(&self) -> &[Vec<f32>] {
+        &self.residuals
+    }
+
+    /// The codec.
+    pub fn codec(&self) -> SparseTopK {
+        self.codec
+    }
+
+    /// The parts the round will cut (the round runs on f32 tensors of these shapes; the
+    /// partition's parts do not depend on the group).
+    pub fn parts(&self) -> Result<Vec<PartSpec>, FeedbackError> {
+        let descriptors: Vec<TensorDescriptor> = self
+            .shapes
+            .iter()
+            .map(|shape| TensorDescriptor {
+                shape: shape.clone(),
+                dtype: DType::F32,
+            })
+            .collect();
+        let partition = Partition::new(
+            &descriptors,
+            &[1.0],
+            self.part_size_bytes,
+            &Compression::Sparse(self.codec),
+        )
+        .map_err(|e| FeedbackError::Layout(e.to_string()))?;
+        Ok(partition.parts().to_vec())
+    }
+
+    fn check_inputs(&self, inputs: &[Tensor]) -> Result<(), FeedbackError> {
+        if inputs.len() != self.shapes.len()
+            || inputs.iter().zip(&self.shapes).any(|(t, s)| t.shape() != s)
+        {
+            return Err(FeedbackError::Layout(
+                "the tensors do not have the shapes the residuals were made for".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `z = inputs + residual` for tensor `t`.
+    fn corrected(&self, inputs: &[Tensor], t: usize) -> Vec<f32> {
+        let mut z = inputs[t].to_f32_vec();
+        for (v, r) in z.iter_mut().zip(&self.residuals[t]) {
+            *v += r;
+        }
+        z
+    }
+
+    /// What this peer sends: per part, `decode(encode(inputs + residual))`, as f32 tensors of
+    /// the inputs' shapes. The residual does not change.
+    pub fn prepare(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>, FeedbackError> {
+        self.check_inputs(inputs)?;
+        let parts = self.parts()?;
+        let mut sent = Vec::with_capacity(inputs.len());
+        for t in 0..inputs.len() {
+            let z = self.corrected(inputs, t);
+            if !crate::tensor::ops::all_finite(&z) {
+                return Err(FeedbackError::NonFinite);
+            }
+            let mut y = vec![0.0f32; z.len()];
+            for p in parts.iter().filter(|p| p.tensor == t) {
+                self.codec.roundtrip(&z[p.range()], &mut y[p.range()]);
+            }
+            sent.push(Tensor::from_f32(&self.shapes[t], y)?);
+        }
+        Ok(sent)
+    }
+
+    /// After a finished round that ran on `sent` (from [`ErrorFeedback::prepare`] of
+    /// `inputs`): updates the residuals and turns the outcome's local parts into zeros (see
+    /// the module docs). Apply the outcome afterwards with `inputs` as the start values. An
+    /// aux peer's outcome (no results) changes nothing.
+    pub fn commit(
+        &mut self,
+        inputs: &[Tensor],
+        sent: &[Tensor],
+        outcome: &mut Outcome,
+    ) -> Result<(), FeedbackError> {
+        self.check_inputs(inputs)?;
+        if sent.len() != inputs.len()
+            || sent.iter().zip(inputs).any(|(s, x)| s.shape() != x.shape())
+        {
+            return Err(FeedbackError::Layout("sent tensors of other shapes".into()));
+        }
+        if outcome.parts != self.parts()? {
+            return Err(FeedbackError::Layout(
+                "the round cut other parts than error feedback".into(),
+            ));
+        }
+        let Some(results) = outcome.results.as_mut() else {
+            return Ok(());
+        };
+        if results.len() != outcome.parts.len() {
+            return Err(FeedbackError::Layout("one result per part expected".into()));
+        }
+        let mut new_residuals = Vec::with_capacity(inputs.len());
+        for t in 0..inputs.len() {
+            let z = self.corrected(inputs, t);
+            let y = sent[t].to_f32_vec();
+            let mut r = z;
+            for (p, result) in outcome.parts.iter().zip(results.iter()) {
+                if p.tensor == t && !matches!(result, PartResult::Local) {
+                    for (ri, yi) in r[p.range()].iter_mut().zip(&y[p.range()]) {
+                        *ri -= yi;
+                    }
+                }
+            }
+            new_residuals.push(r);
+        }
+        for (p, result) in outcome.parts.iter().zip(results.iter_mut()) {
+            if matches!(result, PartResult::Local) {
+                *result = PartResult::Average(Bytes::from(vec![0u8; p.len * 4]));
+            }
+        }
+        self.residuals = new_residuals;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allreduce::RoundReport;
+    use crate::compression::elements::testing::randn;
+
+    fn tensors(seed: u64) -> Vec<Tensor> {
+        vec![
+            Tensor::from_f32(&[70, 100], randn(7000, seed)).unwrap(),
+            Tensor::from_f32(&[3], randn(3, seed + 1)).unwrap(),
+        ]
+    }
+
+    fn le(v: &[f32]) -> Bytes {
+        Bytes::from(v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+    }
+
+    /// An outcome in which this peer's `sent` values are averaged where `applied(part)`, local
+    /// elsewhere (the average itself does not matter to the residual).
+    fn outcome_of(fb: &ErrorFeedback, sent: &[Tensor], applied: impl Fn(usize) -> bool) -> Outcome {
+        let parts = fb.parts().unwrap();
+        let results = parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                if applied(i) {
+                    PartResult::Average(le(&sent[p.tensor].to_f32_vec()[p.range()]))
+                } else {
+                    PartResult::Local
+                }
+            })
+            .collect();
+        Outcome {
+            results: Some(results),
+            parts,
+            report: RoundReport::default(),
+        }
+    }
+
+    /// Over rounds with some parts local: Σ applied + residual = Σ inputs (f32 rounding only),
+    /// local parts come back as zeros, and what is sent is sparse.
+    #[test]
+    fn applied_plus_residual_is_the_sum_of_inputs() {
+        let codec = SparseTopK::new(0.05, 3, 256).unwrap();
+        let shapes: Vec<TensorDescriptor> = tensors(0).iter().map(TensorDescriptor::of).collect();
+        // Small parts: several per tensor, so some can stay local.
+        let mut fb = ErrorFeedback::new(codec, 4096, &shapes);
+        assert!(fb.parts().unwrap().len() > 3);
+        let mut sum_inputs: Vec<Vec<f64>> = shapes.iter().map(|d| vec![0.0; d.numel()]).collect();
+        let mut sum_applied = sum_inputs.clone();
+        for round in 0..12u64 {
+            let inputs = tensors(round * 10);
+            let sent = fb.prepare(&inputs).unwrap();
+            let nonzero: usize = sent
+                .iter()
+                .map(|t| t.to_f32_vec().iter().filter(|v| **v != 0.0).count())
+                .sum();
+            assert!(nonzero as f64 <= 7003.0 * 0.06, "{nonzero} values sent");
+            let local = |i: usize| (i as u64 + round).is_multiple_of(3);
+            let mut outcome = outcome_of(&fb, &sent, |i| !local(i));
+            fb.commit(&inputs, &sent, &mut outcome).unwrap();
+            for (i, (p, r)) in outcome
+                .parts
+                .iter()
+                .zip(outcome.results.as_ref().unwrap())
+                .enumerate()
+            {
+                let PartResult::Average(b) = r else {
+                    panic!("part {i} not an average")
+                };
+                let got: Vec<f32> = b
+                    .chunks(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                let y = &sent[p.tensor].to_f32_vec()[p.range()];
+                if local(i) {
+                    assert!(got.iter().all(|v| *v == 0.0));
+                } else {
+                    assert_eq!(got, y);
+                    for (a, v) in sum_applied[p.tensor][p.range()].iter_mut().zip(y) {
+                        *a += f64::from(*v);
+                    }
+                }
+            }
+            for (s, x) in sum_inputs.iter_mut().zip(&inputs) {
+                for (a, v) in s.iter_mut().zip(x.to_f32_vec()) {
+                    *a += f64::from(v);
+                }
+            }
+            for t in 0..shapes.len() {
+                for e in 0..shapes[t].numel() {
+                    let lhs = sum_applied[t][e] + f64::from(fb.residuals()[t][e]);
+                    let rhs = sum_inputs[t][e];
+                    assert!(
+                        (lhs - rhs).abs() <= 1e-4 * (1.0 + rhs.abs()),
+                        "round {round} t{t}[{e}]: {lhs} vs {rhs}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A failed round (no commit) leaves the residual as it was; an aux outcome too; a
+    /// non-finite input is refused without touching it.
+    #[test]
+    fn failed_rounds_keep_the_residual() {
+        let codec = SparseTopK::new(0.02, 2, 2048).unwrap();
+        let shapes: Vec<TensorDescriptor> = tensors(0).iter().map(TensorDescriptor::of).collect();
+        let mut fb = ErrorFeedback::new(codec, 1 << 19, &shapes);
+        let inputs = tensors(1);
+        let sent = fb.prepare(&inputs).unwrap();
+        let mut outcome = outcome_of(&fb, &sent, |_| true);
+        fb.commit(&inputs, &sent, &mut outcome).unwrap();
+        let before = fb.residuals().to_vec();
+        assert!(before[0].iter().any(|v| *v != 0.0));
+        // A round that failed: prepared, never committed.
+        let _ = fb.prepare(&tensors(2)).unwrap();
+        assert_eq!(fb.residuals(), &before[..]);
+        let mut aux = Outcome {
+            results: None,
+            ..outcome_of(&fb, &sent, |_| true)
+        };
+        fb.commit(&inputs, &sent, &mut aux).unwrap();
+        assert_eq!(fb.residuals(), &before[..]);
+        let mut bad = tensors(3);
+        bad[1] = Tensor::from_f32(&[3], vec![0.0, f32::NAN, 1.0]).unwrap();
+        assert_eq!(fb.prepare(&bad), Err(FeedbackError::NonFinite));
+        assert!(fb.prepare(&tensors(3)[..1]).is_err(), "a tensor missing");
+        assert_eq!(fb.residuals(), &before[..]);
+    }
+}
