@@ -1512,9 +1512,15 @@ impl Actor {
         let outcome = tokio::task::spawn_blocking(move || {
             {
                 let mut tensors = shared.lock_tensors_mut();
-                shared
-                    .devices
-                    .apply_host(&outcome, &mut tensors, &start, 1.0)?;
+                if shared.feedback.is_some() {
+                    // Host tensors only; ordered so that peers agree bit for bit.
+                    crate::compression::feedback::apply(&outcome, &mut tensors, &start)
+                        .map_err(|e| AveragerError::Round(e.to_string()))?;
+                } else {
+                    shared
+                        .devices
+                        .apply_host(&outcome, &mut tensors, &start, 1.0)?;
+                }
             }
             // The device snapshots are read (for the deltas) once their copies are done.
             shared.devices.wait_snapshots()?;

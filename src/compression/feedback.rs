@@ -200,6 +200,59 @@ impl ErrorFeedback {
     }
 }
 
+/// The delta rule for a committed error feedback round, ordered for agreement:
+/// `tensors ← result + (tensors − inputs)`, part by part, in f32 (rounded once to the
+/// tensor's dtype). The same as [`Outcome::apply`] up to rounding, but a tensor the training
+/// loop did not touch while the round ran ends with the round's result bit for bit, so every
+/// peer that got the same average holds the same values (`x + (avg − x)` may be an ulp off
+/// `avg`, differently on each peer).
+pub fn apply(
+    outcome: &Outcome,
+    tensors: &mut [Tensor],
+    inputs: &[Tensor],
+) -> Result<(), FeedbackError> {
+    if outcome.results.is_none() {
+        return Ok(());
+    }
+    if tensors.len() != inputs.len()
+        || tensors
+            .iter()
+            .zip(inputs)
+            .any(|(t, x)| t.shape() != x.shape())
+    {
+        return Err(FeedbackError::Layout(
+            "tensors of other shapes than the inputs".into(),
+        ));
+    }
+    let mut result = Vec::new();
+    let mut now = Vec::new();
+    let mut from = Vec::new();
+    let mut bytes = Vec::new();
+    for (g, spec) in outcome.parts.iter().enumerate() {
+        if spec.tensor >= tensors.len() || spec.range().end > tensors[spec.tensor].numel() {
+            return Err(FeedbackError::Layout("a part outside the tensors".into()));
+        }
+        result.resize(spec.len, 0.0);
+        outcome
+            .result_into(g, inputs, &mut result)
+            .ok_or_else(|| FeedbackError::Layout(format!("no result for part {g}")))?;
+        now.resize(spec.len, 0.0);
+        from.resize(spec.len, 0.0);
+        tensors[spec.tensor]
+            .part(spec.range())
+            .copy_to_f32(&mut now);
+        inputs[spec.tensor]
+            .part(spec.range())
+            .copy_to_f32(&mut from);
+        bytes.clear();
+        for ((r, n), f) in result.iter().zip(&now).zip(&from) {
+            bytes.extend_from_slice(&(r + (n - f)).to_le_bytes());
+        }
+        tensors[spec.tensor].set_from_le(spec.offset, &bytes)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,6 +351,56 @@ mod tests {
                         "round {round} t{t}[{e}]: {lhs} vs {rhs}"
                     );
                 }
+            }
+        }
+    }
+
+    /// The ordered delta rule: untouched tensors get the result bit for bit, a change made
+    /// during the round stays on top.
+    #[test]
+    fn apply_gives_the_result_exactly_to_untouched_tensors() {
+        let codec = SparseTopK::new(0.3, 4, 64).unwrap();
+        let shapes: Vec<TensorDescriptor> = tensors(0).iter().map(TensorDescriptor::of).collect();
+        let mut fb = ErrorFeedback::new(codec, 4096, &shapes);
+        let inputs = tensors(5);
+        let sent = fb.prepare(&inputs).unwrap();
+        // An "average" of awkward values: 2/3 of what was sent.
+        let parts = fb.parts().unwrap();
+        let averages: Vec<Vec<f32>> = parts
+            .iter()
+            .map(|p| {
+                sent[p.tensor].to_f32_vec()[p.range()]
+                    .iter()
+                    .map(|v| v * 2.0 / 3.0)
+                    .collect()
+            })
+            .collect();
+        let mut outcome = Outcome {
+            results: Some(
+                averages
+                    .iter()
+                    .map(|a| PartResult::Average(le(a)))
+                    .collect(),
+            ),
+            parts: parts.clone(),
+            report: RoundReport::default(),
+        };
+        fb.commit(&inputs, &sent, &mut outcome).unwrap();
+        let mut now = inputs.clone();
+        now[1] = Tensor::from_f32(&[3], vec![10.0, 20.0, 30.0]).unwrap();
+        apply(&outcome, &mut now, &inputs).unwrap();
+        for (p, a) in parts.iter().zip(&averages) {
+            let got = &now[p.tensor].to_f32_vec()[p.range()];
+            if p.tensor == 0 {
+                assert_eq!(got, &a[..]);
+            } else {
+                let moved: Vec<f32> = [10.0f32, 20.0, 30.0]
+                    .iter()
+                    .zip(inputs[1].to_f32_vec())
+                    .zip(a)
+                    .map(|((n, x), a)| a + (n - x))
+                    .collect();
+                assert_eq!(got, &moved[..]);
             }
         }
     }
