@@ -1500,7 +1500,7 @@ impl Actor {
         if let (Some(feedback), Some(inputs)) = (&self.shared.feedback, inputs) {
             let mut feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
             feedback
-                .commit(&inputs, &start, &mut outcome)
+                .commit(&inputs, &start, &mut outcome, weight)
                 .map_err(|e| AveragerError::Round(e.to_string()))?;
             start = inputs;
         }

@@ -173,7 +173,7 @@ fn residuals_stay_exact_when_a_reducer_dies() {
                 }
             }
             peer.feedback
-                .commit(&xs[i], &sent[i], &mut outcome)
+                .commit(&xs[i], &sent[i], &mut outcome, 1.0)
                 .unwrap();
             for (t, x) in xs[i].iter().enumerate() {
                 let x = x.to_f32_vec();
@@ -225,7 +225,7 @@ fn a_failed_round_keeps_the_residual() {
     let cfg = sparse_cfg(vec![SimPeer::node(); 2], codec, 1 << 19);
     let mut res = sim::run_with_tensors(&cfg, vec![sent.clone(), sent.clone()]).unwrap();
     let mut outcome = res.peers[0].outcome.take().unwrap();
-    fb.commit(&x, &sent, &mut outcome).unwrap();
+    fb.commit(&x, &sent, &mut outcome, 1.0).unwrap();
     let kept = fb.residuals().to_vec();
     let mut peers = vec![SimPeer::node(); 2];
     peers[0].fault = Some(Fault::Cancel);

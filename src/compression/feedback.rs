@@ -10,8 +10,9 @@
 //!    peer's own span reads `y` directly, so every reducer averages exactly `y`.
 //! 2. The round. Nothing of the residual changes while it runs.
 //! 3. [`ErrorFeedback::commit`], only for a round that finished, part by part:
-//!    * the part has an average that names this peer (a reply, or its own span): `y` was
-//!      applied, so `r ← z − y` (the values dropped or rounded away);
+//!    * the part has an average that names this peer (a reply, or its own span) and the
+//!      peer's weight is positive: `y` was applied, so `r ← z − y` (the values dropped or
+//!      rounded away); with weight 0 it was not (`r ← z`), and the peer takes the average;
 //!    * the part stayed local (its reducer died, banned this peer, or had no average): this
 //!      peer's `y` reached no average that it knows of, so nothing counts as sent:
 //!      `r ← z = x + r`, and the part's result becomes 0 (the tensor gets `0 − x` under the
@@ -150,14 +151,17 @@ impl ErrorFeedback {
     }
 
     /// After a finished round that ran on `sent` (from [`ErrorFeedback::prepare`] of
-    /// `inputs`): updates the residuals and turns the outcome's local parts into zeros (see
-    /// the module docs). Apply the outcome afterwards with `inputs` as the start values. An
-    /// aux peer's outcome (no results) changes nothing.
+    /// `inputs`) with this peer's averaging `weight`: updates the residuals and turns the
+    /// outcome's local parts into zeros (see the module docs). Apply the outcome afterwards
+    /// with `inputs` as the start values ([`apply`]). An aux peer's outcome (no results)
+    /// changes nothing; with weight 0 nothing of this peer reached any average, so the whole
+    /// corrected input stays in the residual (and the peer takes the others' average).
     pub fn commit(
         &mut self,
         inputs: &[Tensor],
         sent: &[Tensor],
         outcome: &mut Outcome,
+        weight: f64,
     ) -> Result<(), FeedbackError> {
         self.check_inputs(inputs)?;
         if sent.len() != inputs.len()
@@ -182,7 +186,7 @@ impl ErrorFeedback {
             let y = sent[t].to_f32_vec();
             let mut r = z;
             for (p, result) in outcome.parts.iter().zip(results.iter()) {
-                if p.tensor == t && !matches!(result, PartResult::Local) {
+                if p.tensor == t && weight > 0.0 && !matches!(result, PartResult::Local) {
                     for (ri, yi) in r[p.range()].iter_mut().zip(&y[p.range()]) {
                         *ri -= yi;
                     }
@@ -313,7 +317,7 @@ mod tests {
             assert!(nonzero as f64 <= 7003.0 * 0.06, "{nonzero} values sent");
             let local = |i: usize| (i as u64 + round).is_multiple_of(3);
             let mut outcome = outcome_of(&fb, &sent, |i| !local(i));
-            fb.commit(&inputs, &sent, &mut outcome).unwrap();
+            fb.commit(&inputs, &sent, &mut outcome, 1.0).unwrap();
             for (i, (p, r)) in outcome
                 .parts
                 .iter()
@@ -385,7 +389,7 @@ mod tests {
             parts: parts.clone(),
             report: RoundReport::default(),
         };
-        fb.commit(&inputs, &sent, &mut outcome).unwrap();
+        fb.commit(&inputs, &sent, &mut outcome, 1.0).unwrap();
         let mut now = inputs.clone();
         now[1] = Tensor::from_f32(&[3], vec![10.0, 20.0, 30.0]).unwrap();
         apply(&outcome, &mut now, &inputs).unwrap();
@@ -415,7 +419,7 @@ mod tests {
         let inputs = tensors(1);
         let sent = fb.prepare(&inputs).unwrap();
         let mut outcome = outcome_of(&fb, &sent, |_| true);
-        fb.commit(&inputs, &sent, &mut outcome).unwrap();
+        fb.commit(&inputs, &sent, &mut outcome, 1.0).unwrap();
         let before = fb.residuals().to_vec();
         assert!(before[0].iter().any(|v| *v != 0.0));
         // A round that failed: prepared, never committed.
@@ -425,8 +429,25 @@ mod tests {
             results: None,
             ..outcome_of(&fb, &sent, |_| true)
         };
-        fb.commit(&inputs, &sent, &mut aux).unwrap();
+        fb.commit(&inputs, &sent, &mut aux, 1.0).unwrap();
         assert_eq!(fb.residuals(), &before[..]);
+        // Weight 0: nothing reached an average; everything stays in the residual.
+        let next = tensors(4);
+        let sent_next = fb.prepare(&next).unwrap();
+        let mut listener = outcome_of(&fb, &sent_next, |_| true);
+        let results = listener.results.clone();
+        fb.commit(&next, &sent_next, &mut listener, 0.0).unwrap();
+        assert_eq!(listener.results, results, "the others' average stays");
+        for (t, x) in next.iter().enumerate() {
+            let want: Vec<f32> = x
+                .to_f32_vec()
+                .iter()
+                .zip(&before[t])
+                .map(|(a, b)| a + b)
+                .collect();
+            assert_eq!(fb.residuals()[t], want);
+        }
+        let before = fb.residuals().to_vec();
         let mut bad = tensors(3);
         bad[1] = Tensor::from_f32(&[3], vec![0.0, f32::NAN, 1.0]).unwrap();
         assert_eq!(fb.prepare(&bad), Err(FeedbackError::NonFinite));
