@@ -1439,17 +1439,23 @@ impl Actor {
         let span = tracing::info_span!("step", links = %summary);
         let snapshot: Vec<Tensor> = self.shared.lock_tensors().clone();
         let (snapshot, pending) = self.shared.devices.start_round(snapshot)?;
-        // Error feedback: the round sends `compress(input + residual)`; the residual changes
-        // only once the round finished (a failed round keeps it).
-        let (snapshot, inputs) = match &self.shared.feedback {
-            Some(feedback) => {
+        // Error feedback: the round sends `compress(input + residual)` (one pass over the
+        // tensors, on a blocking thread); the residual changes only once the round finished
+        // (a failed round keeps it).
+        let (snapshot, inputs) = if self.shared.feedback.is_some() {
+            let shared = self.shared.clone();
+            tokio::task::spawn_blocking(move || {
+                let feedback = shared.feedback.as_ref().expect("checked above");
                 let feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
                 let sent = feedback
                     .prepare(&snapshot)
                     .map_err(|e| AveragerError::Round(e.to_string()))?;
-                (sent, Some(snapshot))
-            }
-            None => (snapshot, None),
+                Ok::<_, AveragerError>((sent, Some(snapshot)))
+            })
+            .await
+            .map_err(|e| AveragerError::Round(format!("the error feedback task failed: {e}")))??
+        } else {
+            (snapshot, None)
         };
         let me = self.dht.p2p().peer_id();
         let lanes = crate::timeline::enabled().then(|| {
@@ -1477,7 +1483,7 @@ impl Actor {
             ),
             span,
         );
-        let (mut start, mut outcome): (Vec<Tensor>, Outcome) = self
+        let (start, outcome): (Vec<Tensor>, Outcome) = self
             .while_serving(
                 async {
                     round.await.map_err(|e| match e {
@@ -1497,29 +1503,32 @@ impl Actor {
                 ("me", group.me.to_string()),
             ]
         });
-        if let (Some(feedback), Some(inputs)) = (&self.shared.feedback, inputs) {
-            let mut feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
-            feedback
-                .commit(&inputs, &start, &mut outcome, weight)
-                .map_err(|e| AveragerError::Round(e.to_string()))?;
-            start = inputs;
-        }
         let applying = std::time::Instant::now();
         // The delta rule passes over every tensor (and waits for device uploads): on a
         // blocking thread, not on the runtime's workers. Once started it runs to the end even
-        // if the step is dropped meanwhile, so tensors are never left half-applied.
+        // if the step is dropped meanwhile, so tensors are never left half-applied (nor the
+        // error feedback residual committed without its apply).
         let shared = self.shared.clone();
         let outcome = tokio::task::spawn_blocking(move || {
+            let mut outcome = outcome;
             {
                 let mut tensors = shared.lock_tensors_mut();
-                if shared.feedback.is_some() {
-                    // Host tensors only; ordered so that peers agree bit for bit.
-                    crate::compression::feedback::apply(&outcome, &mut tensors, &start)
-                        .map_err(|e| AveragerError::Round(e.to_string()))?;
-                } else {
-                    shared
+                match (&shared.feedback, inputs) {
+                    (Some(feedback), Some(inputs)) => {
+                        let mut feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
+                        let failed = |e: crate::compression::feedback::FeedbackError| {
+                            AveragerError::Round(e.to_string())
+                        };
+                        feedback
+                            .commit(&inputs, &start, &mut outcome, weight)
+                            .map_err(failed)?;
+                        // Host tensors only; ordered so that peers agree bit for bit.
+                        crate::compression::feedback::apply(&outcome, &mut tensors, &inputs)
+                            .map_err(failed)?;
+                    }
+                    _ => shared
                         .devices
-                        .apply_host(&outcome, &mut tensors, &start, 1.0)?;
+                        .apply_host(&outcome, &mut tensors, &start, 1.0)?,
                 }
             }
             // The device snapshots are read (for the deltas) once their copies are done.
