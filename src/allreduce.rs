@@ -11,7 +11,10 @@
 //! ([`Message::Averaged`], with the set of contributors). With the lossless codec the answer
 //! is the average itself, the same bytes for every sender; with a lossy codec it is the *delta*
 //! `average − that sender's decoded input`, so each peer keeps its own compression error (as in
-//! hivemind). A reducer's own parts never touch the network or a codec.
+//! hivemind). A reducer's own parts never touch the network or a codec, except under the
+//! sparse codec ([`crate::compression::SparseTopK`]): there the reducer counts its own part as
+//! the others would receive it, and answers every sender with the same bytes, the average over
+//! the union of the positions it received (exact f32 values, never densified).
 //!
 //! Modes ([`Mode`]): a **node** sends and reduces; a **client** sends and receives but reduces
 //! nothing (fraction 0) and gets its results only after it has sent everything to that reducer

@@ -59,6 +59,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::allreduce::{Mode, Outcome, RoundConfig, RoundReport, TensorDescriptor};
 use crate::buffers::BufferPool;
 use crate::compression::Compression;
+use crate::compression::feedback::ErrorFeedback;
 use crate::dht::{Dht, DhtTime};
 use crate::links::{Carrier, LinkHub, LinkKind, LinkPeer};
 use crate::matchmaking::{
@@ -289,6 +290,8 @@ struct Shared {
     /// Bumped whenever the tensors may have changed (a guard handed out mutably, a step's
     /// result, an installed state): a donor rebuilds its state snapshot only when it moved.
     version: AtomicU64,
+    /// Error feedback residuals, with sparse compression (`crate::compression::feedback`).
+    feedback: Option<Mutex<ErrorFeedback>>,
 }
 
 impl Shared {
@@ -408,6 +411,22 @@ impl Averager {
                     return Err(e);
                 }
             };
+        let feedback = match config.compression.error_feedback() {
+            Ok(Some(params)) if devices.is_empty() => Some(Mutex::new(ErrorFeedback::new(
+                params,
+                config.part_size_bytes,
+                &descriptors,
+            ))),
+            Ok(None) => None,
+            Ok(Some(_)) | Err(_) => {
+                server.abort();
+                return Err(AveragerError::Config(
+                    "sparse compression keeps error feedback on the host for every tensor: no \
+                     device tensors, no size-adaptive mix"
+                        .into(),
+                ));
+            }
+        };
         if !devices.is_empty() && config.allow_state_sharing {
             server.abort();
             return Err(AveragerError::Config(
@@ -418,6 +437,7 @@ impl Averager {
             tensors: Mutex::new(tensors),
             devices,
             version: AtomicU64::new(0),
+            feedback,
         });
         let (steps_tx, steps) = mpsc::channel(16);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -497,6 +517,14 @@ impl Averager {
             version: &self.shared.version,
             marked: false,
         }
+    }
+
+    /// With [`Compression::Sparse`], the error feedback residuals (per tensor, flattened): what
+    /// this peer has not sent yet and adds to its next step's input; `None` otherwise.
+    pub fn residuals(&self) -> Option<Vec<Vec<f32>>> {
+        let feedback = self.shared.feedback.as_ref()?;
+        let feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
+        Some(feedback.residuals().to_vec())
     }
 
     /// Schedules a step; use the returned control to trigger, cancel or await it.
@@ -1411,6 +1439,24 @@ impl Actor {
         let span = tracing::info_span!("step", links = %summary);
         let snapshot: Vec<Tensor> = self.shared.lock_tensors().clone();
         let (snapshot, pending) = self.shared.devices.start_round(snapshot)?;
+        // Error feedback: the round sends `compress(input + residual)` (one pass over the
+        // tensors, on a blocking thread); the residual changes only once the round finished
+        // (a failed round keeps it).
+        let (snapshot, inputs) = if self.shared.feedback.is_some() {
+            let shared = self.shared.clone();
+            tokio::task::spawn_blocking(move || {
+                let feedback = shared.feedback.as_ref().expect("checked above");
+                let feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
+                let sent = feedback
+                    .prepare(&snapshot)
+                    .map_err(|e| AveragerError::Round(e.to_string()))?;
+                Ok::<_, AveragerError>((sent, Some(snapshot)))
+            })
+            .await
+            .map_err(|e| AveragerError::Round(format!("the error feedback task failed: {e}")))??
+        } else {
+            (snapshot, None)
+        };
         let me = self.dht.p2p().peer_id();
         let lanes = crate::timeline::enabled().then(|| {
             members
@@ -1460,14 +1506,30 @@ impl Actor {
         let applying = std::time::Instant::now();
         // The delta rule passes over every tensor (and waits for device uploads): on a
         // blocking thread, not on the runtime's workers. Once started it runs to the end even
-        // if the step is dropped meanwhile, so tensors are never left half-applied.
+        // if the step is dropped meanwhile, so tensors are never left half-applied (nor the
+        // error feedback residual committed without its apply).
         let shared = self.shared.clone();
         let outcome = tokio::task::spawn_blocking(move || {
+            let mut outcome = outcome;
             {
                 let mut tensors = shared.lock_tensors_mut();
-                shared
-                    .devices
-                    .apply_host(&outcome, &mut tensors, &start, 1.0)?;
+                match (&shared.feedback, inputs) {
+                    (Some(feedback), Some(inputs)) => {
+                        let mut feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
+                        let failed = |e: crate::compression::feedback::FeedbackError| {
+                            AveragerError::Round(e.to_string())
+                        };
+                        feedback
+                            .commit(&inputs, &start, &mut outcome, weight)
+                            .map_err(failed)?;
+                        // Host tensors only; ordered so that peers agree bit for bit.
+                        crate::compression::feedback::apply(&outcome, &mut tensors, &inputs)
+                            .map_err(failed)?;
+                    }
+                    _ => shared
+                        .devices
+                        .apply_host(&outcome, &mut tensors, &start, 1.0)?,
+                }
             }
             // The device snapshots are read (for the deltas) once their copies are done.
             shared.devices.wait_snapshots()?;

@@ -14,6 +14,7 @@
 //! | [`CompressionType::Uniform8Bit`] | f32 codebook\[256\] + u8 index per value, bins of 6σ/256 around the mean | MSE < 8e-4 for N(0,1) |
 //! | [`CompressionType::Quantile8Bit`] | f32 codebook\[256\] + u8 index per value, bins at quantiles | MSE < 8e-4 for N(0,1) (2^20 values) |
 //! | [`CompressionType::Blockwise8Bit`] | per block of 4096: f32 absmax, dynamic signed codebook, u8 index | MSE < 8e-4 for N(0,1) |
+//! | [`CompressionType::SparseTopK`] | per chunk: top-k positions (Rice or bitmap), power-of-two step, 2-8 bit values | kept values within `max_chunk / 2^(bits−1)`; the rest dropped (error feedback carries them) |
 //!
 //! Each codec type documents its exact layout, the checks its decoder makes, and the bounds it
 //! states and tests. The lossy codecs take any input dtype, declare [`DType::F32`] on the wire
@@ -23,9 +24,11 @@
 
 mod blockwise;
 mod elements;
+pub mod feedback;
 mod float16;
 mod none;
 mod quantize;
+pub mod sparse;
 
 use crate::tensor::{DType, PartView};
 
@@ -33,6 +36,7 @@ pub use blockwise::Blockwise8Bit;
 pub use float16::{BFloat16Codec, Float16Codec};
 pub use none::NoCompression;
 pub use quantize::{Quantile8Bit, Uniform8Bit};
+pub use sparse::SparseTopK;
 
 /// Wire identifier of a codec (values follow hivemind's `CompressionType` where one exists).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -49,17 +53,20 @@ pub enum CompressionType {
     Blockwise8Bit = 5,
     /// bfloat16.
     BFloat16 = 6,
+    /// Sparse top-k per chunk, quantized ([`SparseTopK`]; no hivemind counterpart).
+    SparseTopK = 7,
 }
 
 impl CompressionType {
     /// Every codec.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::None,
         Self::Float16,
         Self::BFloat16,
         Self::Uniform8Bit,
         Self::Quantile8Bit,
         Self::Blockwise8Bit,
+        Self::SparseTopK,
     ];
 
     /// Parses the wire value.
@@ -71,6 +78,7 @@ impl CompressionType {
             4 => Self::Uniform8Bit,
             5 => Self::Blockwise8Bit,
             6 => Self::BFloat16,
+            7 => Self::SparseTopK,
             _ => return None,
         })
     }
@@ -80,8 +88,10 @@ impl CompressionType {
         self as u32
     }
 
-    /// The shared codec instance for this type.
+    /// The shared codec instance for this type (for [`CompressionType::SparseTopK`], the
+    /// default parameters: any instance decodes any of its payloads).
     pub fn codec(self) -> &'static dyn Codec {
+        static SPARSE_DEFAULT: SparseTopK = SparseTopK::DEFAULT;
         match self {
             Self::None => &NoCompression,
             Self::Float16 => &Float16Codec,
@@ -89,6 +99,7 @@ impl CompressionType {
             Self::Uniform8Bit => &Uniform8Bit,
             Self::Quantile8Bit => &Quantile8Bit,
             Self::Blockwise8Bit => &Blockwise8Bit,
+            Self::SparseTopK => &SPARSE_DEFAULT,
         }
     }
 }
@@ -175,6 +186,10 @@ pub enum Compression {
         /// Codec for large tensors.
         at_or_above: CompressionType,
     },
+    /// Sparse top-k with these parameters for every tensor. An averager keeps an error
+    /// feedback residual with it ([`feedback`]); replies carry the exact average over the
+    /// union of the positions the reducer received.
+    Sparse(SparseTopK),
 }
 
 impl Default for Compression {
@@ -208,6 +223,27 @@ impl Compression {
                     at_or_above.codec()
                 }
             }
+            Self::Sparse(params) => params.interned(),
+        }
+    }
+}
+
+impl Compression {
+    /// The sparse codec's parameters when this choice sends sparse parts (an averager then
+    /// keeps error feedback residuals); an error where sparse and dense codecs are mixed by
+    /// size (error feedback covers every tensor or none).
+    pub fn error_feedback(&self) -> Result<Option<SparseTopK>, String> {
+        match *self {
+            Self::Sparse(params) => Ok(Some(params)),
+            Self::Fixed(CompressionType::SparseTopK) => Ok(Some(SparseTopK::DEFAULT)),
+            Self::Adaptive {
+                below, at_or_above, ..
+            } if below == CompressionType::SparseTopK
+                || at_or_above == CompressionType::SparseTopK =>
+            {
+                Err("sparse top-k cannot be mixed with other codecs by tensor size".into())
+            }
+            _ => Ok(None),
         }
     }
 }
@@ -215,8 +251,13 @@ impl Compression {
 impl std::str::FromStr for Compression {
     type Err = String;
 
-    /// Accepts `none`, `float16`, `bfloat16`, `uniform8`, `quantile8`, `blockwise8`, `adaptive`.
+    /// Accepts `none`, `float16`, `bfloat16`, `uniform8`, `quantile8`, `blockwise8`, `adaptive`,
+    /// and `topk:<density>:<bits>:<chunk>` (e.g. `topk:0.02:2:2048`; `topk` alone is
+    /// [`SparseTopK::DEFAULT`]).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(rest) = s.strip_prefix("topk") {
+            return SparseTopK::parse(rest).map(Self::Sparse);
+        }
         let kind = match s {
             "none" => CompressionType::None,
             "float16" | "fp16" => CompressionType::Float16,
@@ -228,7 +269,7 @@ impl std::str::FromStr for Compression {
             other => {
                 return Err(format!(
                     "unknown compression '{other}' (expected one of: none, float16, bfloat16, \
-                     uniform8, quantile8, blockwise8, adaptive)"
+                     uniform8, quantile8, blockwise8, adaptive, topk:<density>:<bits>:<chunk>)"
                 ));
             }
         };

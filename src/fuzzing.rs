@@ -33,6 +33,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("dht_value", dht_value),
     ("dht_record", dht_record),
     ("codec", codec),
+    ("sparse_codec", sparse_codec),
     ("record_layer", record_layer),
 ];
 
@@ -209,6 +210,60 @@ pub fn codec(data: &[u8]) {
     }
 }
 
+/// A [`SparseTopK`](crate::compression::SparseTopK) payload, decoded into the element count
+/// its header declares (up to 2^16) and into other lengths: a decode that succeeds wrote only
+/// finite values, and those survive the reply form (non-zeros as f32) exactly. The same bytes
+/// read as f32 values go through the codec with parameters from the first byte: decoding what
+/// it encodes succeeds, and encoding that again gives the same values (the idempotence error
+/// feedback relies on).
+pub fn sparse_codec(data: &[u8]) {
+    use crate::compression::SparseTopK;
+    use crate::compression::sparse::{REPLY_CHUNK_LOG2, decode_sparse, encode_nonzeros_f32};
+    let Some((&selector, payload)) = data.split_first() else {
+        return;
+    };
+    let declared = payload
+        .get(2..10)
+        .map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+    let declared = usize::try_from(declared.min(1 << 16)).unwrap_or(0);
+    for n in [declared, declared + 1, payload.len()] {
+        let mut out = vec![0.0f32; n];
+        if decode_sparse(payload, DType::F32, &mut out).is_ok() {
+            assert!(
+                out.iter().all(|v| v.is_finite()),
+                "decoded a non-finite value"
+            );
+            let mut reply = Vec::new();
+            encode_nonzeros_f32(&out, REPLY_CHUNK_LOG2, &mut reply);
+            let mut again = vec![0.0f32; n];
+            decode_sparse(&reply, DType::F32, &mut again).expect("a reply decodes");
+            assert_eq!(again, out, "the reply form changed values");
+        }
+    }
+    let values: Vec<f32> = payload
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .filter(|v| v.is_finite())
+        .collect();
+    let density = f64::from(selector % 32 + 1) / 32.0;
+    let bits = 2 + (selector / 32) % 7;
+    let chunk = 64 << (selector % 3);
+    let codec = SparseTopK::new(density, bits, chunk).expect("valid parameters");
+    let mut once = vec![0.0f32; values.len()];
+    codec.roundtrip(&values, &mut once);
+    assert!(
+        once.iter().all(|v| v.is_finite()),
+        "finite input, finite output"
+    );
+    let mut twice = vec![0.0f32; values.len()];
+    codec.roundtrip(&once, &mut twice);
+    assert_eq!(
+        once.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        twice.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "encoding decoded values changed them"
+    );
+}
+
 /// The TLS record layer's receiving side ([`crate::transport`]'s record layer) over a stream
 /// the input describes (sealed records, alerts, injected and corrupted bytes), read in
 /// chunks the input chooses; what it delivers is checked against a model.
@@ -340,11 +395,28 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         seeds.push(("dht_record", record));
     }
 
-    for selector in 0..6u8 {
+    for selector in 0..7u8 {
         let mut input = vec![selector];
         input.extend(1.25f32.to_le_bytes().repeat(8));
         seeds.push(("codec", input));
     }
+    // Sparse payloads of a few shapes (quantized at 2 and 8 bits, a dense chunk, a reply).
+    for (density, bits, chunk, n) in [(0.05, 2, 64, 300), (0.5, 8, 128, 200), (1.0, 4, 64, 64)] {
+        let codec = crate::compression::SparseTopK::new(density, bits, chunk).expect("valid");
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let mut input = vec![7u8];
+        codec.encode_f32(&values, &mut input);
+        seeds.push(("sparse_codec", input));
+    }
+    let mut reply = vec![3u8];
+    crate::compression::sparse::encode_nonzeros_f32(
+        &[0.0, 1.5, 0.0, -2.0, 0.0, 0.0],
+        6,
+        &mut reply,
+    );
+    seeds.push(("sparse_codec", reply));
 
     // Data, an empty record, data with padding, close_notify; then a corrupted variant.
     seeds.push((

@@ -216,6 +216,9 @@ pub struct SimResult {
     pub partition: Partition,
     /// How reducers combined contributions (what [`SimResult::check`] expects).
     pub aggregator: Aggregator,
+    /// Per peer, the payload bytes it put on its uplink (parts and replies; framing not
+    /// counted).
+    pub payload_bytes_sent: Vec<u64>,
 }
 
 /// Deviation of one peer from what its report promises.
@@ -508,6 +511,7 @@ struct World<'a> {
     faults: Vec<FaultState>,
     target: Vec<Option<usize>>,
     rng: StdRng,
+    payload_bytes_sent: Vec<u64>,
 }
 
 impl World<'_> {
@@ -522,6 +526,7 @@ impl World<'_> {
 
     /// Puts a message on `from`'s uplink.
     fn send(&mut self, from: usize, t: Transmit) {
+        self.payload_bytes_sent[from] += t.message.payload_len() as u64;
         let bytes = t.message.payload_len() + MESSAGE_OVERHEAD_BYTES;
         let up = &mut self.uplinks[from];
         let start = up.free_at.max(self.now);
@@ -798,6 +803,7 @@ pub fn run_with_tensors(
             })
             .collect(),
         rng: StdRng::seed_from_u64(cfg.seed ^ 0x5EED),
+        payload_bytes_sent: vec![0; n],
     };
     let mut initial = Vec::with_capacity(n);
     for ((p, peer), tensors) in cfg.peers.iter().enumerate().zip(tensors) {
@@ -871,6 +877,7 @@ pub fn run_with_tensors(
         world.pump(touched);
     }
     let elapsed = world.now - start;
+    let payload_bytes_sent = std::mem::take(&mut world.payload_bytes_sent);
     tracing::info!(wall = ?t1.elapsed(), virtual_time = ?elapsed, "sim: round done");
     let peers = world
         .machines
@@ -905,6 +912,7 @@ pub fn run_with_tensors(
         weights,
         partition,
         aggregator: cfg.round.aggregator,
+        payload_bytes_sent,
     })
 }
 

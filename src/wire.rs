@@ -99,6 +99,7 @@ fn compression_to_wire(c: CompressionType) -> proto::CompressionType {
         CompressionType::Uniform8Bit => proto::CompressionType::CompressionUniform8bit,
         CompressionType::Blockwise8Bit => proto::CompressionType::CompressionBlockwise8bit,
         CompressionType::BFloat16 => proto::CompressionType::CompressionBfloat16,
+        CompressionType::SparseTopK => proto::CompressionType::CompressionSparseTopk,
     }
 }
 

@@ -4,7 +4,7 @@ Use the Python API (``hivemesh.DHT``, ``hivemesh.DecentralizedAverager``); these
 what it is built on.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 __version__: str
 #: Whether CUDA tensors can be averaged (an extension built with ``--features cuda``).
@@ -136,7 +136,7 @@ class Averager:
         allreduce_timeout: Optional[float] = ...,
         sender_timeout: Optional[float] = ...,
         reducer_timeout: Optional[float] = ...,
-        compression: Tuple[int, int, int] = ...,
+        compression: Union[Tuple[int, int, int], str] = ...,
         part_size_bytes: Optional[int] = ...,
         mode: Optional[str] = ...,
         initial_group_bits: str = ...,
@@ -175,6 +175,8 @@ class Averager:
     ) -> None:
         """Serves what ``provider()`` returns (``(metadata, [(dtype, shape, raw bytes)])``)
         instead of the tensors and metadata; ``None``: those again."""
+    def error_feedback_residuals(self) -> Optional[List[List[float]]]:
+        """With sparse compression, the residuals per tensor (flattened); else ``None``."""
     def group_bits(self) -> str:
         """The group bits the next step looks under."""
     def set_group_bits(self, bits: str) -> None:

@@ -4,7 +4,7 @@ Pass one as ``DecentralizedAverager(..., compression=...)``. Lossy codecs change
 travels: every peer ends with the same averaged values.
 """
 
-from typing import Tuple
+from typing import Tuple, Union
 
 __all__ = [
     "CompressionBase",
@@ -15,6 +15,7 @@ __all__ = [
     "Quantile8BitQuantization",
     "BlockwiseQuantization",
     "SizeAdaptiveCompression",
+    "ErrorFeedbackTopK",
 ]
 
 
@@ -24,7 +25,7 @@ class CompressionBase:
     #: The wire code of the codec (hivemind's ``CompressionType`` value).
     code: int = 0
 
-    def _spec(self) -> Tuple[int, int, int]:
+    def _spec(self) -> Union[Tuple[int, int, int], str]:
         return (self.code, 0, self.code)
 
     def __repr__(self) -> str:
@@ -81,14 +82,56 @@ class SizeAdaptiveCompression(CompressionBase):
         if not isinstance(threshold, int) or threshold <= 0:
             raise ValueError(f"threshold must be a positive int, not {threshold!r}")
         for name, c in (("less", less), ("greater_equal", greater_equal)):
-            if not isinstance(c, CompressionBase) or isinstance(c, SizeAdaptiveCompression):
+            if not isinstance(c, CompressionBase) or isinstance(
+                c, (SizeAdaptiveCompression, ErrorFeedbackTopK)
+            ):
                 raise TypeError(f"{name} must be a single codec, not {c!r}")
         self.threshold = threshold
         self.less = less
         self.greater_equal = greater_equal
 
-    def _spec(self) -> Tuple[int, int, int]:
+    def _spec(self) -> Union[Tuple[int, int, int], str]:
         return (self.less.code, self.threshold, self.greater_equal.code)
 
     def __repr__(self) -> str:
         return f"SizeAdaptiveCompression({self.threshold}, {self.less!r}, {self.greater_equal!r})"
+
+
+class ErrorFeedbackTopK(CompressionBase):
+    """Sparse, quantized parts with error feedback (for gradients and pseudo-gradients).
+
+    Per chunk of ``chunk`` values (a power of two, 64 to 65536) of each part, only the
+    ``round(density * chunk)`` values of largest magnitude travel, each quantized to ``bits``
+    bits (2 to 8) against a power-of-two step: a kept value is within ``max / 2**(bits - 1)``
+    of its input, ``max`` the chunk's largest magnitude. Each averager keeps the residual of
+    what it did not send (the values left out and the rounding) and adds it to its next step's
+    input, so nothing is lost, only delayed; ``DecentralizedAverager.error_feedback_residuals()``
+    shows it. A step that fails keeps the residual; where a reducer failed during a step, the
+    residual takes the whole input of those parts back and the averaged tensors hold 0 there.
+
+    Reducers average the sparse parts over the union of the positions they received and send
+    that union back (not densified), the same bytes to every member: all peers end a step with
+    identical values. Tensors hold the averaged compressed contributions afterwards, so use it
+    for additive quantities (gradients, DiLoCo's pseudo-gradients), not for parameters. Every
+    member of a swarm must use the same parameters; CPU tensors only.
+    """
+
+    code = 7
+
+    def __init__(self, density: float = 0.02, bits: int = 2, chunk: int = 2048):
+        density = float(density)
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], not {density!r}")
+        if not isinstance(bits, int) or not 2 <= bits <= 8:
+            raise ValueError(f"bits must be an int from 2 to 8, not {bits!r}")
+        if not isinstance(chunk, int) or chunk < 64 or chunk > 65536 or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two from 64 to 65536, not {chunk!r}")
+        self.density = density
+        self.bits = bits
+        self.chunk = chunk
+
+    def _spec(self) -> Union[Tuple[int, int, int], str]:
+        return f"topk:{self.density!r}:{self.bits}:{self.chunk}"
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedbackTopK(density={self.density!r}, bits={self.bits}, chunk={self.chunk})"

@@ -48,6 +48,15 @@ fn codec(code: u32) -> PyResult<CompressionType> {
         .ok_or_else(|| PyValueError::new_err(format!("unknown compression type {code}")))
 }
 
+/// The `compression` argument: `(code, threshold, code_at_or_above)`, or a string
+/// [`Compression`] parses (`"topk:<density>:<bits>:<chunk>"`, the sparse codec with error
+/// feedback).
+#[derive(FromPyObject)]
+enum CompressionArg {
+    Spec(String),
+    Codes((u32, usize, u32)),
+}
+
 /// What keeps a shared tensor's memory alive: the Python object (and its storage).
 struct Keepalive(#[allow(dead_code)] Vec<Py<PyAny>>);
 
@@ -232,10 +241,11 @@ impl Averager {
 impl Averager {
     /// Starts an averager on `node` over `tensors` (PyTorch CPU tensors or numpy arrays,
     /// shared, not copied). `compression` is `(code, threshold, code_at_or_above)`: one codec
-    /// when `threshold` is 0, else hivemind's size-adaptive choice. `mode`: `"node"`,
+    /// when `threshold` is 0, else hivemind's size-adaptive choice; or a string such as
+    /// `"topk:0.02:2:2048"` (sparse top-k with error feedback). `mode`: `"node"`,
     /// `"client"`, `"aux"` or `None` (a client behind a NAT nobody can reach, else a node).
     #[new]
-    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=(0, 0, 0), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1, centered_clip_tau=None))]
+    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=CompressionArg::Codes((0, 0, 0)), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1, centered_clip_tau=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         node: &Node,
@@ -248,7 +258,7 @@ impl Averager {
         allreduce_timeout: Option<f64>,
         sender_timeout: Option<f64>,
         reducer_timeout: Option<f64>,
-        compression: (u32, usize, u32),
+        compression: CompressionArg,
         part_size_bytes: Option<usize>,
         mode: Option<String>,
         initial_group_bits: String,
@@ -280,15 +290,16 @@ impl Averager {
         if let Some(t) = reducer_timeout {
             config.reducer_timeout = seconds("reducer_timeout", t)?;
         }
-        let (below, threshold, above) = compression;
-        config.compression = if threshold == 0 {
-            Compression::Fixed(codec(below)?)
-        } else {
-            Compression::Adaptive {
+        config.compression = match compression {
+            CompressionArg::Spec(spec) => spec
+                .parse()
+                .map_err(|e| PyValueError::new_err(format!("compression {spec:?}: {e}")))?,
+            CompressionArg::Codes((below, 0, _)) => Compression::Fixed(codec(below)?),
+            CompressionArg::Codes((below, threshold, above)) => Compression::Adaptive {
                 threshold,
                 below: codec(below)?,
                 at_or_above: codec(above)?,
-            }
+            },
         };
         if let Some(p) = part_size_bytes {
             config.part_size_bytes = p;
@@ -505,6 +516,12 @@ impl Averager {
         });
         self.get()?.set_state_provider(provider);
         Ok(())
+    }
+
+    /// With sparse compression, the error feedback residuals (per tensor, flattened): what
+    /// this peer has not sent yet; `None` with any other compression.
+    fn error_feedback_residuals(&self) -> PyResult<Option<Vec<Vec<f32>>>> {
+        Ok(self.get()?.residuals())
     }
 
     /// The group bits the next step looks under.

@@ -22,7 +22,7 @@ use super::{
     RoundEvent, RoundReport, Segment, SpanReport, TensorDescriptor, Transmit, Violation,
 };
 use crate::buffers::BufferPool;
-use crate::compression::{Codec, CodecError, CompressionType};
+use crate::compression::{Codec, CodecError, CompressionType, sparse};
 use crate::tensor::{DType, PartView, Tensor, ops};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,6 +124,32 @@ pub(crate) fn encode_part(
         pool.freeze(buf)
     };
     (dtype, payload)
+}
+
+/// This peer's own contribution to a part it reduces. Read where it is, when the part is
+/// averaged, except under the sparse codec: there it is what the others would receive from
+/// it, `decode(encode(values))` (the codec drops most values, and every contribution to a
+/// part must count the same way). Values that do not encode finitely come back as NaN, which
+/// leaves them out of the average as any non-finite contribution.
+fn own_input(
+    tensors: &Arc<Vec<Tensor>>,
+    spec: super::PartSpec,
+    codec: &dyn Codec,
+    pool: &BufferPool,
+) -> Input {
+    let local = LocalValues::new(tensors.clone(), spec.tensor, spec.range())
+        .expect("the partition covers the tensors");
+    if codec.kind() != CompressionType::SparseTopK {
+        return Input::Local(local);
+    }
+    let mut payload = pool.take_bytes(64);
+    codec.encode(local.view(), &mut payload);
+    let mut values = pool.take_f32(spec.len);
+    if codec.decode(&payload, DType::F32, &mut values).is_err() {
+        values.fill(f32::NAN);
+    }
+    pool.put_bytes(payload);
+    Input::Values(values)
 }
 
 /// One peer's side of one butterfly all-reduce round (see the [module docs](super)).
@@ -579,10 +605,9 @@ impl Butterfly {
                 if spec.tensor != tensor {
                     continue;
                 }
-                let local = LocalValues::new(self.tensors.clone(), spec.tensor, spec.range())
-                    .expect("the partition covers the tensors");
+                let input = own_input(&self.tensors, spec, self.codecs[spec.tensor], &self.pool);
                 reducer
-                    .accumulate(self.cfg.me, g, Input::Local(local), self.cfg.weight)
+                    .accumulate(self.cfg.me, g, input, self.cfg.weight)
                     .expect("own contribution is well-formed: checked weight, own partition");
             }
         }
@@ -719,7 +744,12 @@ impl Butterfly {
                     self.fail_reducer(from, reason, true);
                     return;
                 }
-                PartResult::Delta(out)
+                if codec.kind() == CompressionType::SparseTopK {
+                    // The average itself, the same for every sender.
+                    PartResult::Average(self.pool.freeze_f32(out))
+                } else {
+                    PartResult::Delta(out)
+                }
             };
             let outputs = self.outputs.as_mut().expect("senders have outputs");
             outputs[g] = output;
@@ -771,11 +801,9 @@ impl Butterfly {
             if self.pending[spec.tensor] {
                 continue; // contributed by `mark_ready`
             }
-            // Our values are read where they are, when the part is averaged.
-            let local = LocalValues::new(self.tensors.clone(), spec.tensor, spec.range())
-                .expect("the partition covers the tensors");
+            let input = own_input(&self.tensors, spec, self.codecs[spec.tensor], &self.pool);
             reducer
-                .accumulate(me, g, Input::Local(local), self.cfg.weight)
+                .accumulate(me, g, input, self.cfg.weight)
                 .expect("own contribution is well-formed: checked weight, own partition");
         }
     }
@@ -987,10 +1015,21 @@ impl Butterfly {
             // decoded it, so that compression error does not accumulate; they need the
             // average as values first.
             let lossless = codec.kind() == CompressionType::None;
+            // Sparse: every sender gets the same bytes too, the average over the union of the
+            // positions received (its non-zero values, exact), never densified.
+            let sparse = codec.kind() == CompressionType::SparseTopK;
             let mut average = done.average;
-            let shared = average
-                .take_if(|_| lossless)
-                .map(|avg| self.pool.freeze_f32(avg));
+            let shared = if sparse {
+                average.as_ref().map(|avg| {
+                    let mut payload = self.pool.take_bytes(64);
+                    sparse::encode_nonzeros_f32(avg, sparse::REPLY_CHUNK_LOG2, &mut payload);
+                    self.pool.freeze(payload)
+                })
+            } else {
+                average
+                    .take_if(|_| lossless)
+                    .map(|avg| self.pool.freeze_f32(avg))
+            };
             for (s, input) in done.inputs {
                 let Some(link) = self.in_links[s].as_mut() else {
                     reducer.recycle_input(input);
@@ -1031,7 +1070,10 @@ impl Butterfly {
             // Our own result: the exact average (never compressed). Values of ours that are
             // not finite were left out of it: that part stays local for us, as it does in the
             // other reducers' spans, which ban us for them.
-            let own = shared.or_else(|| average.map(|avg| self.pool.freeze_f32(avg)));
+            let own = match average {
+                Some(avg) => Some(self.pool.freeze_f32(avg)),
+                None => shared,
+            };
             if let (Some(own), Some(outputs)) = (own, self.outputs.as_mut())
                 && !own_left_out
             {

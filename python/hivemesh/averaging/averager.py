@@ -305,6 +305,17 @@ class DecentralizedAverager:
         control = StepControl(native)
         return control.result() if wait else control
 
+    def error_feedback_residuals(self) -> Optional[List[Any]]:
+        """With :class:`~hivemesh.compression.ErrorFeedbackTopK`, this averager's residuals
+        (what it has not sent yet), one flat float32 numpy array per averaged tensor; ``None``
+        with any other compression."""
+        import numpy as np
+
+        residuals = self._averager.error_feedback_residuals()
+        if residuals is None:
+            return None
+        return [np.asarray(r, dtype=np.float32) for r in residuals]
+
     def get_group_bits(self, wait: bool = True) -> Any:
         """The bits of the group key the next step looks under (``"0101..."``;
         ``initial_group_bits`` at first, rotated after each group). With ``wait=False`` a

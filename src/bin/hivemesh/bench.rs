@@ -361,7 +361,9 @@ pub(crate) fn compression_name(c: &Compression) -> String {
         Compression::Fixed(CompressionType::Uniform8Bit) => "uniform8",
         Compression::Fixed(CompressionType::Quantile8Bit) => "quantile8",
         Compression::Fixed(CompressionType::Blockwise8Bit) => "blockwise8",
+        Compression::Fixed(CompressionType::SparseTopK) => "topk",
         Compression::Adaptive { .. } => "adaptive",
+        Compression::Sparse(params) => return format!("topk{}", params.spec()),
     }
     .to_owned()
 }
