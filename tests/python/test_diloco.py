@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 import hivemesh  # noqa: E402
 from hivemesh.compression import (  # noqa: E402
     BlockwiseQuantization,
+    ErrorFeedbackTopK,
     Float16Compression,
     NoCompression,
 )
@@ -363,7 +364,13 @@ def fp32_diloco_loss():
 
 
 # One more parameter per codec; the sparse error-feedback codec (issue 30, item 2) goes here.
-CODECS = {"float16": Float16Compression(), "blockwise8": BlockwiseQuantization()}
+CODECS = {
+    "float16": Float16Compression(),
+    "blockwise8": BlockwiseQuantization(),
+    # Sparse with error feedback: a tenth of each chunk's values, 4 bits each (the model is
+    # small: chunks of 64 values).
+    "topk_error_feedback": ErrorFeedbackTopK(density=0.1, bits=4, chunk=64),
+}
 
 
 @pytest.mark.parametrize("name", list(CODECS))
