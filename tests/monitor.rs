@@ -162,7 +162,7 @@ async fn peer(initial: Vec<libp2p::Multiaddr>, name: &str, mode: ModeClaim) -> P
         min_period: Duration::from_millis(100),
         ..MetricsConfig::default()
     };
-    let metrics = Arc::new(MetricsPublisher::start(dht.clone(), RUN, config));
+    let metrics = Arc::new(MetricsPublisher::start(dht.clone(), RUN, config).unwrap());
     let stop = Arc::new(AtomicBool::new(false));
     let (t, m, s, name) = (
         tracker.clone(),

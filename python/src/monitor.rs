@@ -3,7 +3,6 @@
 //! by `hivemesh.optim.Optimizer.report_metrics`). Both run on the process's tokio runtime.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use hivemesh::dht::{Dht, DhtTime};
 use hivemesh::monitor::{MonitorConfig, MonitorNode, MonitorOptions};
@@ -14,18 +13,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::node::Node;
+use crate::progress::seconds;
 use crate::runtime::{self, Owner};
 use crate::{DHTError, ShutdownError};
-
-fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
-    if secs.is_finite() && secs > 0.0 {
-        Ok(Duration::from_secs_f64(secs))
-    } else {
-        Err(PyValueError::new_err(format!(
-            "{what} must be a positive number of seconds, not {secs}"
-        )))
-    }
-}
 
 fn addrs(what: &str, list: Vec<String>) -> PyResult<Vec<libp2p::Multiaddr>> {
     list.into_iter()
@@ -165,7 +155,8 @@ impl MetricsPublisher {
         };
         let dht = node.parts()?.dht;
         let _runtime = runtime::handle()?.enter();
-        let inner = RustPublisher::start(dht.clone(), &prefix, config);
+        let inner = RustPublisher::start(dht.clone(), &prefix, config)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(Self {
             inner: Arc::new(inner),
             dht,

@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 
 use super::metrics::{MetricsError, MetricsRecord, PeerMetrics, metrics_key};
+use super::progress::ConfigError;
 use super::task::OwnedTask;
 use super::tracker::TrackerError;
 use crate::dht::{Dht, DhtTime};
@@ -35,6 +36,19 @@ impl Default for MetricsConfig {
             expiration: Duration::from_secs(60),
             request_timeout: Duration::from_secs(30),
         }
+    }
+}
+
+impl MetricsConfig {
+    /// Checks that the parameters make sense (a zero expiration would republish forever).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.expiration.is_zero() || self.request_timeout.is_zero() {
+            return Err(ConfigError {
+                field: "expiration",
+                reason: "expiration and timeout must be positive",
+            });
+        }
+        Ok(())
     }
 }
 
@@ -195,7 +209,8 @@ impl std::fmt::Debug for MetricsPublisher {
 impl MetricsPublisher {
     /// A publisher for the run `prefix` on `dht`, writing in the background at once (call
     /// within a tokio runtime).
-    pub fn start(dht: Dht, prefix: &str, config: MetricsConfig) -> Self {
+    pub fn start(dht: Dht, prefix: &str, config: MetricsConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
         let shared = Arc::new(Shared {
             schedule: Mutex::new(MetricsSchedule::new(config)),
             dht,
@@ -205,7 +220,7 @@ impl MetricsPublisher {
         let task = OwnedTask::new();
         let s = shared.clone();
         task.spawn(|stop| publisher(s, stop));
-        Self { shared, task }
+        Ok(Self { shared, task })
     }
 
     /// Takes this peer's latest metrics (refused, with nothing changed, if they would not
@@ -282,6 +297,16 @@ mod tests {
         let (bytes, exp) = s.withdraw(132.0).unwrap();
         assert_eq!(MetricsRecord::decode(&bytes), Ok(MetricsRecord::Withdrawn));
         assert!(exp > 192.0);
+    }
+
+    #[test]
+    fn a_zero_expiration_is_refused() {
+        let config = MetricsConfig {
+            expiration: Duration::ZERO,
+            ..MetricsConfig::default()
+        };
+        assert!(config.validate().is_err());
+        assert!(MetricsConfig::default().validate().is_ok());
     }
 
     #[test]
