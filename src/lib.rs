@@ -44,6 +44,7 @@ pub mod group;
 pub mod links;
 pub mod matchmaking;
 pub mod metrics;
+pub mod monitor;
 pub mod p2p;
 mod proto_guard;
 pub mod reach;

@@ -83,19 +83,34 @@
 //! under `request_timeout`, every sleep is capped at `max_refresh_period` (a clock step cannot
 //! stall a loop), and [`ProgressTracker::shutdown`] stops the loops (aborting them after its
 //! timeout) before withdrawing the record.
+//!
+//! # Metrics for monitors
+//!
+//! Beside its progress, a peer may publish a [`PeerMetrics`] record under
+//! `"{prefix}_metrics"` ([`metrics_key`], also at its owner subkey): its loss, how others reach
+//! it, its averaging rounds, a display name. Training never reads it; `hivemesh monitor`
+//! ([`crate::monitor`]) shows it. [`MetricsPublisher`] writes it (see [`publisher`] for the
+//! schedule); the encoding and its checks are in [`metrics`].
 
 mod ema;
+pub mod metrics;
 mod progress;
+pub mod publisher;
 mod record;
+pub(crate) mod task;
 mod tracker;
 
 #[cfg(test)]
 mod tests;
 
 pub use ema::{EmaError, PerformanceEma};
+pub use metrics::{
+    MAX_NAME_BYTES, MetricsError, MetricsRecord, ModeClaim, PeerMetrics, ReachClaim, metrics_key,
+};
 pub use progress::{
     ConfigError, FetchSummary, GlobalProgress, MIN_MEANINGFUL_RATE, ProgressConfig, ProgressCore,
     ProgressLimits,
 };
+pub use publisher::{MetricsConfig, MetricsPublisher, MetricsSchedule};
 pub use record::{LocalProgress, PROGRESS_RECORD_BYTES, ProgressRecord, RecordError};
 pub use tracker::{PauseGuard, ProgressTracker, TrackerError, progress_key};

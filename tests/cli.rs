@@ -656,6 +656,129 @@ mod dht {
         assert!(interrupt(&mut open));
     }
 
+    /// `hivemesh monitor` beside a DHT node: prints its page's URL, serves the page, its
+    /// script and `/api/state` (an empty run: no peers yet), and stops on Ctrl-C.
+    #[test]
+    fn monitor_serves_its_page_and_json_then_stops_on_ctrl_c() {
+        let (mut node, addr) = start(&["--listen", "/ip4/127.0.0.1/tcp/0"]);
+        let mut monitor = Proc::spawn(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([
+            "monitor",
+            "--initial-peer",
+            &addr,
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--http",
+            "127.0.0.1:0",
+            "--run-id",
+            "cli_run",
+            "--refresh",
+            "0.2",
+        ]));
+        let url = monitor.next_line();
+        let host = url
+            .trim()
+            .strip_prefix("http://")
+            .and_then(|u| u.strip_suffix('/'))
+            .unwrap_or_else(|| panic!("{url}"))
+            .to_owned();
+        let get = |path: &str| {
+            use std::io::{Read as _, Write as _};
+            let mut s = std::net::TcpStream::connect(&host).unwrap();
+            s.set_read_timeout(Some(procs::LIMIT)).unwrap();
+            write!(
+                s,
+                "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut answer = String::new();
+            s.read_to_string(&mut answer).unwrap();
+            answer
+        };
+        let page = get("/");
+        assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+        assert!(page.contains("<title>hivemesh monitor</title>"), "{page}");
+        assert!(
+            page.to_ascii_lowercase()
+                .contains("content-security-policy: default-src 'none'")
+        );
+        assert!(get("/app.js").contains("textContent"));
+        let deadline = std::time::Instant::now() + procs::LIMIT;
+        let json = loop {
+            let answer = get("/api/state");
+            let body = answer
+                .split("\r\n\r\n")
+                .nth(1)
+                .unwrap_or_default()
+                .to_owned();
+            let json: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if json["fetches"].as_u64().is_some_and(|n| n > 0) {
+                break json;
+            }
+            assert!(std::time::Instant::now() < deadline, "{answer}");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert_eq!(json["run_id"], "cli_run");
+        assert_eq!(json["peers"], serde_json::json!([]));
+        assert_eq!(json["global"]["num_peers"], 0);
+        assert!(get("/nope").starts_with("HTTP/1.1 404"));
+        assert!(interrupt(&mut monitor));
+        assert!(interrupt(&mut node));
+    }
+
+    /// Bad `hivemesh monitor` flags fail at once, saying what is wrong.
+    #[test]
+    fn bad_monitor_flags_fail_clearly() {
+        let peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEyoppNCUx8Yx66oV9fJnriXwCcXwDDUA2kj6vnc6iDEp";
+        for (args, needle) in [
+            (vec!["monitor"], "--initial-peer <MADDR>"),
+            (
+                vec!["monitor", "--initial-peer", "nonsense"],
+                "invalid value 'nonsense'",
+            ),
+            (
+                vec!["monitor", "--initial-peer", peer, "--http", "localhost"],
+                "invalid value 'localhost' for '--http <ADDR>'",
+            ),
+            (
+                vec!["monitor", "--initial-peer", peer, "--refresh", "0"],
+                "--refresh must be between",
+            ),
+            (
+                vec!["monitor", "--initial-peer", peer, "--run-id", ""],
+                "--run-id must not be empty",
+            ),
+            (
+                vec!["monitor", "--initial-peer", peer, "--max-peers", "0"],
+                "--max-peers and --history must be at least 1",
+            ),
+            (
+                vec![
+                    "monitor",
+                    "--initial-peer",
+                    peer,
+                    "--target-batch-size",
+                    "0",
+                ],
+                "--target-batch-size must be at least 1",
+            ),
+            (
+                vec![
+                    "monitor",
+                    "--initial-peer",
+                    "/ip4/127.0.0.1/tcp/9",
+                    "--http",
+                    "127.0.0.1:0",
+                ],
+                "must end with /p2p/<peer id>",
+            ),
+        ] {
+            let (code, _, stderr) =
+                procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args(&args));
+            assert_ne!(code, Some(0), "{args:?} should fail");
+            assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        }
+    }
+
     #[test]
     fn bad_initial_peer_is_an_error() {
         let (code, _, stderr) = procs::output(Command::new(env!("CARGO_BIN_EXE_hivemesh")).args([

@@ -141,6 +141,8 @@ def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace
                 loss = F.cross_entropy(model(x_all[batch]), y_all[batch])
                 loss.backward()
                 opt.step()
+                if hasattr(opt, "report_metrics"):  # hivemesh: the loss for `hivemesh monitor`
+                    opt.report_metrics(loss=loss.item(), name=f"peer {index}")
                 if bar is not None:
                     bar.desc = f"peer {index} epoch {opt.local_epoch} loss {loss.item():.3f}"
                     bar.update()

@@ -245,3 +245,52 @@ class ProgressTracker:
         """Waits (GIL released) for a fetch after the last epoch change."""
     def shutdown(self, timeout: Optional[float] = ...) -> None:
         """Stops the loops and withdraws this peer's record. Idempotent."""
+
+class Monitor:
+    """A monitor node (``hivemesh monitor``): a DHT client watching the run ``run_id`` and
+    serving its live page at ``http`` (``HOST:PORT``; port 0 picks one)."""
+
+    def __init__(
+        self,
+        initial_peers: List[str],
+        run_id: str,
+        http: str = ...,
+        *,
+        listen: Optional[List[str]] = ...,
+        target_batch_size: Optional[int] = ...,
+        refresh_period: float = ...,
+        max_peers: int = ...,
+        history: int = ...,
+    ) -> None: ...
+    @property
+    def url(self) -> str: ...
+    def state_json(self) -> str: ...
+    def shutdown(self) -> None: ...
+
+class MetricsPublisher:
+    """This peer's metrics record for monitors (the Rust ``hivemesh::train::MetricsPublisher``)."""
+
+    def __init__(
+        self,
+        node: Node,
+        prefix: str,
+        *,
+        min_period: float = ...,
+        expiration: float = ...,
+        request_timeout: float = ...,
+    ) -> None: ...
+    def report(
+        self,
+        epoch: int,
+        samples_per_second: float,
+        *,
+        loss: Optional[float] = ...,
+        target_batch_size: int = ...,
+        rounds_ok: int = ...,
+        rounds_failed: int = ...,
+        last_group_size: int = ...,
+        reach: Optional[str] = ...,
+        mode: str = ...,
+        name: str = ...,
+    ) -> None: ...
+    def shutdown(self, timeout: Optional[float] = ...) -> None: ...

@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 mod averager;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod monitor;
 mod node;
 mod progress;
 mod runtime;
@@ -74,6 +75,8 @@ fn _hivemesh(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<averager::StepControl>()?;
     m.add_class::<averager::TensorLock>()?;
     m.add_class::<progress::ProgressTracker>()?;
+    m.add_class::<monitor::Monitor>()?;
+    m.add_class::<monitor::MetricsPublisher>()?;
     m.add_function(wrap_pyfunction!(node::get_dht_time, m)?)?;
     m.add_function(wrap_pyfunction!(node::peer_id_to_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(node::peer_id_to_base58, m)?)?;

@@ -17,7 +17,8 @@ use crate::DHTError;
 use crate::node::Node;
 use crate::runtime::{self, OnInterrupt, Owner};
 
-fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
+/// `secs` as a duration, or a `ValueError` naming `what` if it is negative or not finite.
+pub(crate) fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
     if secs.is_finite() && secs >= 0.0 {
         Ok(Duration::from_secs_f64(secs))
     } else {

@@ -258,6 +258,20 @@ impl ProgressCore {
         &self.config
     }
 
+    /// Changes the target batch size (a monitor learns it from the peers' metrics), then
+    /// derives the swarm's progress again.
+    pub fn set_target_batch_size(&mut self, target: u64, now: f64) -> Result<(), ConfigError> {
+        if target == 0 {
+            return Err(ConfigError {
+                field: "target_batch_size",
+                reason: "must be positive",
+            });
+        }
+        self.config.target_batch_size = target;
+        self.recompute(now);
+        Ok(())
+    }
+
     /// This peer.
     pub fn peer_id(&self) -> PeerId {
         self.me

@@ -5,10 +5,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
-use tokio::task::JoinHandle;
 
 use super::progress::{ConfigError, GlobalProgress, ProgressConfig, ProgressCore};
 use super::record::LocalProgress;
+use super::task::OwnedTask;
 use crate::dht::{Dht, DhtError, DhtTime};
 
 /// The DHT key of a run's progress records: the [owned key](crate::dht::owned_key)
@@ -48,7 +48,6 @@ struct Shared {
     wake_fetcher: Notify,
     /// Fetches applied so far.
     fetches: watch::Sender<u64>,
-    stop: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -118,8 +117,7 @@ fn until(at: f64, cap: Duration) -> Duration {
     Duration::from_secs_f64(secs)
 }
 
-async fn reporter(shared: Arc<Shared>) {
-    let mut stop = shared.stop.subscribe();
+async fn reporter(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     loop {
         let (due, next) = {
             let mut core = shared.core();
@@ -145,8 +143,7 @@ async fn reporter(shared: Arc<Shared>) {
     }
 }
 
-async fn fetcher(shared: Arc<Shared>) {
-    let mut stop = shared.stop.subscribe();
+async fn fetcher(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     loop {
         let (next, cap) = {
             let core = shared.core();
@@ -199,7 +196,7 @@ impl Drop for PauseGuard<'_> {
 /// peer's record, one fetching everyone's.
 pub struct ProgressTracker {
     shared: Arc<Shared>,
-    task: Mutex<Option<JoinHandle<()>>>,
+    task: OwnedTask,
 }
 
 impl std::fmt::Debug for ProgressTracker {
@@ -225,37 +222,31 @@ impl ProgressTracker {
             reported: Notify::new(),
             wake_fetcher: Notify::new(),
             fetches: watch::Sender::new(0),
-            stop: watch::Sender::new(false),
         });
         if let Err(e) = shared.fetch().await {
             tracing::debug!(error = %e, "first progress fetch failed");
         }
         Ok(Self {
             shared,
-            task: Mutex::new(None),
+            task: OwnedTask::new(),
         })
     }
 
     /// Starts publishing and fetching in the background (a no-op if running or shut down).
     /// Call within a tokio runtime.
     pub fn start(&self) {
-        let mut task = self.task.lock().unwrap_or_else(|e| e.into_inner());
-        if task.is_some() || *self.shared.stop.borrow() {
-            return;
-        }
         let shared = self.shared.clone();
-        *task = Some(tokio::spawn(async move {
-            tokio::join!(reporter(shared.clone()), fetcher(shared));
-        }));
+        self.task.spawn(|stop| async move {
+            tokio::join!(
+                reporter(shared.clone(), stop.clone()),
+                fetcher(shared, stop)
+            );
+        });
     }
 
     /// Whether the background loops run.
     pub fn is_running(&self) -> bool {
-        self.task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .is_some_and(|t| !t.is_finished())
+        self.task.is_running()
     }
 
     /// The swarm's progress as last derived.
@@ -365,13 +356,7 @@ impl ProgressTracker {
     /// Stops the background loops (waiting for them at most `timeout`, then aborting them)
     /// and withdraws this peer's record (one write under `request_timeout`). Idempotent.
     pub async fn shutdown(&self, timeout: Duration) -> Result<(), TrackerError> {
-        let first = !self.shared.stop.send_replace(true);
-        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(mut task) = task
-            && tokio::time::timeout(timeout, &mut task).await.is_err()
-        {
-            task.abort();
-        }
+        let first = self.task.stop(timeout).await;
         if !first {
             return Ok(());
         }
@@ -380,19 +365,5 @@ impl ProgressTracker {
             self.shared.publish(value, expiration).await?;
         }
         Ok(())
-    }
-}
-
-impl Drop for ProgressTracker {
-    fn drop(&mut self) {
-        self.shared.stop.send_replace(true);
-        if let Some(task) = self
-            .task
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            task.abort();
-        }
     }
 }

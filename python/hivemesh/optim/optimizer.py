@@ -29,6 +29,7 @@ weight 0, so the group is not kept waiting.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from functools import partial
@@ -36,6 +37,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import torch
 
+from hivemesh import _hivemesh
 from hivemesh.averaging.control import AveragingStage, StepControl
 from hivemesh.compression import CompressionBase, NoCompression
 from hivemesh.dht import DHT
@@ -177,6 +179,10 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round: Optional[Dict[str, Any]] = None
         self._round_started = time.perf_counter()
         self._epoch_began = time.monotonic()
+        # Gradient rounds with a group that finished / failed, and the metrics record for
+        # monitors (started by the first report_metrics call).
+        self._rounds_ok = self._rounds_failed = 0
+        self._metrics: Optional[Any] = None
 
         self.tracker = ProgressTracker(
             dht, f"{run_id}_progress", target_batch_size, client_mode=self.client_mode,
@@ -508,14 +514,17 @@ class Optimizer(torch.optim.Optimizer):
                 if gathered:
                     seconds = time.perf_counter() - self._round_started
                     self.last_round = dict(group_size=len(gathered), seconds=seconds)
+                    self._rounds_ok += 1
                     logger.log(self.status_loglevel,
                                f"averaged gradients with {len(gathered)} peers in {seconds:.2f} s")
                 else:
                     self.last_round = dict(group_size=1, seconds=0.0)
                     logger.log(self.status_loglevel,
                                "no group for the gradients in time: local gradients")
+                    self._rounds_failed += 1
             except BaseException as e:  # noqa: BLE001 - never out of step()
                 self.last_round = dict(group_size=1, seconds=0.0)
+                self._rounds_failed += 1
                 logger.log(self.status_loglevel,
                            f"averaging gradients failed ({e!r}): local gradients")
         self._load_averaged_gradients_into_optimizer_()
@@ -652,6 +661,29 @@ class Optimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(prefix={self.run_id}, epoch={self.local_epoch})"
 
+    def report_metrics(self, loss: Optional[float] = None, *, name: str = "") -> None:
+        """Publishes this peer's metrics for monitors (``hivemesh monitor``, ``python -m
+        hivemesh.monitor``): its epoch, samples per second, ``loss`` (a float or a one-element
+        tensor; left out if NaN or infinite), gradient rounds finished and failed, the last
+        round's group size, how others reach it, its mode and a display ``name`` (at most 64
+        bytes). Not in hivemind's API (its ``step`` takes no loss): call it after ``step()``,
+        as often as you like; it writes to the DHT at most every 2 s, in the background."""
+        if loss is not None:
+            loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+            if not math.isfinite(loss):
+                logger.debug(f"loss {loss} not reported (not finite)")
+                loss = None
+        if self._metrics is None:
+            self._metrics = _hivemesh.MetricsPublisher(self.dht._native, self.run_id)
+        mode = "client" if self.client_mode else "aux" if self.auxiliary else "node"
+        self._metrics.report(
+            self.local_epoch, self.tracker.performance_ema.samples_per_second, loss=loss,
+            target_batch_size=self.target_batch_size, rounds_ok=self._rounds_ok,
+            rounds_failed=self._rounds_failed,
+            last_group_size=min((self.last_round or {}).get("group_size", 0), 65535),
+            mode=mode, name=name,
+        )
+
     def shutdown(self) -> None:
         """Leaves the swarm: removes this peer's progress, finishes or leaves pending rounds,
         stops the averagers. Idempotent."""
@@ -660,6 +692,8 @@ class Optimizer(torch.optim.Optimizer):
         self._shut_down = True
         logger.log(self.status_loglevel, "leaving the swarm")
         self.tracker.shutdown(self.shutdown_timeout)
+        if self._metrics is not None:
+            self._metrics.shutdown(self.shutdown_timeout)
         try:
             self.state_averager.step(wait_for_delayed_updates=True)
         except BaseException as e:  # noqa: BLE001 - shutting down

@@ -1,12 +1,14 @@
 //! The `hivemesh` command line: `hivemesh demo` (the main job) averages vectors among local
 //! peers; `hivemesh sim` runs one simulated all-reduce round; `hivemesh dht` runs a
-//! bootstrap/DHT peer; `hivemesh bench` measures.
+//! bootstrap/DHT peer; `hivemesh monitor` serves a live web page of a training run;
+//! `hivemesh bench` measures.
 
 mod bench;
 mod bench_device;
 mod chaos;
 mod collective;
 mod demo;
+mod monitor;
 mod steps;
 mod workers;
 
@@ -41,6 +43,9 @@ enum Command {
     /// Run a bootstrap/DHT peer; prints one dialable address per line, then serves until
     /// Ctrl-C.
     Dht(DhtArgs),
+    /// Watch a training run: join its swarm as a DHT client and serve a live web page of it
+    /// (and its data as JSON at /api/state); prints the page's URL, then serves until Ctrl-C.
+    Monitor(monitor::MonitorArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -200,6 +205,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Sim(args) => run_sim(args),
         Command::Dht(args) => run_dht(args),
+        Command::Monitor(args) => monitor::run(args),
         Command::SwarmKey(args) => write_swarm_key(&args.file),
         Command::Bench(BenchCommand::Allreduce(args)) => bench::run_bench(args),
         Command::BenchWorker(args) => bench::run_worker(args),
