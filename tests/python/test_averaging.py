@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 import hivemesh
-from hivemesh.compression import Float16Compression
+from hivemesh.compression import (
+    BFloat16Compression,
+    BlockwiseQuantization,
+    Float16Compression,
+    NoCompression,
+    Quantile8BitQuantization,
+    Uniform8BitQuantization,
+)
 
 if os.environ.get("HIVEMESH_GPU_REQUIRED"):
     # A GPU run needs torch: without it, this file must fail (the CUDA test with it), never
@@ -113,6 +120,45 @@ def test_gather_and_half_precision(make_dht):
             assert ts[0].dtype == torch.float16 and ts[1].dtype == torch.bfloat16
             assert torch.allclose(ts[0].float(), reference[0], atol=1e-2)
             assert torch.allclose(ts[1].float(), reference[1], atol=5e-2)
+    finally:
+        shutdown(averagers)
+
+
+# Each codec's stated bound (src/compression.rs): relative for the float codecs (of the largest
+# input magnitude here), a mean squared error for the 8-bit ones on N(0, 1) inputs. A peer's
+# result carries its own codec error and that of the group's encoded parts: at most 3 codings.
+CODEC_BOUNDS = {
+    "none": (NoCompression(), "max", 2.0 ** -20),  # float32 rounding of the delta rule
+    "float16": (Float16Compression(), "max", 3 * 2.0 ** -11),
+    "bfloat16": (BFloat16Compression(), "max", 3 * 2.0 ** -8),
+    "uniform8": (Uniform8BitQuantization(), "mse", 3 * 8e-4),
+    "quantile8": (Quantile8BitQuantization(), "mse", 3 * 8e-4),
+    "blockwise8": (BlockwiseQuantization(), "mse", 3 * 8e-4),
+}
+
+
+@pytest.mark.parametrize("name", list(CODEC_BOUNDS))
+def test_every_codec_crosses_real_links_within_its_bound(make_dht, name):
+    """Each codec (hivemind's codes 0, 2-6) over real links between two peers: every peer ends
+    within the codec's bound of the exact mean, and a lossy codec really ran (not exactly
+    on it)."""
+    codec, kind, bound = CODEC_BOUNDS[name]
+    torch.manual_seed(11)
+    tensors = [[torch.randn(8192)] for _ in range(2)]
+    exact = (tensors[0][0] + tensors[1][0]).double() / 2
+    scale = max(t[0].abs().max().item() for t in tensors)
+    averagers = averagers_for(make_dht, tensors, compression=codec, prefix=f"codec_{name}")
+    try:
+        controls = [a.step(wait=False, timeout=STEP_TIMEOUT) for a in averagers]
+        assert all(c.result(timeout=STEP_TIMEOUT) is not None for c in controls)
+        for i, ts in enumerate(tensors):
+            err = ts[0].double() - exact
+            if kind == "max":
+                assert err.abs().max().item() <= bound * scale + 1e-7, (i, err.abs().max())
+            else:
+                assert (err ** 2).mean().item() <= bound, (i, (err ** 2).mean())
+            if name != "none":
+                assert err.abs().max().item() > 0, f"{name} left peer {i} exactly on the mean"
     finally:
         shutdown(averagers)
 
