@@ -186,9 +186,10 @@ pub(super) struct EventLoop {
 /// failure that says the peer is gone): two peers that dial each other at the same instant
 /// from their listen ports get one TCP connection with two initiators, and both handshakes
 /// fail; a second dial after a random pause almost never meets the other's again. An initial
-/// peer is dialed again the same way (waiters or not) before it counts as failed: on loopback
-/// a dial from the listen port now and then meets "address already in use" (seen once in a
-/// test's `Node::start`).
+/// peer is dialed again the same way (waiters or not, and from a new port) before it counts
+/// as failed: a dial from the listen port meets "address already in use" while the kernel
+/// keeps a closed connection between the same two ports (seen in tests' `Node::start` on
+/// loopback, a node listening on the port of a node just shut down).
 const MAX_REDIALS: u32 = 2;
 
 /// Most addresses of one peer that identify adds to the routing table.
@@ -651,9 +652,16 @@ impl EventLoop {
         if self.swarm.is_connected(&peer) || !(initial || self.peer_waiters.contains_key(&peer)) {
             return;
         }
-        let opts = DialOpts::peer_id(peer)
-            .condition(PeerCondition::DisconnectedAndNotDialing)
-            .build();
+        let opts = DialOpts::peer_id(peer).condition(PeerCondition::DisconnectedAndNotDialing);
+        // An initial peer: from a new port. A dial from the listen port meets "address already
+        // in use" for as long as the kernel keeps an earlier connection between the same two
+        // ports (TIME_WAIT, a minute): a node whose random listen port was a closed node's
+        // that had dialed the same peer.
+        let opts = if initial {
+            opts.allocate_new_port().build()
+        } else {
+            opts.build()
+        };
         match self.swarm.dial(opts) {
             Ok(()) | Err(libp2p::swarm::DialError::DialPeerConditionFalse(_)) => {}
             Err(e) => {
