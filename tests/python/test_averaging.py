@@ -140,8 +140,8 @@ CODEC_BOUNDS = {
 @pytest.mark.parametrize("name", list(CODEC_BOUNDS))
 def test_every_codec_crosses_real_links_within_its_bound(make_dht, name):
     """Each codec (hivemind's codes 0, 2-6) over real links between two peers: every peer ends
-    within the codec's bound of the exact mean, and a lossy codec really ran (not exactly
-    on it)."""
+    within the codec's bound of the exact mean, and a lossy codec really ran (further from it
+    than float32's rounding)."""
     codec, kind, bound = CODEC_BOUNDS[name]
     torch.manual_seed(11)
     tensors = [[torch.randn(8192)] for _ in range(2)]
@@ -158,7 +158,9 @@ def test_every_codec_crosses_real_links_within_its_bound(make_dht, name):
             else:
                 assert (err ** 2).mean().item() <= bound, (i, (err ** 2).mean())
             if name != "none":
-                assert err.abs().max().item() > 0, f"{name} left peer {i} exactly on the mean"
+                # Beyond float32's rounding (2^-23 of the scale): the values went through
+                # the codec.
+                assert err.abs().max().item() > 1e-5 * scale, f"{name} did not run for peer {i}"
     finally:
         shutdown(averagers)
 
