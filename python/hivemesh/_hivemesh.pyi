@@ -261,6 +261,7 @@ class Monitor:
         refresh_period: float = ...,
         max_peers: int = ...,
         history: int = ...,
+        swarm_key: Optional[str] = ...,
     ) -> None: ...
     @property
     def url(self) -> str: ...

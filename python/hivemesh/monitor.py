@@ -28,17 +28,19 @@ __all__ = ["Monitor", "main"]
 class Monitor:
     """A monitor of the run ``run_id``, joined through ``initial_peers``, serving its page at
     ``http`` (``HOST:PORT``; port 0 picks one: see :attr:`url`). ``target_batch_size``: for
-    the ETA (default: what the peers' metrics say)."""
+    the ETA (default: what the peers' metrics say). ``swarm_key``: a private swarm's key file
+    (``hivemesh swarm-key FILE``), as the swarm's ``DHT(swarm_key=...)``."""
 
     def __init__(self, initial_peers: Sequence[Any], run_id: str, http: str = "127.0.0.1:8080",
                  *, listen: Optional[Sequence[str]] = None,
                  target_batch_size: Optional[int] = None, refresh_period: float = 2.0,
-                 max_peers: int = 1000, history: int = 900):
+                 max_peers: int = 1000, history: int = 900, swarm_key: Optional[str] = None):
         self._native = _hivemesh.Monitor(
             [str(a) for a in initial_peers], run_id, http,
             listen=None if listen is None else [str(a) for a in listen],
             target_batch_size=target_batch_size, refresh_period=refresh_period,
             max_peers=max_peers, history=history,
+            swarm_key=None if swarm_key is None else str(swarm_key),
         )
 
     @property
@@ -81,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="rows of the peer table, peers that left included (default: 1000)")
     p.add_argument("--history", type=int, default=900, metavar="N",
                    help="fetches kept for the charts (default: 900)")
+    p.add_argument("--swarm-key", metavar="FILE",
+                   help="a private swarm's key file (hivemesh swarm-key FILE writes one)")
     return p
 
 
@@ -100,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         monitor = Monitor(args.initial_peers, args.run_id, args.http, listen=args.listen,
                           target_batch_size=args.target_batch_size,
                           refresh_period=args.refresh, max_peers=args.max_peers,
-                          history=args.history)
+                          history=args.history, swarm_key=args.swarm_key)
     except ValueError as e:
         p.error(str(e))
     except _hivemesh.HivemeshError as e:

@@ -27,7 +27,8 @@ fn addrs(what: &str, list: Vec<String>) -> PyResult<Vec<libp2p::Multiaddr>> {
 }
 
 /// A monitor node: joins the swarm through `initial_peers` as a DHT client, watches the run
-/// `run_id` and serves its page at `http` (`host:port`; port 0 picks one, see `url`).
+/// `run_id` and serves its page at `http` (`host:port`; port 0 picks one, see `url`);
+/// `swarm_key`: a private swarm's key file.
 #[pyclass(module = "hivemesh._hivemesh")]
 pub(crate) struct Monitor {
     inner: Mutex<Option<MonitorNode>>,
@@ -38,7 +39,7 @@ pub(crate) struct Monitor {
 #[pymethods]
 impl Monitor {
     #[new]
-    #[pyo3(signature = (initial_peers, run_id, http="127.0.0.1:8080", *, listen=None, target_batch_size=None, refresh_period=2.0, max_peers=1000, history=900))]
+    #[pyo3(signature = (initial_peers, run_id, http="127.0.0.1:8080", *, listen=None, target_batch_size=None, refresh_period=2.0, max_peers=1000, history=900, swarm_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -50,7 +51,14 @@ impl Monitor {
         refresh_period: f64,
         max_peers: usize,
         history: usize,
+        swarm_key: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
+        let swarm_key = swarm_key
+            .map(|path| {
+                hivemesh::p2p::SwarmKey::read(&path)
+                    .map_err(|e| PyValueError::new_err(e.to_string()))
+            })
+            .transpose()?;
         let http = http
             .parse()
             .map_err(|e| PyValueError::new_err(format!("http '{http}': {e} (want HOST:PORT)")))?;
@@ -59,7 +67,7 @@ impl Monitor {
             run_id,
             http,
             listen: addrs("listen address", listen.unwrap_or_default())?,
-            swarm_key: None,
+            swarm_key,
             config: MonitorConfig {
                 refresh_period: seconds("refresh_period", refresh_period)?,
                 max_peers,

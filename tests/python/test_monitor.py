@@ -45,6 +45,8 @@ def get_state(url):
     (["--initial-peer", "/ip4/127.0.0.1/tcp/9", "--http", "localhost"], "http 'localhost'"),
     (["--initial-peer", "/ip4/127.0.0.1/tcp/9", "--refresh", "0"], "--refresh must be between"),
     (["--initial-peer", "/ip4/127.0.0.1/tcp/9", "--run-id", ""], "--run-id must not be empty"),
+    (["--initial-peer", "/ip4/127.0.0.1/tcp/9", "--swarm-key", "/nonexistent/swarm.key"],
+     "swarm key"),
 ])
 def test_bad_flags_fail_clearly(args, needle):
     r = subprocess.run([sys.executable, "-m", "hivemesh.monitor", *args], capture_output=True,
@@ -115,3 +117,20 @@ def test_the_monitor_class_in_process(bootstrap):
         assert get_state(monitor.url)["run_id"] == "nobody_here"
     with pytest.raises(ValueError, match="max_peers"):
         Monitor(bootstrap, "x", "127.0.0.1:0", max_peers=0)
+
+
+def test_the_monitor_joins_a_private_swarm_with_its_key(tmp_path):
+    """``swarm_key`` (``--swarm-key``): with the swarm's key the monitor joins and fetches;
+    without it, it cannot join."""
+    import os
+
+    key = tmp_path / "swarm.key"
+    key.write_text("/key/swarm/psk/1.0.0/\n/base16/\n" + os.urandom(32).hex() + "\n")
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
+    with hivemesh.DHT(host_maddrs=loopback, swarm_key=str(key)) as boot:
+        addrs = [str(a) for a in boot.get_visible_maddrs()]
+        with Monitor(addrs, "private_run", "127.0.0.1:0", refresh_period=0.1,
+                     listen=loopback, swarm_key=str(key)) as monitor:
+            eventually("a first fetch", lambda: monitor.state()["fetches"] > 0)
+        with pytest.raises(hivemesh.DHTError, match="initial peer"):
+            Monitor(addrs, "private_run", "127.0.0.1:0", listen=loopback)
