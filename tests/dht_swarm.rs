@@ -1,5 +1,9 @@
 //! The typed DHT on in-process libp2p swarms over loopback.
 
+mod common;
+
+use common::dht_node;
+
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -11,26 +15,13 @@ use hivemesh::p2p::{P2p, P2pConfig, RecordPolicy};
 use libp2p::PeerId;
 use libp2p::identity::Keypair;
 
-async fn node(initial: Vec<libp2p::Multiaddr>, client: bool) -> Dht {
-    let cfg = P2pConfig {
-        initial_peers: initial,
-        client_mode: client,
-        request_timeout: Duration::from_secs(10),
-        ..P2pConfig::loopback()
-    };
-    Dht::start(cfg, Keypair::generate_ed25519())
-        .await
-        .expect("node starts")
-        .0
-}
-
 async fn swarm(n: usize) -> Vec<Dht> {
-    let boot = node(vec![], false).await;
+    let boot = dht_node(vec![], false).await;
     let addrs = boot.p2p().listen_addrs().await.unwrap();
     let mut all = vec![boot];
     for i in 1..n {
         // The last peer is a client-mode DHT peer.
-        all.push(node(addrs.clone(), i == n - 1).await);
+        all.push(dht_node(addrs.clone(), i == n - 1).await);
     }
     all
 }
@@ -243,7 +234,7 @@ async fn owner_subkeys_can_only_be_written_by_their_owner() {
         .unwrap();
     // An honest reader R that joins through E: E is in its routing table from the start, so
     // every GET of R's asks E (the others may not have learnt of E yet).
-    let r = node(evil.listen_addrs().await.unwrap(), true).await;
+    let r = dht_node(evil.listen_addrs().await.unwrap(), true).await;
 
     let later = ahead(120.0);
     let forged_value = Bytes::from_static(b"forged");
@@ -313,7 +304,7 @@ async fn store_counts_the_replicas_that_kept_the_write() {
     .await
     .expect("replica")
     .0;
-    let writer = node(replica.p2p().listen_addrs().await.unwrap(), false).await;
+    let writer = dht_node(replica.p2p().listen_addrs().await.unwrap(), false).await;
     assert_eq!(
         writer
             .store(b"first", None, b"a", ahead(60.0))
@@ -356,7 +347,7 @@ async fn store_counts_the_replicas_that_kept_the_write() {
 /// writes and the honest declaration goes in and is read back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn squatters_cannot_freeze_owned_keys() {
-    let replica = node(vec![], false).await;
+    let replica = dht_node(vec![], false).await;
     let boot = replica.p2p().listen_addrs().await.unwrap();
     let cfg = P2pConfig {
         initial_peers: boot.clone(),
@@ -367,7 +358,7 @@ async fn squatters_cannot_freeze_owned_keys() {
     let (squatter, _task) = P2p::spawn(cfg, Keypair::generate_ed25519(), Box::new(AcceptAnything))
         .await
         .unwrap();
-    let honest = node(boot, true).await;
+    let honest = dht_node(boot, true).await;
     let me = honest.p2p().peer_id();
     let limits = hivemesh::dht::ValidationLimits::default();
 

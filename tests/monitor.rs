@@ -8,6 +8,10 @@
 //! Without chromium and chromedriver the browser half prints `skipped: ...`, unless
 //! `HIVEMESH_BROWSER_REQUIRED=1` (CI), where it fails.
 
+mod common;
+
+use common::dht_node;
+
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
@@ -18,12 +22,10 @@ use std::time::{Duration, Instant};
 
 use hivemesh::dht::{Dht, DhtTime};
 use hivemesh::monitor::{MonitorConfig, MonitorNode, MonitorOptions, progress_prefix};
-use hivemesh::p2p::P2pConfig;
 use hivemesh::train::{
     MetricsConfig, MetricsPublisher, ModeClaim, PeerMetrics, ProgressConfig, ProgressTracker,
     ReachClaim,
 };
-use libp2p::identity::Keypair;
 use serde_json::{Value, json};
 
 /// The most any wait here takes: far beyond what it needs on a loaded 2-core machine.
@@ -130,20 +132,8 @@ struct Peer {
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
-async fn node(initial: Vec<libp2p::Multiaddr>) -> Dht {
-    let cfg = P2pConfig {
-        initial_peers: initial,
-        request_timeout: Duration::from_secs(10),
-        ..P2pConfig::loopback()
-    };
-    Dht::start(cfg, Keypair::generate_ed25519())
-        .await
-        .expect("node starts")
-        .0
-}
-
 async fn peer(initial: Vec<libp2p::Multiaddr>, name: &str, mode: ModeClaim) -> Peer {
-    let dht = node(initial).await;
+    let dht = dht_node(initial, false).await;
     let mut cfg = ProgressConfig::new(TARGET);
     cfg.client_mode = mode == ModeClaim::Client;
     cfg.min_refresh_period = Duration::from_millis(100);
@@ -391,7 +381,7 @@ fn the_monitor_shows_a_live_swarm_in_json_and_in_a_browser() {
         .build()
         .unwrap();
     let (boot, mut peers, monitor) = rt.block_on(async {
-        let boot = node(vec![]).await;
+        let boot = dht_node(vec![], false).await;
         let addrs = boot.p2p().listen_addrs().await.unwrap();
         let mut peers = Vec::new();
         for (name, mode) in [

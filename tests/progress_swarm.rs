@@ -1,25 +1,14 @@
 //! Progress trackers on a real swarm over loopback: peers see each other's progress, the
 //! global epoch advances for everyone, and a peer that shuts down is withdrawn.
 
+mod common;
+
+use common::dht_node;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hivemesh::dht::Dht;
-use hivemesh::p2p::P2pConfig;
 use hivemesh::train::{ProgressConfig, ProgressTracker};
-use libp2p::identity::Keypair;
-
-async fn node(initial: Vec<libp2p::Multiaddr>) -> Dht {
-    let cfg = P2pConfig {
-        initial_peers: initial,
-        request_timeout: Duration::from_secs(10),
-        ..P2pConfig::loopback()
-    };
-    Dht::start(cfg, Keypair::generate_ed25519())
-        .await
-        .expect("node starts")
-        .0
-}
 
 fn config() -> ProgressConfig {
     let mut cfg = ProgressConfig::new(60);
@@ -65,12 +54,12 @@ async fn train(tracker: Arc<ProgressTracker>, batch: u64, epochs: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_peers_advance_the_global_epoch_together() {
-    let boot = node(vec![]).await;
+    let boot = dht_node(vec![], false).await;
     let addrs = boot.p2p().listen_addrs().await.unwrap();
     let mut trackers = Vec::new();
     let mut dhts = vec![boot];
     for _ in 0..3 {
-        let dht = node(addrs.clone()).await;
+        let dht = dht_node(addrs.clone(), false).await;
         let tracker = ProgressTracker::new(dht.clone(), "swarm_test", config())
             .await
             .unwrap();

@@ -1,7 +1,10 @@
 """Codecs for the tensor parts of a round, with hivemind's names.
 
-Pass one as ``DecentralizedAverager(..., compression=...)``. Lossy codecs change only what
-travels: every peer ends with the same averaged values.
+Pass one as ``DecentralizedAverager(..., compression=...)``. The dense lossy codecs change
+only what travels, and each peer keeps its own compression error: on a part another member
+reduces, a peer ends at the group's average of the decoded contributions plus (its input
+minus its decoded input), so peers differ by their codec errors. :class:`ErrorFeedbackTopK` instead hands every peer the same values and
+keeps what was not sent in a residual for the next round.
 """
 
 from typing import Tuple, Union

@@ -1,4 +1,5 @@
-//! Helpers shared by the integration tests that drive one `Butterfly` by hand.
+//! Helpers shared by the integration tests: driving one `Butterfly` by hand, and DHT nodes on
+//! loopback.
 
 #![allow(dead_code)] // each test binary uses a subset
 
@@ -123,4 +124,19 @@ pub fn assert_full_mean(me: usize, outcome: &Outcome, start: &[Vec<Tensor>], wei
             );
         }
     }
+}
+
+/// A DHT node on loopback (a DHT client with `client`), joined through `initial`, with a 10 s
+/// request timeout.
+pub async fn dht_node(initial: Vec<libp2p::Multiaddr>, client: bool) -> hivemesh::dht::Dht {
+    let cfg = hivemesh::p2p::P2pConfig {
+        initial_peers: initial,
+        client_mode: client,
+        request_timeout: Duration::from_secs(10),
+        ..hivemesh::p2p::P2pConfig::loopback()
+    };
+    hivemesh::dht::Dht::start(cfg, libp2p::identity::Keypair::generate_ed25519())
+        .await
+        .expect("node starts")
+        .0
 }

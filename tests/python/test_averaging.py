@@ -8,12 +8,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import hivemesh
+from polling import wait_for
 from hivemesh.compression import (
     BFloat16Compression,
     BlockwiseQuantization,
@@ -185,16 +185,6 @@ def test_tensors_are_shared_not_copied(make_dht):
         shutdown(averagers)
 
 
-def _wait_for(predicate, what, timeout=STEP_TIMEOUT):
-    """Polls ``predicate`` until true (an outcome, not a fixed delay); fails after
-    ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def test_trigger_holds_the_allreduce(make_dht):
     tensors = [[torch.full((5,), float(i))] for i in range(2)]
     averagers = averagers_for(make_dht, tensors)
@@ -203,11 +193,11 @@ def test_trigger_holds_the_allreduce(make_dht):
         controls = [a.step(wait=False, require_trigger=True, timeout=STEP_TIMEOUT)
                     for a in averagers]
         # Matchmaking ends; without a trigger no step goes past it.
-        _wait_for(lambda: all(c.stage == stage.AWAITING_TRIGGER for c in controls),
+        wait_for(lambda: all(c.stage == stage.AWAITING_TRIGGER for c in controls),
                   "both steps to await their triggers")
         controls[0].trigger()
         # The first peer's all-reduce begins and cannot end: the second peer holds the round.
-        _wait_for(lambda: controls[0].stage == stage.RUNNING_ALLREDUCE, "the first all-reduce")
+        wait_for(lambda: controls[0].stage == stage.RUNNING_ALLREDUCE, "the first all-reduce")
         assert controls[1].stage == stage.AWAITING_TRIGGER
         assert not controls[0].done() and not controls[1].done()
         for i, ts in enumerate(tensors):

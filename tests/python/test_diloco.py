@@ -21,7 +21,8 @@ from hivemesh.compression import (  # noqa: E402
 
 import collab_peer  # noqa: E402
 import diloco_peer  # noqa: E402
-from test_optimizer import HERE, Swarm, wait_for  # noqa: E402
+from polling import wait_for  # noqa: E402
+from test_optimizer import HERE, Swarm  # noqa: E402
 
 H, BATCH = 5, 8  # inner steps per outer step, samples per inner step
 

@@ -9,7 +9,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 import urllib.request
 from functools import partial
 
@@ -19,19 +18,9 @@ from torch import nn
 
 import hivemesh
 from hivemesh.monitor import Monitor
+from polling import wait_for
 
 LIMIT = 120.0
-
-
-def eventually(what, check):
-    """Polls ``check`` until it returns something true, at most ``LIMIT`` seconds."""
-    deadline = time.monotonic() + LIMIT
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def get_state(url):
@@ -88,7 +77,7 @@ def test_the_monitor_shows_an_optimizer_that_reports_its_loss(make_dht, bootstra
                 return state, rows[0]
             return None
 
-        state, row = eventually("the optimizer's metrics on the monitor", trained_and_shown)
+        state, row = wait_for(trained_and_shown, "the optimizer's metrics on the monitor")
         assert state["run_id"] == "monitored"
         assert state["global"]["num_peers"] == 1
         assert state["global"]["target_batch_size"] == 8
@@ -98,8 +87,9 @@ def test_the_monitor_shows_an_optimizer_that_reports_its_loss(make_dht, bootstra
         # A NaN loss is left out, not published (and does not raise).
         opt.report_metrics(loss=float("nan"))
         opt.shutdown()
-        eventually("the optimizer to be gone", lambda: [
-            p for p in get_state(url)["peers"] if p["peer_id"] == me and p["status"] == "gone"])
+        wait_for(lambda: [
+            p for p in get_state(url)["peers"] if p["peer_id"] == me and p["status"] == "gone"
+        ], "the optimizer to be gone")
     finally:
         opt.shutdown()
         proc.send_signal(2)
@@ -112,7 +102,7 @@ def test_the_monitor_shows_an_optimizer_that_reports_its_loss(make_dht, bootstra
 def test_the_monitor_class_in_process(bootstrap):
     with Monitor(bootstrap, "nobody_here", "127.0.0.1:0", refresh_period=0.1,
                  listen=["/ip4/127.0.0.1/tcp/0"]) as monitor:
-        state = eventually("a first fetch", lambda: (s := monitor.state())["fetches"] > 0 and s)
+        state = wait_for(lambda: (s := monitor.state())["fetches"] > 0 and s, "a first fetch")
         assert state["peers"] == [] and state["global"]["num_peers"] == 0
         assert get_state(monitor.url)["run_id"] == "nobody_here"
     with pytest.raises(ValueError, match="max_peers"):
@@ -131,6 +121,6 @@ def test_the_monitor_joins_a_private_swarm_with_its_key(tmp_path):
         addrs = [str(a) for a in boot.get_visible_maddrs()]
         with Monitor(addrs, "private_run", "127.0.0.1:0", refresh_period=0.1,
                      listen=loopback, swarm_key=str(key)) as monitor:
-            eventually("a first fetch", lambda: monitor.state()["fetches"] > 0)
+            wait_for(lambda: monitor.state()["fetches"] > 0, "a first fetch")
         with pytest.raises(hivemesh.DHTError, match="initial peer"):
             Monitor(addrs, "private_run", "127.0.0.1:0", listen=loopback)

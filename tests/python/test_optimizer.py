@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -18,22 +17,13 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import hivemesh  # noqa: E402
+from polling import wait_for  # noqa: E402
 from hivemesh.averaging.control import AveragingStage  # noqa: E402
 from hivemesh.optim import GradientAverager, TrainingStateAverager  # noqa: E402
 from hivemesh.optim.state_averager import dump_optimizer_state, load_optimizer_state  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 120.0
-
-
-def wait_for(predicate, timeout=TIMEOUT, what="condition"):
-    """Polls ``predicate`` until true (an outcome, not a fixed delay); fails after
-    ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # --- GradientAverager ---------------------------------------------------------------------
@@ -355,7 +345,7 @@ class Swarm:
                     raise AssertionError(
                         f"peer {i} exited with {proc.returncode}:\n{proc.stderr.read()[-4000:]}")
             return predicate()
-        wait_for(check, timeout, what)
+        wait_for(check, what, timeout)
 
     def kill(self, index, sig=signal.SIGKILL):
         proc = self.procs[index]

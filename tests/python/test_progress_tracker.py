@@ -13,19 +13,9 @@ from hivemesh.optim.progress_tracker import (
     ProgressTracker,
 )
 from hivemesh.utils import PerformanceEMA, get_dht_time, get_logger
+from polling import wait_for
 
 FAST = dict(min_refresh_period=0.1, default_refresh_period=0.2, max_refresh_period=0.5)
-
-
-def eventually(check, timeout=60.0, every=0.05):
-    """Polls ``check`` until it returns something true or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    return check()
 
 
 def test_progress_tracker(make_dht):
@@ -121,13 +111,14 @@ def test_a_peer_ahead_ends_the_epoch_and_shutdown_withdraws(make_dht):
     b = ProgressTracker(make_dht(), "ahead", 1000, start=True, **FAST)
     a.report_local_progress(0, 10)
     b.report_local_progress(0, 10)
-    assert eventually(lambda: a.global_progress.num_peers == 2 and b.global_progress.num_peers == 2)
+    wait_for(lambda: a.global_progress.num_peers == 2 and b.global_progress.num_peers == 2,
+             "both to see two peers")
     assert not b.ready_to_update_epoch
     with a.pause_updates():
         assert a.update_epoch() == 1
     assert a.global_epoch == 1 and a.local_progress.epoch == 1
     # b sees a ahead (in a swarm of two, the other peer is believed): it may end its epoch.
-    assert eventually(lambda: b.global_epoch == 1)
+    wait_for(lambda: b.global_epoch == 1, "b to see epoch 1")
     assert b.ready_to_update_epoch
     assert b.estimated_next_update_time <= get_dht_time()
     with pytest.raises(AssertionError, match="paused"):
@@ -145,7 +136,7 @@ def test_a_peer_ahead_ends_the_epoch_and_shutdown_withdraws(make_dht):
     b.report_local_progress(1, 5)
     a.shutdown()
     assert not a.is_alive()
-    assert eventually(lambda: b.global_progress.num_peers == 1), b.global_progress
+    wait_for(lambda: b.global_progress.num_peers == 1, "b to see a withdrawn")
     b.shutdown()
     b.shutdown()  # idempotent
 
