@@ -42,7 +42,8 @@
 //!   client mode.
 //! * **Relays.** A node with [`NatConfig::relay_server`] serves circuit relay v2 with limits
 //!   sized for tensor data ([`RelayLimits`]; libp2p's defaults, 128 KiB and 2 min per circuit,
-//!   carry nothing but signalling). A node that is not public reserves a slot on a relay among its
+//!   carry nothing but signalling), shared out per address as well as per peer id (peer ids
+//!   are free: `relay_shares.rs`). A node that is not public reserves a slot on a relay among its
 //!   peers that speak the relay protocol (initial peers and others it meets, and the candidates
 //!   handed to [`P2p::add_relay_candidates`], e.g. from the DHT), keeps
 //!   [`NatConfig::relay_reservations`] reservations and replaces a relay that goes away. Its
@@ -74,6 +75,7 @@ mod identity;
 mod inbound;
 mod nat;
 mod private;
+mod relay_shares;
 mod store;
 mod swarm;
 
@@ -371,14 +373,20 @@ impl Default for NatConfig {
 pub struct RelayLimits {
     /// Reservations held at once.
     pub max_reservations: usize,
-    /// Reservations one peer may hold.
+    /// Reservations one peer id may hold.
     pub max_reservations_per_peer: usize,
+    /// Reservations one address (IPv4 address, IPv6 /64) may hold once half of
+    /// `max_reservations` are in use (identities are free, addresses are not: issue 29, attack 6).
+    pub max_reservations_per_address: usize,
     /// How long a reservation lasts (the client renews it).
     pub reservation_duration: Duration,
     /// Circuits relayed at once.
     pub max_circuits: usize,
-    /// Circuits one peer may have open at once.
+    /// Circuits one peer id may have open at once.
     pub max_circuits_per_peer: usize,
+    /// Circuits whose source is one address (IPv4 address, IPv6 /64) once half of
+    /// `max_circuits` are open.
+    pub max_circuits_per_address: usize,
     /// How long one circuit may last.
     pub max_circuit_duration: Duration,
     /// Bytes one circuit may carry (both directions together).
@@ -392,9 +400,11 @@ impl Default for RelayLimits {
         Self {
             max_reservations: 128,
             max_reservations_per_peer: 4,
+            max_reservations_per_address: 8,
             reservation_duration: Duration::from_secs(3600),
             max_circuits: 64,
             max_circuits_per_peer: 16,
+            max_circuits_per_address: 16,
             max_circuit_duration: Duration::from_secs(30 * 60),
             max_circuit_bytes: 1 << 30,
             circuits_per_peer_per_minute: 120,

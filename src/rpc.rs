@@ -23,7 +23,10 @@
 //! # Bounds
 //!
 //! Everything a remote peer sends is bounded: the request's size ([`RpcConfig::max_request_bytes`],
-//! checked from its length prefix before anything is buffered), the time to send it
+//! checked from its length prefix before anything is buffered), what is read of a request for a
+//! method the server does not serve (its length prefix and method name, which comes first in
+//! every request: the server answers `UNKNOWN_METHOD` before reading, or allocating for, the
+//! payload, issue 29, item 8), the time to send it
 //! ([`RpcConfig::read_timeout`]), and the calls held at once: [`RpcConfig::max_inbound`] in
 //! all, [`RpcConfig::max_inbound_per_peer`] per peer (a `crate::shares` pool), so one peer
 //! flooding a node with calls leaves the rest of the slots to others. A call over either bound
@@ -588,14 +591,27 @@ async fn serve_call(
     let config = &shared.config;
     stream.write_all(&[TAKEN]).await?;
     stream.flush().await?;
-    let read = read_delimited(&mut stream, config.max_request_bytes);
+    let served = |method: &str| {
+        shared
+            .handlers
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(method)
+    };
+    let read = read_request(&mut stream, config.max_request_bytes, served);
     let request = match tokio::time::timeout(config.read_timeout, read).await {
         Err(_) => return Err(ServeError::ReadTimeout(config.read_timeout)),
-        Ok(Ok(Some(body))) => proto::Request::decode(body).map_err(|e| e.to_string()),
-        Ok(Ok(None)) => Err("no request".to_owned()),
-        Ok(Err(DelimitedError::TooLarge { len, max })) => {
+        Ok(Ok(RequestRead::Request(request))) => Ok(request),
+        Ok(Ok(RequestRead::Nothing)) => Err("no request".to_owned()),
+        Ok(Ok(RequestRead::Bad(detail))) => Err(detail),
+        Ok(Ok(RequestRead::TooLarge { len, max })) => {
             let message = format!("request of {len} bytes exceeds the limit of {max}");
             let answer = sized_error(proto::Code::TooLarge, &message, len, max);
+            return write_answer(&mut stream, answer).await;
+        }
+        Ok(Ok(RequestRead::Unknown(method))) => {
+            let message = format!("no method {method:?}");
+            let answer = error_response(proto::Code::UnknownMethod, &message);
             return write_answer(&mut stream, answer).await;
         }
         Ok(Err(e)) => Err(e.to_string()),
@@ -659,6 +675,122 @@ async fn serve_call(
         Err(message) => error_response(proto::Code::Handler, &message),
     };
     write_answer(&mut stream, answer).await
+}
+
+/// What [`read_request`] found.
+#[derive(Debug)]
+enum RequestRead {
+    /// The stream ended before a request began.
+    Nothing,
+    /// A request for a served method, read in full.
+    Request(proto::Request),
+    /// A request for a method not served: nothing past its name was read.
+    Unknown(String),
+    /// The length prefix is over the limit: nothing past it was read.
+    TooLarge { len: u64, max: usize },
+    /// Malformed (what is wrong).
+    Bad(String),
+}
+
+/// The protobuf key of `Request.method` (field 1, length-delimited).
+const METHOD_KEY: u64 = (1 << 3) | 2;
+
+/// Reads one length-delimited request in two steps (module docs, "Bounds"): its length prefix
+/// (at most `max`) and the method's name, which must come first as it does in every request a
+/// caller encodes; only if `served` says the method is served is the rest read, as it arrives
+/// (nothing is allocated ahead of the bytes), and the whole decoded. A request for an unknown
+/// method costs the server its head, however long its declared body.
+async fn read_request<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+    served: impl Fn(&str) -> bool,
+) -> std::io::Result<RequestRead> {
+    let bad = |what: &str| Ok(RequestRead::Bad(what.to_owned()));
+    let mut prefix = Vec::new();
+    let len = match read_varint(r, &mut prefix, 10).await? {
+        Varint::Ended if prefix.is_empty() => return Ok(RequestRead::Nothing),
+        Varint::Ended => return bad("stream ended inside the length prefix"),
+        Varint::TooLong => return bad("length prefix longer than 10 bytes"),
+        Varint::Value(len) => len,
+    };
+    if len > u64::try_from(max).unwrap_or(u64::MAX) {
+        return Ok(RequestRead::TooLarge { len, max });
+    }
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    let mut body = Vec::new();
+    match read_varint(r, &mut body, len).await? {
+        Varint::Value(METHOD_KEY) => {}
+        Varint::Value(_) => return bad("a request must begin with its method"),
+        Varint::Ended | Varint::TooLong => return bad("request ended inside its head"),
+    }
+    let left = len - body.len();
+    let name_len = match read_varint(r, &mut body, left).await? {
+        Varint::Value(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        Varint::Ended | Varint::TooLong => return bad("request ended inside its head"),
+    };
+    if name_len == 0 || name_len > MAX_METHOD_BYTES || name_len > len - body.len() {
+        return bad(&format!(
+            "method name of {name_len} bytes (1..={MAX_METHOD_BYTES} within the request)"
+        ));
+    }
+    let start = body.len();
+    body.resize(start + name_len, 0);
+    if let Err(e) = r.read_exact(&mut body[start..]).await {
+        return if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            bad("stream ended inside the method name")
+        } else {
+            Err(e)
+        };
+    }
+    let Ok(method) = std::str::from_utf8(&body[start..]) else {
+        return bad("method name is not UTF-8");
+    };
+    if !served(method) {
+        return Ok(RequestRead::Unknown(method.to_owned()));
+    }
+    let rest = len - body.len();
+    (&mut *r)
+        .take(u64::try_from(rest).unwrap_or(u64::MAX))
+        .read_to_end(&mut body)
+        .await?;
+    if body.len() < len {
+        return bad("stream ended inside the request");
+    }
+    match proto::Request::decode(&body[..]) {
+        Ok(request) => Ok(RequestRead::Request(request)),
+        Err(e) => bad(&e.to_string()),
+    }
+}
+
+/// A varint read by [`read_varint`].
+enum Varint {
+    Value(u64),
+    /// The stream ended first.
+    Ended,
+    /// Longer than allowed (10 bytes, or what is left of the message).
+    TooLong,
+}
+
+/// Reads one protobuf varint byte by byte (at most `limit` bytes, and 10), appending its bytes
+/// to `out`.
+async fn read_varint<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    out: &mut Vec<u8>,
+    limit: usize,
+) -> std::io::Result<Varint> {
+    let mut value = 0u64;
+    for i in 0..limit.min(10) {
+        let mut byte = [0u8; 1];
+        if r.read(&mut byte).await? == 0 {
+            return Ok(Varint::Ended);
+        }
+        out.push(byte[0]);
+        value |= u64::from(byte[0] & 0x7f) << (7 * i);
+        if byte[0] & 0x80 == 0 {
+            return Ok(Varint::Value(value));
+        }
+    }
+    Ok(Varint::TooLong)
 }
 
 async fn write_answer(stream: &mut P2pStream, answer: Vec<u8>) -> Result<(), ServeError> {

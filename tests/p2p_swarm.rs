@@ -785,3 +785,132 @@ async fn a_handshake_flood_from_one_address_leaves_room_for_newcomers() {
     honest.shutdown().await.unwrap();
     boot.shutdown().await.unwrap();
 }
+
+/// A relay on loopback that serves at once on a QUIC address: at most 8 reservations, 2 per
+/// address past the free half (4), 1 per peer id.
+async fn small_relay() -> (P2p, libp2p::Multiaddr) {
+    // The external address must be known at start, so the port is picked first.
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen: libp2p::Multiaddr = format!("/ip4/127.0.0.1/udp/{port}/quic-v1")
+        .parse()
+        .unwrap();
+    let mut cfg = P2pConfig {
+        listen: vec![listen.clone()],
+        request_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    };
+    cfg.nat.assume = Some(Reach::Public);
+    cfg.nat.external = vec![listen];
+    cfg.nat.relay_server = Some(hivemesh::p2p::RelayLimits {
+        max_reservations: 8,
+        max_reservations_per_peer: 1,
+        max_reservations_per_address: 2,
+        ..hivemesh::p2p::RelayLimits::default()
+    });
+    let relay = spawn(cfg).await;
+    let addr = relay
+        .listen_addrs()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|a| a.to_string().contains("quic-v1"))
+        .expect("the relay's QUIC address");
+    (relay, addr)
+}
+
+/// A NATed (assumed private) node on `ip` that joins through `relay` and reserves a slot there.
+/// QUIC dials from its listening socket, so the relay sees the connection come from `ip`.
+async fn nated_on(ip: &str, relay: &libp2p::Multiaddr) -> P2p {
+    let mut cfg = P2pConfig {
+        listen: vec![format!("/ip4/{ip}/udp/0/quic-v1").parse().unwrap()],
+        initial_peers: vec![relay.clone()],
+        request_timeout: Duration::from_secs(10),
+        bootstrap_timeout: Duration::from_secs(20),
+        ..P2pConfig::loopback()
+    };
+    cfg.nat.assume = Some(Reach::Private);
+    cfg.nat.relay_reservations = 1;
+    spawn(cfg).await
+}
+
+/// Polls until `node`'s first reservation was accepted or refused; true if accepted.
+async fn reservation_verdict(node: &P2p) -> bool {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let stats = node.nat_stats();
+        if stats.reservations > 0 {
+            return true;
+        }
+        if stats.reservations_lost > 0 {
+            return false;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no reservation verdict for {}",
+            node.peer_id()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 29, attack 6: sybil identities on one address (8 NATed nodes on 127.0.0.2, one
+/// reservation each) try to take every reservation of a relay (8). Past the free half an
+/// address holds at most its share (2), so an honest NATed node from another address
+/// (127.0.0.1) still reserves a slot, and a third node reaches it through its circuit address.
+/// Before the per-address shares every sybil got a slot and the honest node's reservation was
+/// refused (relay full).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sybil_reservations_from_one_address_leave_a_slot_for_an_honest_nated_peer() {
+    let (relay, relay_addr) = small_relay().await;
+    let mut sybils = Vec::new();
+    for _ in 0..8 {
+        sybils.push(nated_on("127.0.0.2", &relay_addr).await);
+    }
+    let mut reserved = 0;
+    for s in &sybils {
+        reserved += usize::from(reservation_verdict(s).await);
+    }
+    let honest = nated_on("127.0.0.1", &relay_addr).await;
+    assert!(
+        reservation_verdict(&honest).await,
+        "the honest peer reserves a slot despite the sybils ({reserved} of them reserved)"
+    );
+    assert_eq!(
+        reserved, 4,
+        "the sybils' address gets the free half of the slots"
+    );
+    let relayed = honest
+        .wait_reachability(Duration::from_secs(30), |r| !r.relayed.is_empty())
+        .await
+        .relayed;
+    assert!(!relayed.is_empty(), "the honest peer has a circuit address");
+    let mut incoming = honest.accept_streams("/hivemesh-test/reach/1", 4).unwrap();
+    let dialer = node(vec![relay_addr.clone()], true).await;
+    dialer
+        .add_peer_addresses(honest.peer_id(), relayed)
+        .await
+        .unwrap();
+    dialer
+        .open_stream(
+            honest.peer_id(),
+            "/hivemesh-test/reach/1",
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("the honest peer is reached through the relay");
+    let (from, _stream) = tokio::time::timeout(Duration::from_secs(30), incoming.next())
+        .await
+        .expect("the stream arrives")
+        .expect("still accepting");
+    assert_eq!(from, dialer.peer_id());
+    for s in sybils {
+        s.shutdown().await.unwrap();
+    }
+    dialer.shutdown().await.unwrap();
+    honest.shutdown().await.unwrap();
+    relay.shutdown().await.unwrap();
+}

@@ -412,3 +412,42 @@ async fn hostile_callers_get_refusals_and_hold_nothing() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     swarm.shutdown(Vec::new()).await;
 }
+
+/// Issue 29, item 8: a request for a method the server does not serve is refused from its
+/// head (length prefix and method name), before its body is read or buffered. The request
+/// here declares a body just under the limit (16 MiB) and never sends it, nor closes the
+/// stream: the refusal arrives all the same. Before, the server waited for (and buffered) the
+/// whole body, so the caller heard nothing until the server's read timeout (set far beyond
+/// the wait here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_method_is_refused_before_its_body_is_read() {
+    let config = RpcConfig {
+        read_timeout: Duration::from_secs(600),
+        ..RpcConfig::default()
+    };
+    let max = config.max_request_bytes;
+    let swarm = swarm_with(2, config).await;
+    let server_id = swarm.peer(1);
+    swarm.nodes[1]
+        .serve("ping", |_, _| async { Ok(Bytes::from_static(b"pong")) })
+        .unwrap();
+    let p2p = swarm.nodes[0].dht().p2p().clone();
+    let mut s = p2p.open_stream(server_id, RPC_PROTOCOL, T).await.unwrap();
+    let mut head = Vec::new();
+    prost::encoding::encode_varint(u64::try_from(max - 1).unwrap(), &mut head);
+    head.extend_from_slice(&[0x0a, 4]);
+    head.extend_from_slice(b"nope");
+    s.write_all(&head).await.unwrap();
+    s.flush().await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(T, s.read_to_end(&mut answer))
+        .await
+        .expect("refused without the body")
+        .unwrap();
+    assert_eq!(answer.first(), Some(&TAKEN));
+    assert!(
+        String::from_utf8_lossy(&answer).contains("no method \"nope\""),
+        "{answer:?}"
+    );
+    swarm.shutdown(Vec::new()).await;
+}

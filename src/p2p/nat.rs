@@ -19,6 +19,7 @@ use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::{Multiaddr, PeerId, StreamProtocol, autonat, dcutr, identify, kad, relay};
 use tokio::sync::{oneshot, watch};
 
+use super::relay_shares::RelayShares;
 use super::swarm::EventLoop;
 use super::{ConnPath, NatConfig, NatStats, P2pError, Reachability, RelayLimits, Transport};
 use crate::reach::{self, Observations, Reach, Seen};
@@ -38,8 +39,10 @@ const UNKNOWN_GRACE: Duration = Duration::from_secs(20);
 /// Pause before a relay that failed us is tried again; doubles per failure up to 64×.
 const RELAY_BACKOFF: Duration = Duration::from_secs(1);
 
-/// libp2p's relay server configuration for our limits (see [`RelayLimits`]).
-pub(super) fn relay_config(limits: &RelayLimits) -> relay::Config {
+/// libp2p's relay server configuration for our limits (see [`RelayLimits`]), with `shares`
+/// gating every reservation and circuit request last (after libp2p's own bounds and rate
+/// limiters, so that a request it admits is accepted: see `relay_shares.rs`).
+pub(super) fn relay_config(limits: &RelayLimits, shares: &RelayShares) -> relay::Config {
     let per_minute =
         NonZeroU32::new(limits.circuits_per_peer_per_minute.max(1)).unwrap_or(NonZeroU32::MIN);
     let per_ip = per_minute.saturating_mul(NonZeroU32::new(2).unwrap_or(NonZeroU32::MIN));
@@ -54,9 +57,14 @@ pub(super) fn relay_config(limits: &RelayLimits) -> relay::Config {
         ..relay::Config::default()
     };
     config.circuit_src_rate_limiters = Vec::new();
-    config
+    let mut config = config
         .circuit_src_per_peer(per_minute, Duration::from_secs(60))
-        .circuit_src_per_ip(per_ip, Duration::from_secs(60))
+        .circuit_src_per_ip(per_ip, Duration::from_secs(60));
+    config
+        .reservation_rate_limiters
+        .push(shares.reservation_gate());
+    config.circuit_src_rate_limiters.push(shares.circuit_gate());
+    config
 }
 
 /// Failed direct dials to a peer we wait to punch to that count as a failed hole punch: DCUtR

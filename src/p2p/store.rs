@@ -5,9 +5,16 @@
 //! PUTting 65,536 keys of 768 KiB could make a node hold 48 GiB and then lock it out of its own
 //! DHT. [`BoundedStore`] wraps a `MemoryStore` and keeps its own books:
 //!
-//! * **Who holds a record.** The peer whose write put the current value there: the event loop
-//!   sets a merged record's `publisher` to the PUT's source, or to this node for its own writes
-//!   (a `None` publisher counts as this node). A key that this node writes to becomes its own.
+//! * **Who holds a record.** The peers whose writes put its bytes there, each for what its
+//!   writes added: the event loop sets a merged record's `publisher` to the PUT's source, or to
+//!   this node for its own writes (a `None` publisher counts as this node), and a write that
+//!   grows a record is charged the growth (one that shrinks it gives bytes back, its writer's
+//!   first). A record merged from many writers (a matchmaking key holding one entry per peer)
+//!   is thus shared out among them, and no writer takes over what others wrote: charging the
+//!   whole record to its last writer let a remote peer that merged one byte into a record of
+//!   this node's turn it into a remote record, which eviction could then drop, and charged an
+//!   honest peer for every other writer's entries (issue 29, item 8). A record with a part of
+//!   this node's is this node's own for eviction (below).
 //! * **A share per source.** A remote peer may hold at most [`StoreLimits::max_bytes_per_peer`]
 //!   bytes (key plus value) in at most [`StoreLimits::max_records_per_peer`] records; a write
 //!   beyond that is refused ([`StoreRefusal::PeerShare`]), after expired records have been
@@ -18,7 +25,8 @@
 //!   remote peer holding the most bytes, repeatedly. A remote write that would have to evict its
 //!   own writer's records (it is the largest holder) is refused instead
 //!   ([`StoreRefusal::Full`]).
-//! * **Local records are never evicted** and this node's writes are never refused for space:
+//! * **Local records are never evicted** (nor any record with a part this node wrote), and
+//!   this node's writes are never refused for space:
 //!   remote records cannot crowd them out. They count towards the totals, so remote ones make
 //!   room for them.
 //!
@@ -113,8 +121,35 @@ pub struct StoreUsage {
     pub refused: u64,
 }
 
-/// One holder's records, smallest first: `(size, key)`.
+/// One holder's parts of records, smallest first: `(bytes, key)`.
 type BySize = BTreeSet<(usize, Vec<u8>)>;
+
+/// Who is charged for one record, and for how many of its bytes (they add up to its size).
+type Parts = Vec<(PeerId, usize)>;
+
+/// The parts of a record of `size` bytes written by `writer` whose parts were `old`: growth is
+/// charged to the writer, shrinkage given back by the writer first, then by the others
+/// (largest part first).
+fn parts_after(old: &[(PeerId, usize)], writer: PeerId, size: usize) -> Parts {
+    let mut parts: Parts = old.to_vec();
+    let before: usize = parts.iter().map(|(_, b)| b).sum();
+    if size >= before {
+        match parts.iter_mut().find(|(p, _)| *p == writer) {
+            Some((_, b)) => *b += size - before,
+            None => parts.push((writer, size - before)),
+        }
+    } else {
+        let mut cut = before - size;
+        parts.sort_by_key(|(p, b)| (*p != writer, std::cmp::Reverse(*b)));
+        for (_, b) in &mut parts {
+            let take = cut.min(*b);
+            *b -= take;
+            cut -= take;
+        }
+    }
+    parts.retain(|(_, b)| *b > 0);
+    parts
+}
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Held {
@@ -127,9 +162,9 @@ pub(crate) struct BoundedStore {
     local: PeerId,
     limits: StoreLimits,
     inner: MemoryStore,
-    /// Every stored key: who holds it and its size.
-    held: HashMap<RecordKey, (PeerId, usize)>,
-    /// Per holder: its records, by size, for eviction.
+    /// Every stored key: who is charged for its bytes.
+    held: HashMap<RecordKey, Parts>,
+    /// Per holder: its parts of records, by size, for eviction.
     by_peer: HashMap<PeerId, (Held, BySize)>,
     total: Held,
     evicted: u64,
@@ -192,20 +227,21 @@ impl BoundedStore {
 
     /// Checks a write of `size` bytes under `key` by `holder`, making room by eviction.
     fn admit(&mut self, key: &RecordKey, holder: PeerId, size: usize) -> Result<(), StoreRefusal> {
-        let old = self.held.get(key).copied();
-        let freed = old.map_or(0, |(_, s)| s);
-        let replaced = usize::from(old.is_some());
+        let old: Parts = self.held.get(key).cloned().unwrap_or_default();
+        let freed: usize = old.iter().map(|(_, b)| b).sum();
+        let replaced = usize::from(self.held.contains_key(key));
         if holder != self.local {
-            // What the holder would hold with this write (its old value of `key` replaced).
+            // What the holder would hold with this write (its part of `key` updated).
+            let new_part = parts_after(&old, holder, size)
+                .iter()
+                .find(|(p, _)| *p == holder)
+                .map_or(0, |(_, b)| *b);
+            let old_part = old.iter().find(|(p, _)| *p == holder).map(|(_, b)| *b);
             let share = |s: &Self| {
                 let mine = s.by_peer.get(&holder).map(|(h, _)| *h).unwrap_or_default();
-                let (own_bytes, own_records) = match old {
-                    Some((h, s)) if h == holder => (s, 1),
-                    _ => (0, 0),
-                };
                 (
-                    mine.bytes - own_bytes + size,
-                    mine.records - own_records + 1,
+                    mine.bytes - old_part.unwrap_or(0) + new_part,
+                    mine.records - usize::from(old_part.is_some()) + usize::from(new_part > 0),
                 )
             };
             let (max_bytes, max_records) = (
@@ -239,13 +275,31 @@ impl BoundedStore {
             self.drop_expired(key);
         }
         while over(self) {
-            let victim = self
+            // The remote holder with the most bytes in records that may be evicted (not
+            // `key`, none with a part of this node's), and its largest such record.
+            let evictable = |s: &Self, k: &[u8]| {
+                k != key.as_ref()
+                    && !s
+                        .held
+                        .get(&RecordKey::from(k.to_vec()))
+                        .is_some_and(|parts| parts.iter().any(|(p, _)| *p == s.local))
+            };
+            let mut holders: Vec<(usize, PeerId)> = self
                 .by_peer
                 .iter()
                 .filter(|(p, (h, _))| **p != self.local && h.records > 0)
-                .max_by_key(|(p, (h, _))| (h.bytes, **p))
-                .map(|(p, _)| *p);
-            let Some(victim) = victim else {
+                .map(|(p, (h, _))| (h.bytes, *p))
+                .collect();
+            holders.sort_unstable_by(|a, b| b.cmp(a));
+            let victim = holders.into_iter().find_map(|(_, p)| {
+                let largest = self.by_peer[&p]
+                    .1
+                    .iter()
+                    .rev()
+                    .find(|(_, k)| evictable(self, k))?;
+                Some((p, RecordKey::from(largest.1.clone())))
+            });
+            let Some((victim, largest)) = victim else {
                 if holder == self.local {
                     // Only local records left: this node's own writes are never refused.
                     return Ok(());
@@ -255,15 +309,6 @@ impl BoundedStore {
             if victim == holder {
                 return Err(self.full());
             }
-            let Some((_, largest)) = self.by_peer[&victim]
-                .1
-                .iter()
-                .rev()
-                .find(|(_, k)| k.as_slice() != key.as_ref())
-                .map(|(s, k)| (*s, RecordKey::from(k.clone())))
-            else {
-                return Err(self.full());
-            };
             tracing::debug!(%victim, "record store full: evicting a record");
             self.evicted += 1;
             self.remove(&largest);
@@ -309,12 +354,16 @@ impl BoundedStore {
             store::Error::ValueTooLarge => StoreRefusal::TooLarge(len),
             _ => self.full(),
         })?;
+        let old = self.held.get(&key).cloned().unwrap_or_default();
+        let parts = parts_after(&old, holder, size);
         self.forget(&key);
-        self.held.insert(key.clone(), (holder, size));
-        let (h, set) = self.by_peer.entry(holder).or_default();
-        h.bytes += size;
-        h.records += 1;
-        set.insert((size, key.to_vec()));
+        for (peer, bytes) in &parts {
+            let (h, set) = self.by_peer.entry(*peer).or_default();
+            h.bytes += bytes;
+            h.records += 1;
+            set.insert((*bytes, key.to_vec()));
+        }
+        self.held.insert(key, parts);
         self.total.bytes += size;
         self.total.records += 1;
         Ok(())
@@ -322,18 +371,20 @@ impl BoundedStore {
 
     /// Drops the books of `key` (not the record).
     fn forget(&mut self, key: &RecordKey) {
-        let Some((holder, size)) = self.held.remove(key) else {
+        let Some(parts) = self.held.remove(key) else {
             return;
         };
-        if let Some((h, set)) = self.by_peer.get_mut(&holder) {
-            h.bytes -= size;
-            h.records -= 1;
-            set.remove(&(size, key.to_vec()));
-            if h.records == 0 {
-                self.by_peer.remove(&holder);
+        for (holder, bytes) in &parts {
+            if let Some((h, set)) = self.by_peer.get_mut(holder) {
+                h.bytes -= bytes;
+                h.records -= 1;
+                set.remove(&(*bytes, key.to_vec()));
+                if h.records == 0 {
+                    self.by_peer.remove(holder);
+                }
             }
         }
-        self.total.bytes -= size;
+        self.total.bytes -= parts.iter().map(|(_, b)| b).sum::<usize>();
         self.total.records -= 1;
     }
 }
@@ -439,6 +490,55 @@ mod tests {
         let u = s.usage();
         assert_eq!((u.bytes, u.records), (bytes, records));
         assert!(u.records == s.held.len());
+        for r in s.inner.records() {
+            let parts = &s.held[&r.key];
+            assert_eq!(parts.iter().map(|(_, b)| b).sum::<usize>(), size_of(&r));
+        }
+        let by_peer: usize = s.by_peer.values().map(|(h, _)| h.bytes).sum();
+        assert_eq!(by_peer, u.bytes);
+    }
+
+    /// Issue 29, item 8: a remote peer that merges into a record of this node's does not take
+    /// it over. Before, the record was charged to its last writer: one remote byte made a
+    /// local record remote, and a store filling up then evicted it.
+    #[test]
+    fn a_remote_merge_into_a_local_record_does_not_make_it_evictable() {
+        let local = PeerId::random();
+        let mut s = BoundedStore::new(local, limits(), 1 << 20);
+        s.try_put(record("mine", 1_000, local)).unwrap();
+        let merger = PeerId::random();
+        s.try_put(record("mine", 1_001, merger)).unwrap();
+        assert_eq!(s.usage().local_records, 1);
+        assert_eq!(s.by_peer[&merger].0.bytes, 1);
+        // The merger and sybils fill the store: the record stays.
+        for (n, p) in std::iter::once(merger)
+            .chain((0..6).map(|_| PeerId::random()))
+            .enumerate()
+        {
+            for i in 0..4 {
+                let _ = s.try_put(record(&format!("s{n}-{i}"), 900, p));
+            }
+        }
+        assert!(s.usage().evicted > 0, "the store ran full");
+        assert!(s.get(&RecordKey::new(&"mine")).is_some());
+        check_books(&s);
+    }
+
+    /// A record merged from several remote writers is charged to each for what it added, not
+    /// all to the last: the last writer's share is not spent on the others' entries.
+    #[test]
+    fn a_merged_record_is_shared_out_among_its_writers() {
+        let mut s = BoundedStore::new(PeerId::random(), limits(), 1 << 20);
+        let writers: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
+        for (i, w) in writers.iter().enumerate() {
+            // Each merge adds 900 bytes: 4,500 in all, over one peer's 4,000-byte share.
+            s.try_put(record("group", 900 * (i + 1) - 5, *w))
+                .expect("each writer holds its own entry only");
+        }
+        for w in &writers {
+            assert!(s.by_peer[w].0.bytes <= 901, "{:?}", s.by_peer[w].0);
+        }
+        check_books(&s);
     }
 
     #[test]
@@ -527,10 +627,16 @@ mod tests {
         let b = PeerId::random();
         let mut s = BoundedStore::new(local, limits(), 1 << 20);
         s.try_put(record("k", 100, a)).unwrap();
-        // b's merge replaces the value: the record is now b's.
+        // b's merge grows the value: b is charged the growth, a keeps its part.
         s.try_put(record("k", 300, b)).unwrap();
-        assert_eq!(s.by_peer.get(&a).map(|(h, _)| h.records), None);
-        assert_eq!(s.by_peer[&b].0.bytes, 301);
+        assert_eq!(s.by_peer[&a].0.bytes, 101);
+        assert_eq!(s.by_peer[&b].0.bytes, 200);
+        check_books(&s);
+        // A shrinking write gives back its writer's part first, then the largest other part.
+        s.try_put(record("k", 50, b)).unwrap();
+        assert_eq!(s.by_peer.get(&b).map(|(h, _)| h.records), None);
+        assert_eq!(s.by_peer[&a].0.bytes, 51);
+        check_books(&s);
         s.remove(&RecordKey::new(&"k"));
         assert_eq!(s.usage(), StoreUsage::default());
         check_books(&s);

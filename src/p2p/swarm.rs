@@ -180,6 +180,9 @@ pub(super) struct EventLoop {
     redials: HashMap<PeerId, u32>,
     /// Pauses before those dials, each ending with its peer.
     redial_timers: JoinSet<PeerId>,
+    /// Per-address shares of the relay server's reservations and circuits (`relay_shares.rs`),
+    /// which follow the relay's events; `None` when this node is no relay.
+    relay_shares: Option<super::relay_shares::RelayShares>,
 }
 
 /// Times a dial for waiting handles is made again after a failed handshake (not after a
@@ -214,6 +217,11 @@ impl EventLoop {
         let request_timeout = config.request_timeout;
         let client_mode = config.client_mode;
         let nat = config.nat.clone();
+        let relay_shares = nat
+            .relay_server
+            .as_ref()
+            .map(super::relay_shares::RelayShares::new);
+        let relay_gates = relay_shares.clone();
         let bootstrapping = !initial_peers.is_empty();
         let make_behaviour = move |key: &Keypair, relay_client: relay::client::Behaviour| {
             let peer_id = key.public().to_peer_id();
@@ -244,10 +252,13 @@ impl EventLoop {
             } else {
                 kad::Mode::Client
             }));
-            let relay_server = nat
-                .relay_server
-                .as_ref()
-                .map(|limits| relay::Behaviour::new(peer_id, super::nat::relay_config(limits)));
+            let relay_server =
+                nat.relay_server
+                    .as_ref()
+                    .zip(relay_gates.as_ref())
+                    .map(|(limits, shares)| {
+                        relay::Behaviour::new(peer_id, super::nat::relay_config(limits, shares))
+                    });
             let autonat_client = nat.autonat.then(|| {
                 autonat::v2::client::Behaviour::new(
                     rand::make_rng(),
@@ -387,6 +398,7 @@ impl EventLoop {
             metrics: crate::metrics::Metrics::new(),
             redials: HashMap::new(),
             redial_timers: JoinSet::new(),
+            relay_shares,
         };
         for addr in &config.nat.external {
             event_loop.on_external_confirmed(addr.clone());
@@ -863,7 +875,7 @@ impl EventLoop {
         let ttl = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
         let mut record = kad::Record::new(rkey, merged);
         record.expires = Some(Instant::now() + ttl);
-        // The store charges the record to whoever wrote the value it now holds (`store.rs`).
+        // The store charges this write's growth of the record to its writer (`store.rs`).
         record.publisher = Some(source.unwrap_or(*self.swarm.local_peer_id()));
         self.swarm
             .behaviour_mut()
@@ -946,8 +958,16 @@ impl EventLoop {
             SwarmEvent::ConnectionClosed {
                 peer_id,
                 connection_id,
+                num_established,
                 ..
-            } => self.on_connection_closed(peer_id, connection_id),
+            } => {
+                if num_established == 0
+                    && let Some(shares) = &self.relay_shares
+                {
+                    shares.on_peer_gone(&peer_id);
+                }
+                self.on_connection_closed(peer_id, connection_id)
+            }
             SwarmEvent::ExternalAddrConfirmed { address } => self.on_external_confirmed(address),
             SwarmEvent::ExternalAddrExpired { address } => self.on_external_expired(&address),
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
@@ -1008,6 +1028,9 @@ impl EventLoop {
                 self.on_relay_client(event)
             }
             SwarmEvent::Behaviour(BehaviourEvent::RelayServer(event)) => {
+                if let Some(shares) = &self.relay_shares {
+                    shares.on_event(&event);
+                }
                 match &event {
                     relay::Event::CircuitReqAccepted { .. } => self.metrics.relay_circuits_add(1),
                     relay::Event::CircuitClosed { .. } => self.metrics.relay_circuits_add(-1),
