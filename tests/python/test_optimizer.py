@@ -145,6 +145,48 @@ def test_state_averager(make_dht, offload_optimizer, reuse_tensors, sync_epoch_w
         avgr2.shutdown()
 
 
+def test_local_steps_go_on_during_a_delta_rule_round(make_dht):
+    """With ``delta_rule_averaging`` (the optimizer's local-updates mode), an optimizer step
+    does not wait for a background averaging round (hivemind's does: a round longer than an
+    epoch then blocks training): it returns while the round is still held by the partner, and
+    the round's change is added to the parameters the steps made meanwhile."""
+    from hivemesh.averaging import DecentralizedAverager
+
+    model_a, model_b = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model_a.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        model_b.weight.copy_(torch.tensor([[5.0, 6.0], [7.0, 8.0]]))
+    common = dict(optimizer=partial(torch.optim.SGD, lr=1.0), target_group_size=2,
+                  min_matchmaking_time=1.0, prefix="delta_rule", allreduce_timeout=TIMEOUT)
+    avgr_a = TrainingStateAverager(dht=make_dht(), params=model_a.parameters(),
+                                   delta_rule_averaging=True, start=True, **common)
+    avgr_b = TrainingStateAverager(dht=make_dht(), params=model_b.parameters(), start=True,
+                                   **common)
+    held = None
+    try:
+        # B joins the round but holds its all-reduce until told.
+        held = DecentralizedAverager.step(avgr_b, require_trigger=True, wait=False, timeout=TIMEOUT)
+        avgr_a.step(averaging_round=True, delay_averaging=True,
+                    averaging_opts=dict(timeout=TIMEOUT))
+        wait_for(lambda: avgr_a._old_tensors is not None, what="A's snapshot for the round")
+        # A local step while the round is held: it must not wait for the round.
+        model_a.weight.grad = torch.full((2, 2), 0.5)
+        avgr_a.step(optimizer_step=True)
+        assert not held.done() and any(not p.done() for p in avgr_a.pending_updates), \
+            "the optimizer step waited for the background round"
+        assert torch.equal(model_a.weight, torch.tensor([[0.5, 1.5], [2.5, 3.5]]))
+        held.allow_allreduce()
+        held.result(TIMEOUT)
+        avgr_a.step(wait_for_delayed_updates=True)  # waits for the round, applies it
+        # The round's change (mean - snapshot = +2) on top of the step made meanwhile.
+        assert torch.allclose(model_a.weight, torch.tensor([[2.5, 3.5], [4.5, 5.5]])), model_a.weight
+    finally:
+        if held is not None and not held.done():
+            held.cancel()
+        avgr_a.shutdown()
+        avgr_b.shutdown()
+
+
 def test_load_state_from_peers(make_dht):
     model1, model2 = nn.Linear(2, 3), nn.Linear(2, 3)
     common = dict(
@@ -468,3 +510,31 @@ def test_a_peer_killed_mid_epoch(bootstrap, tmp_path):
         # gradients, so their parameters may differ until a state round succeeds).
         assert r["local_epoch"] == 5 and r["global_epoch"] == 5
         assert r["counted"] > 0
+
+
+def test_a_peer_frozen_for_two_epochs_reloads_and_ends_with_the_others(bootstrap, tmp_path):
+    """A peer stopped (SIGSTOP: a laptop lid closed, a swapped-out process) while the others
+    train two epochs on, then resumed: it finds itself behind, loads the swarm's state, and
+    ends at the others' epoch with their parameters.
+    The others' step() never raises meanwhile."""
+    swarm = Swarm(bootstrap, tmp_path, {}, run_id="frozen")
+    try:
+        for i in range(4):
+            swarm.start(i, "--epochs", "6")
+        swarm.wait(lambda: swarm.saw(3, "epoch 1"), "the peer to freeze at epoch 1")
+        swarm.kill(3, signal.SIGSTOP)
+        swarm.poll()
+        frozen_at = max(int(line.split()[1]) for line in swarm.lines[3] if line.startswith("epoch "))
+        swarm.wait(lambda: swarm.saw(0, f"epoch {frozen_at + 2}"), "two epochs without it")
+        swarm.kill(3, signal.SIGCONT)
+        swarm.wait(lambda: all(swarm.result(i) for i in range(4)), "every peer's result")
+        results = [swarm.result(i) for i in range(4)]
+    finally:
+        swarm.close()
+    frozen = results[3]
+    assert frozen["reloads"] >= 1, frozen
+    for r in results:
+        assert r["local_epoch"] == 6 and r["global_epoch"] == 6, r["index"]
+    # It ends with the swarm's state: the parameters of a peer that never stopped.
+    for a, b in zip(results[0]["params"], frozen["params"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5

@@ -43,6 +43,7 @@ from hivemesh.compression import CompressionBase, NoCompression
 from hivemesh.dht import DHT
 from hivemesh.optim.grad_averager import GradientAverager
 from hivemesh.optim.grad_scaler import GradScaler
+from hivemesh.optim.progress_bar import EpochProgressBar, ProgressSnapshot
 from hivemesh.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemesh.optim.state_averager import (
     LRSchedulerBase,
@@ -76,7 +77,11 @@ class Optimizer(torch.optim.Optimizer):
     ``averager_opts`` (more arguments for both averagers, e.g. ``target_group_size``),
     ``tracker_opts`` (for the :class:`ProgressTracker`), ``performance_ema_alpha``,
     ``shutdown_timeout``, ``verbose`` (log every epoch: the swarm's samples per second, its
-    peers, the last round's group size and time).
+    peers, the last round's group size and time; on a terminal, also a progress bar of the
+    current epoch on standard error, :mod:`hivemesh.optim.progress_bar`).
+
+    hivemesh's own: ``progress_bar`` (``None``: with ``verbose``, where standard error is a
+    terminal; ``True``/``False``: always/never).
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class Optimizer(torch.optim.Optimizer):
         performance_ema_alpha: float = 0.1,
         shutdown_timeout: float = 5,
         verbose: bool = False,
+        progress_bar: Optional[bool] = None,
     ):
         self._parent_pid = os.getpid()
         if not isinstance(dht, DHT):
@@ -172,6 +178,9 @@ class Optimizer(torch.optim.Optimizer):
         self.load_state_timeout, self.shutdown_timeout = load_state_timeout, shutdown_timeout
         self.next_chunk_timeout = next_chunk_timeout
         self.verbose = verbose
+        #: The epoch's progress bar (drawn from :meth:`step`).
+        self.progress_bar = EpochProgressBar(
+            enabled=progress_bar if progress_bar is not None else (None if verbose else False))
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
         self.scheduled_grads: Optional[StepControl] = None
         self.scheduled_state: Optional[StepControl] = None
@@ -318,7 +327,25 @@ class Optimizer(torch.optim.Optimizer):
 
         if self.tracker.ready_to_update_epoch:
             self._update_global_epoch(grad_scaler)
+        self._draw_progress()
         return loss
+
+    def _draw_progress(self, force: bool = False) -> None:
+        """Redraws the progress bar (when it is on and due)."""
+        bar = self.progress_bar
+        if not bar.active() or not (force or bar.due()):
+            return
+        g = self.tracker.global_progress
+        now = get_dht_time()
+        elapsed = time.monotonic() - self._epoch_began
+        rnd = self.last_round or {}
+        bar.update(ProgressSnapshot(
+            epoch=self.local_epoch, samples=g.samples_accumulated, target=self.target_batch_size,
+            peers=g.num_peers, clients=g.num_clients,
+            samples_per_second=g.samples_accumulated / elapsed if elapsed > 0 else 0.0,
+            eta_seconds=g.eta_next_epoch - now,
+            round_peers=rnd.get("group_size"), round_seconds=rnd.get("seconds"),
+        ), force=force)
 
     def _accumulate(self, batch_size: int, grad_scaler: Optional[GradScaler]) -> bool:
         """Adds this batch's gradients; ``False`` (and local progress reset) on inf/NaN."""
@@ -408,6 +435,7 @@ class Optimizer(torch.optim.Optimizer):
         now = time.monotonic()
         seconds, self._epoch_began = now - self._epoch_began, now
         if not self.verbose:
+            self._draw_progress(force=True)
             return
         g = self.tracker.global_progress
         rnd = self.last_round
@@ -418,6 +446,7 @@ class Optimizer(torch.optim.Optimizer):
             f"samples/s, {g.num_peers} peers ({g.num_clients} clients) | this peer: "
             f"{self.tracker.performance_ema.samples_per_second:.1f} samples/s{averaged}"
         )
+        self._draw_progress(force=True)
 
     def _begin_averaging_gradients(self, grad_scaler: Optional[GradScaler]) -> bool:
         """Starts the gradient round (in the pre-scheduled group if there is one); whether
@@ -690,6 +719,7 @@ class Optimizer(torch.optim.Optimizer):
         if getattr(self, "_shut_down", False):
             return
         self._shut_down = True
+        self.progress_bar.newline()
         logger.log(self.status_loglevel, "leaving the swarm")
         self.tracker.shutdown(self.shutdown_timeout)
         if self._metrics is not None:

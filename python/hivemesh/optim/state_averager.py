@@ -143,6 +143,8 @@ class TrainingStateAverager(DecentralizedAverager):
         self.lock_optimizer = threading.Lock()
         self.lock_averaging = threading.Lock()
         self.pending_updates: set = set()
+        # The pending calls that only average (with the delta rule, local steps skip them).
+        self._background_rounds: set = set()
         self._old_tensors: Optional[Tuple[torch.Tensor, ...]] = None
         self._allreduce_timeout = kwargs.get("allreduce_timeout")
 
@@ -318,6 +320,12 @@ class TrainingStateAverager(DecentralizedAverager):
             should_wait = averaging_round or optimizer_step or zero_grad
         else:
             should_wait = averaging_round
+        # With the delta rule, local updates go on while a background round runs: its
+        # result is added as ``average - before`` whenever it arrives (hivemind waits for the
+        # round at every optimizer step; a round longer than an epoch then blocks training).
+        # Only another averaging round, or a caller asking to wait, waits for it.
+        skip_rounds = (self.delta_rule_averaging and not averaging_round
+                       and wait_for_delayed_updates is None)
         if wait_for_delayed_updates is None:
             wait_for_delayed_updates = should_wait
         if should_wait and not (wait_for_delayed_updates and apply_delayed_updates):
@@ -340,6 +348,8 @@ class TrainingStateAverager(DecentralizedAverager):
         if wait_for_delayed_updates:
             timeout = (averaging_opts or {}).get("timeout", self._allreduce_timeout)
             for pending in list(self.pending_updates):
+                if skip_rounds and pending in self._background_rounds:
+                    continue
                 try:
                     output = pending.result(timeout)
                 except BaseException:  # noqa: BLE001 - logged below, with the others
@@ -347,6 +357,7 @@ class TrainingStateAverager(DecentralizedAverager):
                         pending.cancel()
         finished = {p for p in self.pending_updates if p.done()}
         self.pending_updates -= finished
+        self._background_rounds -= finished
         for p in finished:
             if p.cancelled() or p.exception() is not None:
                 logger.log(self.status_loglevel, f"a background update failed: {p}")
@@ -375,6 +386,8 @@ class TrainingStateAverager(DecentralizedAverager):
                 averaging_control, grad_scaler, **(averaging_opts or {}),
             )
             self.pending_updates.add(pending)
+            if averaging_round and not (optimizer_step or zero_grad):
+                self._background_rounds.add(pending)
             await_optimizer = (optimizer_step or zero_grad) and not delay_optimizer_step
             await_averaging = averaging_round and not delay_averaging
             if await_optimizer:
@@ -441,7 +454,10 @@ class TrainingStateAverager(DecentralizedAverager):
                             if p.grad is not None:
                                 p.grad.zero_()
                 self._update_scheduler()
-                self.finished_optimizer_step.set()
+                if optimizer_step or zero_grad:
+                    # (A round alone must not wake a caller awaiting its own optimizer step
+                    # on the other worker.)
+                    self.finished_optimizer_step.set()
 
             gathered: Dict[Any, Any] = {}
             if averaging_round:
@@ -474,8 +490,10 @@ class TrainingStateAverager(DecentralizedAverager):
             logger.exception(e)
             if control is not None and not control.done():
                 control.cancel()
-            self.finished_optimizer_step.set()
-            self.finished_averaging_round.set()
+            if optimizer_step or zero_grad:
+                self.finished_optimizer_step.set()
+            if averaging_round:
+                self.finished_averaging_round.set()
             raise
 
     # --- moving tensors --------------------------------------------------------------------
@@ -506,6 +524,13 @@ class TrainingStateAverager(DecentralizedAverager):
 
     @torch.no_grad()
     def _apply_averaging_results_(self) -> None:
+        # With the delta rule a delayed optimizer step may be running on the other worker:
+        # add the round's change between two steps, not in the middle of one.
+        with self.lock_optimizer if self.delta_rule_averaging else nullcontext():
+            self._apply_averaging_results_locked_()
+
+    @torch.no_grad()
+    def _apply_averaging_results_locked_(self) -> None:
         old = self._old_tensors
         self._old_tensors = None
         with self.get_tensors() as averaged:
@@ -521,8 +546,9 @@ class TrainingStateAverager(DecentralizedAverager):
 
     @property
     def averaging_in_progress(self) -> bool:
-        """Whether an averaging round of this averager runs now."""
-        return self.lock_averaging.locked()
+        """Whether an averaging round of this averager runs now (or waits in the
+        background to begin)."""
+        return self.lock_averaging.locked() or any(not p.done() for p in self._background_rounds)
 
     @property
     @contextmanager

@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Optional
 
-__all__ = ["get_logger"]
+__all__ = ["get_logger", "add_handler_filter"]
 
 _lock = threading.Lock()
 _handler: Optional[logging.Handler] = None
@@ -44,3 +44,12 @@ def get_logger(name: Optional[str] = None) -> logging.Logger:
     them a name under ``hivemesh.`` to use it)."""
     _install()
     return logging.getLogger(name)
+
+
+def add_handler_filter(f: logging.Filter) -> None:
+    """Adds ``f`` to hivemesh's handler (once): it sees every record before it is written
+    (the optimizer's progress bar ends its line there, so a log line never lands after it)."""
+    _install()
+    assert _handler is not None
+    if f not in _handler.filters:
+        _handler.addFilter(f)
