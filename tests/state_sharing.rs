@@ -716,6 +716,107 @@ async fn sybil_donors_lose_to_the_callers_trust() {
     swarm.shutdown(averagers).await;
 }
 
+/// What [`state::Trust::min_agreeing`] protects against, and what not (its docs): it counts
+/// peer ids, and peer ids are free. Two sybils serving byte-identical zeros at the top
+/// priorities satisfy `min_agreeing = 2`: the newcomer installs their zeros, not the lone
+/// honest donor's state. It does stop colluders fewer than it requires: with 3 required the
+/// two sybils are not enough (nor is the honest donor alone), and nothing is installed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sybils_that_agree_satisfy_min_agreeing() {
+    let swarm = Swarm::start(5, |_| true).await;
+    let mut rng = StdRng::seed_from_u64(12);
+    let honest = vec![random(&mut rng, 300)];
+    let zeros = vec![vec![0.0; 300]];
+    let fresh = vec![vec![5.0; 300]];
+    let tensors = |v: &[Vec<f32>]| v.iter().cloned().map(vector).collect::<Vec<_>>();
+    let agreeing = |n: usize| {
+        let mut c = config("sybils", 0.0, false);
+        c.state.trust.min_agreeing = n;
+        c
+    };
+    let averagers = vec![
+        swarm.averager(0, tensors(&zeros), config("sybils", 1e300, true)),
+        swarm.averager(1, tensors(&zeros), config("sybils", 1e299, true)),
+        swarm.averager(2, tensors(&honest), config("sybils", 1.0, true)),
+        swarm.averager(3, tensors(&fresh), agreeing(2)),
+        swarm.averager(4, tensors(&fresh), agreeing(3)),
+    ];
+    for a in &averagers[3..] {
+        wait_donors(a, "the three donors announced", |d| d.len() == 3).await;
+    }
+
+    let info = loaded(averagers[3].load_state_from_peers().await, "two must agree");
+    assert_eq!(info.source, swarm.peer(0), "the sybils agree");
+    assert_eq!(values(&averagers[3]), zeros);
+
+    match averagers[4].load_state_from_peers().await {
+        Err(StateError::NoUsableDonor { failures } | StateError::DownloadFailed { failures }) => {
+            assert!(
+                failures.iter().any(|(p, e)| *p == swarm.peer(0)
+                    && *e
+                        == DonorError::Unconfirmed {
+                            agreeing: 2,
+                            required: 3
+                        }),
+                "{failures:?}"
+            );
+        }
+        other => panic!("three must agree, two sybils did: {other:?}"),
+    }
+    assert_eq!(values(&averagers[4]), fresh, "nothing installed");
+    swarm.shutdown(averagers).await;
+}
+
+/// As many sybils as the donor has session slots each hold one and fetch nothing (to the
+/// donor the same as fetching a chunk a minute: with `session_grace` zero and a minimum rate
+/// nobody reaches, every session is stalled once open). Before progress was measured, a
+/// newcomer was refused as busy for as long as the sybils kept their streams (no donor); now
+/// it evicts the sybil stalled longest and downloads, and that sybil's next chunk request is
+/// refused. (The trickle itself, in virtual time: `averager::state::sessions`'s tests.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sybils_holding_every_session_cannot_lock_newcomers_out() {
+    let swarm = Swarm::start(4, |_| true).await;
+    let mut c = config("slots", 0.0, true);
+    c.state.max_sessions = 2;
+    c.state.session_grace = Duration::ZERO;
+    c.state.min_session_rate = u64::MAX;
+    let donor = swarm.averager(0, vec![vector(vec![1.0, 2.0, 3.0])], c);
+    let mut held = Vec::new();
+    for i in [1, 2] {
+        let sybil = swarm.nodes[i].dht().p2p().clone();
+        let target = introduce(&swarm.nodes[i], &swarm.nodes[0]).await;
+        let mut s = open(&sybil, target, "slots").await;
+        let Response::Metadata(meta) = ask(&mut s, &Request::Metadata).await else {
+            panic!("sybil {i} got no session");
+        };
+        held.push((s, meta.session));
+    }
+    assert_eq!(donor.state_stats().sessions, 2);
+
+    let newcomer = swarm.averager(3, vec![vector(vec![0.0; 3])], config("slots", 0.0, false));
+    let donor_id = swarm.peer(0);
+    wait_donors(&newcomer, "the donor", |d| peers(d) == [donor_id]).await;
+    let info = loaded(newcomer.load_state_from_peers().await, "beside the sybils");
+    assert_eq!(info.source, donor_id);
+    assert_eq!(values(&newcomer), vec![vec![1.0, 2.0, 3.0]]);
+
+    let mut evicted = Vec::new();
+    for (i, (s, session)) in held.iter_mut().enumerate() {
+        let request = Request::Chunk {
+            session: session.clone(),
+            index: 0,
+        };
+        match ask(s, &request).await {
+            Response::Refused(Refusal::UnknownSession) => evicted.push(i),
+            Response::Chunk { .. } => {}
+            other => panic!("sybil {i}: {other:?}"),
+        }
+    }
+    assert_eq!(evicted, [0], "the sybil stalled longest lost its session");
+    drop(held);
+    swarm.shutdown(vec![donor, newcomer]).await;
+}
+
 /// A stream on which the donor answered a metadata request (so it holds a slot), or `None`
 /// once the donor drops new streams.
 async fn held_stream(p2p: &P2p, peer: PeerId, prefix: &str) -> Option<P2pStream> {

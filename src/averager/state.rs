@@ -24,8 +24,12 @@
 //! * `Metadata` → the donor snapshots its state: its tensors and metadata, or whatever its
 //!   [`StateProvider`] returns (see below). The snapshot holds the raw bytes of every tensor,
 //!   little-endian as on every target hivemesh builds for, concatenated; copied under the
-//!   tensor lock, hashed on a blocking thread; the last snapshot is reused while neither the
-//!   tensors nor the metadata changed, so repeated requests cost no copy),
+//!   tensor lock, hashed on a blocking thread; the last snapshot, hashes included, is reused
+//!   while neither the tensors nor the metadata changed, so repeated requests cost no copy and
+//!   no hash; where a tensor is external memory or a provider serves the state, a change goes
+//!   unseen, so the snapshot is reused for a second or twenty times what building it took,
+//!   whichever is longer: however often peers ask, building takes at most ~5% of the donor's
+//!   time),
 //!   opens a **session** for the newcomer and answers with the session id, its schema hash, the
 //!   tensor shapes and dtypes, the total size, the chunk size ([`StateConfig::chunk_bytes`]),
 //!   the SHA-256 of every chunk and a **content hash** over all of that and the metadata
@@ -36,12 +40,16 @@
 //! * Any request may be answered `Refused(reason)` ([`Refusal`]): not sharing (sharing is off:
 //!   every session is dropped too), busy, unknown session, chunk out of range.
 //!
-//! Sessions are bounded: one per newcomer (a new `Metadata` request replaces it), at most
-//! [`StateConfig::max_sessions`] in all (then `Busy`), dropped after
-//! [`StateConfig::session_idle_timeout`] without a request; sessions whose snapshots have
-//! equal content hashes share one copy. At most one snapshot is built at a time. Inbound
-//! streams are served each in its own task, at most [`StateConfig::max_inbound`] at once and
-//! [`StateConfig::max_inbound_per_peer`] for one peer (more are dropped: their openers retry), each request read under the idle timeout with its
+//! Sessions are bounded (`state/sessions.rs`): one per peer id (a new `Metadata` request
+//! replaces it), at most [`StateConfig::max_sessions`] in all, dropped after
+//! [`StateConfig::session_idle_timeout`] without a request; when every slot is taken, a
+//! newcomer evicts the session that has fallen furthest behind
+//! [`StateConfig::min_session_rate`] (after a grace of [`StateConfig::session_grace`]), and
+//! is `Busy` only if every session keeps up, so sybils trickling a chunk a minute cannot hold
+//! every slot; sessions whose snapshots have equal content hashes share one copy. At most one
+//! snapshot is built at a time. Inbound streams are served each in its own task, at most
+//! [`StateConfig::max_inbound`] at once and [`StateConfig::max_inbound_per_peer`] for one peer
+//! (more are dropped: their openers retry), each request read under the idle timeout with its
 //! length checked from its prefix before anything is buffered ([`wire::MAX_REQUEST_BYTES`]);
 //! garbage, an oversized prefix or a second request sent before the first is answered closes
 //! that stream only.
@@ -90,8 +98,8 @@
 //! [`StateConfig::request_timeout`]: a provider that fails, or has not answered by then, gets
 //! the newcomer a `Busy` refusal (it asks the next donor), and while a call is still running no
 //! second one starts (`Busy` too), so a provider that hangs holds one thread, not one per
-//! request. A provided state is reused for at most a second (the provider's state changes
-//! without the averager knowing), and must fit the wire's limits
+//! request. A provided state is reused for a second, or twenty times what building it took if
+//! longer (the provider's state changes without the averager knowing), and must fit the wire's limits
 //! ([`wire::MAX_TENSORS`], [`wire::MAX_DIMS`], [`wire::MAX_METADATA_BYTES`]).
 //!
 //! The schema hash in a provided state's description stays the averager's (it says which
@@ -110,6 +118,7 @@
 
 mod donor;
 mod download;
+mod sessions;
 mod trust;
 pub mod wire;
 
@@ -132,6 +141,7 @@ use crate::shares::Shares;
 use crate::tensor::{PartViewMut, Tensor};
 
 use donor::*;
+use sessions::Sessions;
 
 pub use trust::Trust;
 pub use wire::{Metadata, Refusal, Request, Response, WireError};
@@ -144,6 +154,10 @@ pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default [`StateConfig::load_timeout`] (hivemind's `load_state_timeout`).
 pub const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(600);
+/// Default [`StateConfig::session_grace`].
+pub const DEFAULT_SESSION_GRACE: Duration = Duration::from_secs(30);
+/// Default [`StateConfig::min_session_rate`]: 256 KiB/s, a 1 MiB chunk every 4 s.
+pub const DEFAULT_MIN_SESSION_RATE: u64 = 256 << 10;
 
 /// State-sharing parameters, both sides.
 #[derive(Clone, Debug)]
@@ -157,6 +171,13 @@ pub struct StateConfig {
     pub max_sessions: usize,
     /// Donor: a session (and a stream) without requests for this long is dropped.
     pub session_idle_timeout: Duration,
+    /// Donor: the credit a new session opens with, and the most a session may bank ahead
+    /// (see [`StateConfig::min_session_rate`]).
+    pub session_grace: Duration,
+    /// Donor: bytes per second a session must fetch, on average since it opened (with at most
+    /// [`StateConfig::session_grace`] banked), to keep its slot when every slot is taken and a
+    /// newcomer asks; the session that fell furthest behind is evicted for the newcomer.
+    pub min_session_rate: u64,
     /// Donor: most inbound streams served at once.
     pub max_inbound: usize,
     /// Donor: most inbound streams served at once for one peer (a newcomer needs
@@ -186,6 +207,8 @@ impl Default for StateConfig {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             max_sessions: 4,
             session_idle_timeout: Duration::from_secs(60),
+            session_grace: DEFAULT_SESSION_GRACE,
+            min_session_rate: DEFAULT_MIN_SESSION_RATE,
             max_inbound: 32,
             max_inbound_per_peer: 8,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
@@ -482,13 +505,6 @@ struct Snapshot {
     meta: Metadata,
 }
 
-struct Session {
-    peer: PeerId,
-    id: Bytes,
-    snapshot: Arc<Snapshot>,
-    last_used: Instant,
-}
-
 /// Everything both sides share; owned by the averager's [`StateSharing`] and its tasks.
 struct Inner {
     dht: Dht,
@@ -502,7 +518,7 @@ struct Inner {
     priority: AtomicU64,
     metadata: Mutex<Bytes>,
     announced: Mutex<Announced>,
-    sessions: Mutex<Vec<Session>>,
+    sessions: Mutex<Sessions>,
     /// Held while a snapshot is built: one at a time.
     building: tokio::sync::Mutex<()>,
     /// The last snapshot built and the tensors' version it was taken at: served again while
@@ -516,21 +532,49 @@ struct Inner {
     providing: AtomicBool,
 }
 
-/// How long a snapshot of tensors that include external memory is served again: such memory
-/// changes without the averager knowing, so the reuse is bounded in time (a flood of metadata
-/// requests costs at most one copy per this period).
+/// The shortest time a snapshot of tensors that include external memory (or of a provided
+/// state) is served again: such memory changes without the averager knowing, so the reuse is
+/// bounded in time ([`CachedSnapshot::reuse_window`]).
 const EXTERNAL_SNAPSHOT_REUSE: Duration = Duration::from_secs(1);
+
+/// A snapshot of external memory or a provided state is served again for at least this many
+/// times what building it took, so however often peers ask, building snapshots takes at most
+/// about 1/this of the donor's time (5%).
+const SNAPSHOT_COST_FACTOR: u32 = 20;
 
 /// The donor's last snapshot ([`Inner::current_snapshot`]).
 struct CachedSnapshot {
     version: u64,
     /// Some tensor is external memory, or the state came from a provider: reused only for
-    /// [`EXTERNAL_SNAPSHOT_REUSE`].
+    /// its [reuse window](Self::reuse_window).
     external: bool,
     /// Built from a [`StateProvider`]'s state (its metadata is the provider's).
     provided: bool,
     built: Instant,
+    /// What building it took (copy, provider call and hashes).
+    cost: Duration,
     snapshot: Arc<Snapshot>,
+}
+
+impl CachedSnapshot {
+    /// How long an external or provided snapshot is served again:
+    /// [`EXTERNAL_SNAPSHOT_REUSE`], or [`SNAPSHOT_COST_FACTOR`] times its cost if longer.
+    fn reuse_window(&self) -> Duration {
+        self.cost
+            .saturating_mul(SNAPSHOT_COST_FACTOR)
+            .max(EXTERNAL_SNAPSHOT_REUSE)
+    }
+
+    /// Whether it still serves at `now`, the tensors being at `version`, a provider set or not
+    /// (`provided`) and the metadata `metadata`: the tensors' version has not moved, the
+    /// metadata is the same (a provided state's is the provider's) and, where it is external
+    /// or provided, it is within its [reuse window](Self::reuse_window).
+    fn serves(&self, now: Instant, version: u64, provided: bool, metadata: &Bytes) -> bool {
+        self.provided == provided
+            && self.version == version
+            && (!self.external || now.saturating_duration_since(self.built) < self.reuse_window())
+            && (provided || self.snapshot.meta.metadata == *metadata)
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -576,7 +620,13 @@ impl StateSharing {
             priority: AtomicU64::new(config.state_priority.to_bits()),
             metadata: Mutex::new(Bytes::new()),
             announced: Mutex::new(Announced::default()),
-            sessions: Mutex::new(Vec::new()),
+            sessions: Mutex::new(Sessions::new(sessions::Limits {
+                max: config.state.max_sessions.max(1),
+                idle: config.state.session_idle_timeout,
+                // Kept where an `Instant` can add it.
+                grace: config.state.session_grace.min(Duration::from_secs(1 << 30)),
+                min_rate: config.state.min_session_rate.max(1),
+            })),
             building: tokio::sync::Mutex::new(()),
             last_snapshot: Mutex::new(None),
             snapshots_built: AtomicU64::new(0),
@@ -736,19 +786,19 @@ impl Averager {
 }
 
 impl Inner {
-    /// The last snapshot, if the tensors and the metadata are still what it holds: the
-    /// tensors' version has not moved and, where some tensor is external memory (which its
-    /// owner, e.g. PyTorch, writes without telling us), it is younger than
-    /// [`EXTERNAL_SNAPSHOT_REUSE`].
-    fn current_snapshot(&self) -> Option<Arc<Snapshot>> {
+    /// The last snapshot, if the tensors and the metadata are still what it holds
+    /// ([`CachedSnapshot::serves`]: where some tensor is external memory, which its owner,
+    /// e.g. PyTorch, writes without telling us, or the state is provided, within its reuse
+    /// window).
+    fn current_snapshot(&self, now: Instant) -> Option<Arc<Snapshot>> {
         let provided = lock(&self.provider).is_some();
+        let metadata = lock(&self.metadata).clone();
         let last = lock(&self.last_snapshot);
         let cached = last.as_ref()?;
-        (cached.provided == provided
-            && cached.version == self.shared.version.load(Ordering::SeqCst)
-            && (!cached.external || cached.built.elapsed() < EXTERNAL_SNAPSHOT_REUSE)
-            && (provided || cached.snapshot.meta.metadata == *lock(&self.metadata)))
-        .then(|| cached.snapshot.clone())
+        let version = self.shared.version.load(Ordering::SeqCst);
+        cached
+            .serves(now, version, provided, &metadata)
+            .then(|| cached.snapshot.clone())
     }
 
     fn sharing(&self) -> bool {
@@ -823,8 +873,7 @@ impl Inner {
     }
 
     fn expire_sessions(&self) {
-        let idle = self.config.session_idle_timeout;
-        lock(&self.sessions).retain(|s| s.last_used.elapsed() < idle);
+        lock(&self.sessions).expire(Instant::now());
     }
 }
 
@@ -915,6 +964,82 @@ mod tests {
         }
         assert_eq!(registry_key("run"), b"\xffowned:run.all_averagers");
         assert_eq!(protocol("run"), "/hivemesh/state/1/run");
+    }
+
+    fn cached(external: bool, cost: Duration, built: Instant) -> CachedSnapshot {
+        CachedSnapshot {
+            version: 7,
+            external,
+            provided: false,
+            built,
+            cost,
+            snapshot: Arc::new(Snapshot {
+                data: Bytes::new(),
+                meta: Metadata {
+                    session: Bytes::new(),
+                    schema_hash: Bytes::new(),
+                    tensors: Vec::new(),
+                    total_bytes: 0,
+                    chunk_bytes: wire::MIN_CHUNK_BYTES,
+                    chunk_hashes: Bytes::new(),
+                    content_hash: [0; wire::HASH_BYTES],
+                    metadata: Bytes::from_static(b"epoch 1"),
+                },
+            }),
+        }
+    }
+
+    /// The donor's snapshots in virtual time: how many a peer asking for metadata every
+    /// 1.5 s for ten minutes makes the donor build (copy under the tensor lock, then hash).
+    /// Tensors of external memory and a snapshot that took 2 s to build (a large state): the
+    /// reuse window grows with the cost, so building takes at most 1/`SNAPSHOT_COST_FACTOR` of
+    /// the time (with a window of one second, as before, it rebuilt each time it was
+    /// asked once the last build had finished: 201 builds).
+    /// A cheap snapshot is still refreshed after a second, and tensors that are not external
+    /// are rebuilt only when their version or the metadata moves.
+    #[test]
+    fn repeated_metadata_requests_rebuild_a_costly_snapshot_rarely() {
+        let start = Instant::now();
+        let metadata = Bytes::from_static(b"epoch 1");
+        let builds_over_ten_minutes = |external: bool, cost: Duration| {
+            let mut last = cached(external, cost, start);
+            let mut builds = 1u32;
+            let mut now = start;
+            for _ in 0..400 {
+                now += Duration::from_millis(1500);
+                if !last.serves(now, 7, false, &metadata) {
+                    builds += 1;
+                    last = cached(external, cost, now + cost);
+                }
+            }
+            builds
+        };
+        let costly = Duration::from_secs(2);
+        let builds = builds_over_ten_minutes(true, costly);
+        assert!(
+            costly * builds <= Duration::from_secs(600) / SNAPSHOT_COST_FACTOR + costly,
+            "{builds} builds of {costly:?} in 10 minutes"
+        );
+        assert!(builds >= 2, "a changing external state is still refreshed");
+        let cheap = Duration::from_millis(1);
+        assert_eq!(builds_over_ten_minutes(true, cheap), 401);
+        assert_eq!(builds_over_ten_minutes(false, costly), 1);
+
+        let last = cached(false, costly, start);
+        let later = start + Duration::from_secs(3600);
+        assert!(last.serves(later, 7, false, &metadata));
+        assert!(
+            !last.serves(start, 8, false, &metadata),
+            "the tensors changed"
+        );
+        assert!(
+            !last.serves(start, 7, false, &Bytes::new()),
+            "the metadata changed"
+        );
+        assert!(
+            !last.serves(start, 7, true, &metadata),
+            "a provider was set"
+        );
     }
 
     /// What a donor concatenates (each tensor's raw bytes) is what a newcomer copies back.

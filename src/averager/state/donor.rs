@@ -35,7 +35,7 @@ pub(super) async fn serve_stream(
             Request::Metadata => open_session(inner, peer).await,
             Request::Chunk { session, index } => chunk(inner, peer, &session, index),
             Request::Release { session } => {
-                lock(&inner.sessions).retain(|s| !(s.peer == peer && s.id == session));
+                lock(&inner.sessions).release(peer, &session);
                 continue;
             }
         };
@@ -46,24 +46,17 @@ pub(super) async fn serve_stream(
     }
 }
 
-/// Whether a session for `peer` can be added, after dropping idle ones and `peer`'s own.
-pub(super) fn room_for(inner: &Inner, sessions: &mut Vec<Session>, peer: PeerId) -> bool {
-    let idle = inner.config.session_idle_timeout;
-    sessions.retain(|s| s.peer != peer && s.last_used.elapsed() < idle);
-    sessions.len() < inner.config.max_sessions.max(1)
-}
-
 pub(super) async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
     if !inner.sharing() {
         lock(&inner.sessions).clear();
         return Response::Refused(Refusal::NotSharing);
     }
-    if !room_for(inner, &mut lock(&inner.sessions), peer) {
+    if !lock(&inner.sessions).has_room(peer, Instant::now()) {
         return Response::Refused(Refusal::Busy);
     }
     let built = {
         let _one_at_a_time = inner.building.lock().await;
-        match inner.current_snapshot() {
+        match inner.current_snapshot(Instant::now()) {
             Some(snapshot) => Some(snapshot),
             None => {
                 let provider = lock(&inner.provider).clone();
@@ -71,8 +64,9 @@ pub(super) async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
                     None => {
                         let builder = inner.clone();
                         tokio::task::spawn_blocking(move || {
+                            let started = Instant::now();
                             let (version, external, snapshot) = build_snapshot(&builder);
-                            cache(&builder, version, external, false, snapshot)
+                            cache(&builder, version, external, false, started, snapshot)
                         })
                         .await
                         .ok()
@@ -89,41 +83,38 @@ pub(super) async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
         return Response::Refused(Refusal::NotSharing);
     }
     let mut sessions = lock(&inner.sessions);
-    if !room_for(inner, &mut sessions, peer) {
-        return Response::Refused(Refusal::Busy);
-    }
     // Sessions of the same state share one copy.
     let snapshot = sessions
-        .iter()
-        .find(|s| s.snapshot.meta.content_hash == snapshot.meta.content_hash)
-        .map_or(snapshot, |s| s.snapshot.clone());
+        .same_state(&snapshot.meta.content_hash)
+        .unwrap_or(snapshot);
     let id = Bytes::copy_from_slice(&rand::rng().random::<[u8; 16]>());
     let mut meta = snapshot.meta.clone();
     meta.session = id.clone();
-    sessions.push(Session {
-        peer,
-        id,
-        snapshot,
-        last_used: Instant::now(),
-    });
-    Response::Metadata(meta)
+    match sessions.open(peer, id, snapshot, Instant::now()) {
+        Ok(()) => Response::Metadata(meta),
+        Err(refusal) => Response::Refused(refusal),
+    }
 }
 
-/// Keeps `snapshot` as the donor's last one and counts it.
+/// Keeps `snapshot` (whose building began at `started`) as the donor's last one and counts
+/// it.
 fn cache(
     inner: &Inner,
     version: u64,
     external: bool,
     provided: bool,
+    started: Instant,
     snapshot: Snapshot,
 ) -> Arc<Snapshot> {
     let snapshot = Arc::new(snapshot);
     inner.snapshots_built.fetch_add(1, Ordering::SeqCst);
+    let built = Instant::now();
     *lock(&inner.last_snapshot) = Some(CachedSnapshot {
         version,
         external,
         provided,
-        built: Instant::now(),
+        built,
+        cost: built - started,
         snapshot: snapshot.clone(),
     });
     snapshot
@@ -152,6 +143,7 @@ async fn provided_snapshot(
     let builder = inner.clone();
     let call = tokio::task::spawn_blocking(move || {
         let _providing = Providing(&builder.providing);
+        let started = Instant::now();
         // Read before the call: a change made meanwhile makes the next request rebuild.
         let version = builder.shared.version.load(Ordering::SeqCst);
         let state = provider.current_state()?;
@@ -162,7 +154,7 @@ async fn provided_snapshot(
         }
         let tensors = state.tensors.iter().map(TensorDescriptor::of).collect();
         let snapshot = snapshot_of(&builder, data, tensors, state.metadata);
-        Ok::<_, String>(cache(&builder, version, true, true, snapshot))
+        Ok::<_, String>(cache(&builder, version, true, true, started, snapshot))
     });
     let timeout = inner.config.request_timeout;
     match tokio::time::timeout(timeout, call).await {
@@ -280,16 +272,15 @@ pub(super) fn chunk(inner: &Inner, peer: PeerId, session: &Bytes, index: u64) ->
         lock(&inner.sessions).clear();
         return Response::Refused(Refusal::NotSharing);
     }
-    let snapshot = {
-        let mut sessions = lock(&inner.sessions);
-        let Some(s) = sessions
-            .iter_mut()
-            .find(|s| s.peer == peer && s.id == *session)
-        else {
-            return Response::Refused(Refusal::UnknownSession);
-        };
-        s.last_used = Instant::now();
-        s.snapshot.clone()
+    let served = lock(&inner.sessions).serve(
+        peer,
+        session,
+        |s| s.meta.chunk_range(index).map(|r| r.end - r.start),
+        Instant::now(),
+    );
+    let snapshot = match served {
+        Ok(snapshot) => snapshot,
+        Err(refusal) => return Response::Refused(refusal),
     };
     match snapshot.meta.chunk_range(index) {
         Some(range) => Response::Chunk {

@@ -13,6 +13,17 @@
 //!   candidates run out ([`super::DonorError::Unconfirmed`]). Donors hold byte-identical states
 //!   right after they averaged in one group and before they train on (the usual case for a
 //!   swarm's stable donors); the default, 1, trusts the best-priority answer, as hivemind does.
+//!
+//!   **What it counts, precisely: distinct peer ids** (one answer per announced donor), and
+//!   nothing else: not addresses, not machines, not stake. Peer ids cost nothing to make, so
+//!   `min_agreeing = k` stops a wrong state served by **fewer than `k` identities** (one lying
+//!   or broken donor, a donor whose state diverged, a handful of uncoordinated bad peers), and
+//!   a lone identity's priority claim. It does **not** stop `k` sybils run by one attacker that
+//!   serve byte-identical states (zeros, say) and announce top priorities: they agree, and
+//!   their state is installed (`tests/state_sharing.rs::sybils_that_agree_satisfy_min_agreeing`
+//!   pins this down, and that two such sybils fall short of `min_agreeing = 3`). Against an
+//!   attacker with many identities only the allowlist helps (or a `k` above what the attacker
+//!   can run, which honest donors must then also reach).
 //! * **Finite values, always**: a state holding a NaN or an infinity is never installed or
 //!   returned; its donors are skipped ([`super::DonorError::NonFinite`]) and the next content
 //!   hash is tried.
@@ -30,7 +41,8 @@ use crate::tensor::DType;
 pub struct Trust {
     /// Only these peers may serve the state (`None`: any peer).
     pub allow: Option<HashSet<PeerId>>,
-    /// Donors that must serve one content hash before it is downloaded (at least 1).
+    /// Distinct donors (peer ids) that must serve one content hash before it is downloaded
+    /// (at least 1). Sybils serving identical states count as distinct donors (module docs).
     pub min_agreeing: usize,
 }
 

@@ -4,7 +4,8 @@
 //!
 //! The parent runs the bootstrap node in-process and P slots, each holding one
 //! `bench-chaos-worker` process at a time. A worker joins, loads the state from its peers when
-//! it replaces a killed one (`LOADED ...`), prints `READY` and then steps back to back: before
+//! it replaces a killed one (`LOADED state|none|failed|wrong ...`), prints `READY` and then
+//! steps back to back: before
 //! step `s` it sets its vector to values generated from (slot, incarnation, s) and gathers
 //! those three numbers, so that every member can recompute every other member's input. After
 //! a step it checks every element against what its report promises: the mean of the inputs of
@@ -13,6 +14,15 @@
 //! failed step is allowed (a member was killed under it) if it left the tensors as they were
 //! (otherwise it is wrong), and a step whose report names no part averaged with anyone counts
 //! as failed, not ok.
+//!
+//! Loaded states are checked as strictly. Each worker serves (through a state provider) a
+//! copy of its values after its last verified step, with a [description](Description) of them
+//! as the state's metadata: the members' ids and every part's contributors, from which anyone
+//! recomputes every value (copy and description are taken together, so they always match).
+//! A replacement recomputes the state it loaded from the description that came with it and
+//! checks every element ([`check_loaded`]); a state that is not exactly what a donor held
+//! after a verified step (zeros, another step's values, a corrupt element) prints
+//! `LOADED wrong` and counts as a wrong step.
 //!
 //! Every `--kill-every` finished steps (all slots together) the parent SIGKILLs the worker of
 //! a random slot and starts the slot's next incarnation. A worker that prints nothing for
@@ -25,12 +35,14 @@
 use std::io::Write;
 use std::process::Child;
 use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use clap::Args;
 use hivemesh::allreduce::{Partition, TensorDescriptor};
 use hivemesh::averager::node::{Node, NodeConfig};
+use hivemesh::averager::state::ProvidedState;
 use hivemesh::averager::{Averager, AveragerConfig, StepOptions};
 use hivemesh::compression::Compression;
 use hivemesh::tensor::Tensor;
@@ -246,6 +258,10 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<()> {
                         loads.2 += 1;
                         eprintln!("slot {slot}.{incarnation}: {line}");
                     }
+                    ["LOADED", "wrong", ..] => {
+                        wrong += 1;
+                        eprintln!("slot {slot}.{incarnation}: {line}");
+                    }
                     ["STEP", _, verdict, _, detail] => {
                         finished += 1;
                         since_kill += 1;
@@ -357,16 +373,35 @@ async fn worker(args: ChaosWorkerArgs) -> anyhow::Result<()> {
         vec![Tensor::from_f32(&[n], vec![0.0; n])?],
         cfg,
     )?;
+    // What this worker serves newcomers: its values after its last verified step (or the
+    // state it loaded), with their description.
+    let served: Arc<Mutex<Option<(Tensor, bytes::Bytes)>>> = Arc::default();
+    let provider = served.clone();
+    averager.set_state_provider(Some(Arc::new(move || {
+        let served = provider.lock().unwrap_or_else(|e| e.into_inner());
+        let (values, description) = served.as_ref().ok_or("no verified state yet")?;
+        Ok(ProvidedState {
+            metadata: description.clone(),
+            tensors: vec![values.clone()],
+        })
+    })));
+    let serve = |values: Vec<f32>, description: bytes::Bytes| -> anyhow::Result<()> {
+        let values = Tensor::from_f32(&[n], values)?;
+        *served.lock().unwrap_or_else(|e| e.into_inner()) = Some((values, description));
+        Ok(())
+    };
     if args.incarnation > 0 {
         // A replacement: take the state the others serve, as a newcomer would.
         match averager.load_state_from_peers().await {
             Ok(Some(loaded)) => {
                 let t = averager.tensors()[0].to_f32_vec();
-                ensure!(
-                    t.len() == n && t.iter().all(|x| x.is_finite()),
-                    "loaded state is malformed"
-                );
-                println!("LOADED state {} bytes", loaded.bytes);
+                match check_loaded(&loaded.metadata, &partition, &t) {
+                    Ok(()) => {
+                        println!("LOADED state {} bytes", loaded.bytes);
+                        serve(t, loaded.metadata)?;
+                    }
+                    Err(e) => println!("LOADED wrong {e:#}"),
+                }
             }
             Ok(None) => println!("LOADED none"),
             Err(e) => println!("LOADED failed {e}"),
@@ -418,14 +453,28 @@ async fn worker(args: ChaosWorkerArgs) -> anyhow::Result<()> {
             .iter()
             .map(|g| decode_id(g).context("a member gathered malformed bytes"))
             .collect::<anyhow::Result<Vec<_>>>();
+        let contributors = |g: usize| {
+            outcome
+                .report
+                .contributors(g)
+                .map(|set| set.iter().collect::<Vec<usize>>())
+        };
         let verdict = ids.and_then(|ids| {
-            check(&ids, outcome.me, &partition, me, &after, |g| {
-                outcome
-                    .report
-                    .contributors(g)
-                    .map(|set| set.iter().collect())
-            })
+            let averaged = check(&ids, outcome.me, &partition, me, &after, contributors)?;
+            let description = Description {
+                ids,
+                me: outcome.me,
+                parts: (0..partition.num_parts()).map(contributors).collect(),
+            };
+            Ok((averaged, description))
         });
+        let verdict = match verdict {
+            Ok((averaged, description)) => {
+                serve(after, description.encode())?;
+                Ok(averaged)
+            }
+            Err(e) => Err(e),
+        };
         match verdict {
             Ok(0) => println!(
                 "STEP {s} err {secs:.3} nothing averaged (group={})",
@@ -492,6 +541,87 @@ fn check(
         }
     }
     Ok(averaged)
+}
+
+/// What a served state holds, enough to recompute every value: the ids the members of the
+/// donor's last verified step gathered, the donor's place among them, and each part's
+/// contributors (`None`: the part stayed local).
+#[derive(Debug, Clone, PartialEq)]
+struct Description {
+    ids: Vec<[u64; 3]>,
+    me: usize,
+    parts: Vec<Option<Vec<usize>>>,
+}
+
+impl Description {
+    /// `[members u8] [id 24 bytes]... [me u8] [parts u32] [contributor bitmask u64]...` (0: the
+    /// part stayed local); groups have at most 64 members.
+    fn encode(&self) -> bytes::Bytes {
+        let mut out = vec![self.ids.len() as u8];
+        for id in &self.ids {
+            out.extend_from_slice(&encode_id(*id));
+        }
+        out.push(self.me as u8);
+        out.extend_from_slice(&(self.parts.len() as u32).to_le_bytes());
+        for part in &self.parts {
+            let mask = part.iter().flatten().fold(0u64, |mask, &m| {
+                mask | 1u64.checked_shl(m as u32).unwrap_or(0)
+            });
+            out.extend_from_slice(&mask.to_le_bytes());
+        }
+        out.into()
+    }
+
+    fn decode(bytes: &[u8]) -> anyhow::Result<Self> {
+        let (&members, rest) = bytes.split_first().context("empty")?;
+        let (ids, rest) = rest
+            .split_at_checked(24 * usize::from(members))
+            .context("short ids")?;
+        let ids = ids
+            .chunks(24)
+            .map(|id| decode_id(id).context("an id"))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let (&me, rest) = rest.split_first().context("no place")?;
+        let (count, rest) = rest.split_first_chunk::<4>().context("no part count")?;
+        let count = u32::from_le_bytes(*count) as usize;
+        let (masks, []) = rest.as_chunks::<8>() else {
+            bail!("a partial part");
+        };
+        ensure!(masks.len() == count, "{} parts for {count}", masks.len());
+        let parts = masks
+            .iter()
+            .map(|m| {
+                let mask = u64::from_le_bytes(*m);
+                (mask != 0).then(|| (0..64).filter(|&i| mask >> i & 1 == 1).collect())
+            })
+            .collect();
+        Ok(Self {
+            ids,
+            me: usize::from(me),
+            parts,
+        })
+    }
+}
+
+/// Checks a loaded state (`values`) against the [`Description`] that came with it: every
+/// element must be exactly what the donor held after its verified step.
+fn check_loaded(description: &[u8], partition: &Partition, values: &[f32]) -> anyhow::Result<()> {
+    let d = Description::decode(description).context("the loaded state's description")?;
+    ensure!(
+        d.parts.len() == partition.num_parts(),
+        "the description has {} parts for {}",
+        d.parts.len(),
+        partition.num_parts()
+    );
+    let donor = *d
+        .ids
+        .get(d.me)
+        .context("the donor is not among the members")?;
+    check(&d.ids, d.me, partition, donor, values, |g| {
+        d.parts[g].clone()
+    })
+    .context("the loaded state is not the donor's")?;
+    Ok(())
 }
 
 /// Checks that `after` is still our own input `me` (what a failed step must leave).
@@ -573,6 +703,46 @@ mod tests {
         assert!(check(&ids, 1, &p, ids[1], &good, |_| Some(vec![0, 3])).is_err());
         assert!(check(&ids, 1, &p, ids[1], &good, |_| Some(vec![])).is_err());
         assert!(check(&ids, 1, &p, ids[1], &good[..N - 1], all).is_err());
+    }
+
+    /// A loaded state must be exactly what its donor held: the mean its description names,
+    /// part by part; the donor's own input where it averaged, zeros, one element off, a
+    /// description that does not fit, all fail.
+    #[test]
+    fn a_loaded_state_must_be_what_its_donor_held() {
+        let p = partition();
+        let ids = vec![[0, 0, 7], [1, 2, 7], [2, 0, 7]];
+        let first = *p.part(0);
+        let description = Description {
+            ids: ids.clone(),
+            me: 1,
+            parts: (0..p.num_parts())
+                .map(|g| (g == 0).then(|| vec![0, 1, 2]))
+                .collect(),
+        };
+        let bytes = description.encode();
+        assert_eq!(Description::decode(&bytes).unwrap(), description);
+        let mut held = mean_of(&ids, &[1]);
+        held[first.range()].copy_from_slice(&mean_of(&ids, &[0, 1, 2])[first.range()]);
+        check_loaded(&bytes, &p, &held).unwrap();
+
+        let mut off = held.clone();
+        off[first.range().start] += 1e-3;
+        assert!(check_loaded(&bytes, &p, &off).is_err());
+        assert!(
+            check_loaded(&bytes, &p, &mean_of(&ids, &[1])).is_err(),
+            "its input"
+        );
+        assert!(check_loaded(&bytes, &p, &vec![0.0; N]).is_err(), "zeros");
+        assert!(check_loaded(&bytes, &p, &held[..N - 1]).is_err(), "short");
+        assert!(check_loaded(&bytes[..bytes.len() - 1], &p, &held).is_err());
+        assert!(check_loaded(&[], &p, &held).is_err());
+        let mut fewer = description.clone();
+        fewer.parts.pop();
+        assert!(check_loaded(&fewer.encode(), &p, &held).is_err());
+        let mut outside = description;
+        outside.me = 3;
+        assert!(check_loaded(&outside.encode(), &p, &held).is_err());
     }
 
     #[test]
