@@ -13,7 +13,16 @@
 //! (the default: the three in turn), and `pair` (2 peers behind port-preserving NATs, a group
 //! of 2: every byte crosses the hole-punched link). `--mbit 0` leaves the links unlimited;
 //! `--no-punched-tls` makes the punched links libp2p streams on the hole-punched connection
-//! instead of TLS over a simultaneous-open TCP connection (the default). Each prints, per repetition,
+//! instead of TLS over a simultaneous-open TCP connection (the default).
+//!
+//! WAN scenarios (issue 32; not in `all`, `--scenario wan` runs the three): `asymmetric` (4
+//! public peers on home lines: `--mbit` down, a fifth of it up), `slow` (4 public peers, the
+//! last one's line 4x slower both ways), `eight` (8 public peers). Their bound is the plan's:
+//! the step time of the best shares for the lines' rates under the butterfly's traffic model
+//! (`hivemesh::matchmaking::rate_shares`: each member's uplink and downlink carry
+//! `s·(1 − f) + (S − s)·f` tensors for share `f` among `S` senders), times the tensor's bytes.
+//!
+//! Each prints, per repetition,
 //! `hivemesh_nat scenario=S peers=P mib=M link_mbit=L median_step_s=T bound_s=B punches_ok=K
 //! punches_failed=F cpu_s=C`: T is the median over rounds 2.. of the slowest peer's step time
 //! (round 1 includes joining), B the time the busiest uplink needs for its bytes at the link
@@ -65,7 +74,14 @@ fn options() -> Options {
                     "symmetric" => vec!["symmetric"],
                     "pair" => vec!["pair"],
                     "all" => vec!["public", "cone", "symmetric"],
-                    other => panic!("unknown scenario {other:?} (public, cone, symmetric, all)"),
+                    "asymmetric" => vec!["asymmetric"],
+                    "slow" => vec!["slow"],
+                    "eight" => vec!["eight"],
+                    "wan" => vec!["asymmetric", "slow", "eight"],
+                    other => panic!(
+                        "unknown scenario {other:?} (public, cone, symmetric, all, pair, \
+                         asymmetric, slow, eight, wan)"
+                    ),
                 }
             }
             "--mbit" => o.mbit = number("--mbit") as u32,
@@ -124,15 +140,25 @@ fn run(bed: &mut Testbed, bin: &Path, join: &Path, scenario: &str, o: &Options) 
     } else {
         vec![bed.public_host("pub0"), bed.public_host("pub1")]
     };
-    for i in 0..2 {
+    // Beyond the two public peers (none for a pair): 2 more, or 6 for `eight`.
+    let more = if scenario == "eight" { 6 } else { 2 };
+    for i in 0..more {
         hosts.push(match nat {
             Some(nat) => bed.home(&format!("nat{i}"), nat),
             None => bed.public_host(&format!("pub{}", i + 2)),
         });
     }
+    // Per host: (up, down) Mbit/s.
+    let lines: Vec<(u32, u32)> = (0..hosts.len())
+        .map(|i| match scenario {
+            "asymmetric" => ((o.mbit / 5).max(1), o.mbit),
+            "slow" if i == hosts.len() - 1 => ((o.mbit / 4).max(1), (o.mbit / 4).max(1)),
+            _ => (o.mbit, o.mbit),
+        })
+        .collect();
     if o.mbit > 0 {
-        for h in &hosts {
-            bed.rate_limit(h, o.mbit);
+        for (h, &(up, down)) in hosts.iter().zip(&lines) {
+            bed.rate_limit_each(h, up, down);
         }
     }
     let group = hosts.len().to_string();
@@ -227,10 +253,12 @@ fn run(bed: &mut Testbed, bin: &Path, join: &Path, scenario: &str, o: &Options) 
         "pair" => 1.0,
         _ => 1.5,
     };
-    let bound = if o.mbit > 0 {
-        busiest * tensor_bits / link
-    } else {
+    let bound = if o.mbit == 0 {
         0.0
+    } else if matches!(scenario, "asymmetric" | "slow" | "eight") {
+        plan_bound(&lines, (o.mib << 20) as f64)
+    } else {
+        busiest * tensor_bits / link
     };
     println!(
         "hivemesh_nat scenario={scenario}{} peers={} mib={} link_mbit={} median_step_s={median:.3} bound_s={bound:.3} punches_ok={ok} punches_failed={failed} cpu_s={cpu:.2}",
@@ -244,6 +272,23 @@ fn run(bed: &mut Testbed, bin: &Path, join: &Path, scenario: &str, o: &Options) 
         o.mbit
     );
     eprintln!("  slowest step per round: {slowest:.3?}");
+}
+
+/// The step time of the best shares for `lines` ((up, down) Mbit/s per public peer, all
+/// nodes) for a tensor of `bytes` (module docs).
+fn plan_bound(lines: &[(u32, u32)], bytes: f64) -> f64 {
+    use hivemesh::matchmaking::rate_shares::{RatedPeer, rate_shares};
+    let bytes_per_s = |mbit: u32| f64::from(mbit) * 1e6 / 8.0;
+    let peers: Vec<RatedPeer> = lines
+        .iter()
+        .map(|&(up, down)| RatedPeer {
+            sender: true,
+            may_reduce: true,
+            up: bytes_per_s(up),
+            down: bytes_per_s(down),
+        })
+        .collect();
+    rate_shares(&peers).map_or(0.0, |r| r.level * bytes)
 }
 
 /// User + system CPU seconds of process `pid` so far (`/proc/<pid>/stat`, fields 14 and 15).

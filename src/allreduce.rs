@@ -17,13 +17,20 @@
 //! the union of the positions it received (exact f32 values, never densified).
 //!
 //! Modes ([`Mode`]): a **node** sends and reduces; a **client** sends and receives but reduces
-//! nothing (fraction 0) and gets its results only after it has sent everything to that reducer
-//! (no full-duplex traffic on asymmetric links); an **aux** peer reduces but sends nothing and
-//! applies nothing. A group without any sender (all aux) is rejected with
+//! nothing (fraction 0) and gets each average as soon as the part completes (hivemind holds a
+//! client's results until it has sent everything to that reducer; on a WAN that serialises
+//! the client's download behind its upload, issue 32); an **aux** peer reduces but sends
+//! nothing and applies nothing. A group without any sender (all aux) is rejected with
 //! [`RoundError::NoSenders`].
 //!
 //! # Timeouts and failures
 //!
+//! * Windows: a node sender keeps at most a window of parts outstanding per reducer, grown
+//!   from `initial_in_flight_parts` to the link's measured bandwidth-delay product, never
+//!   above `max_in_flight_parts` (which reducers enforce) ([`window`]).
+//! * Adaptive timeouts (optional, [`deadline`]): the two timeouts below are derived per link
+//!   from part sizes, declared measured rates and the round's observed arrivals, within
+//!   user-set bounds.
 //! * `sender_timeout`: the longest a reducer waits for the next part of a sender that it is
 //!   not itself holding up (the reducer owes it no reply, or it is a client still sending),
 //!   counted from the round start, the sender's last part, or the reducer's last reply to it.
@@ -49,10 +56,12 @@
 //! and `poll_timeout` (see [`crate::sim`] for a driver in virtual time).
 
 mod butterfly;
+pub mod deadline;
 pub mod partition;
 mod peer_set;
 mod reducer;
 mod robust;
+pub mod window;
 
 use std::ops::Range;
 use std::time::Duration;
@@ -64,6 +73,7 @@ use crate::tensor::{DType, Tensor, TensorError, ops};
 
 pub use butterfly::Butterfly;
 pub(crate) use butterfly::encode_part;
+pub use deadline::{AdaptiveTimeouts, LinkRates};
 pub use partition::{
     DEFAULT_PART_SIZE_BYTES, PartSpec, Partition, PartitionError, TensorDescriptor,
 };
@@ -77,8 +87,12 @@ pub use robust::{Aggregator, CenteredClip};
 pub const DEFAULT_SENDER_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default `reducer_timeout` (twice the sender timeout, as hivemind derives it).
 pub const DEFAULT_REDUCER_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default number of parts a sender may have outstanding at one reducer.
-pub const DEFAULT_MAX_IN_FLIGHT_PARTS: usize = 4;
+/// Default cap on the parts a node sender may have outstanding at one reducer (the per-link
+/// memory budget in parts, enforced by reducers; the window grows up to it,
+/// [`window`]).
+pub const DEFAULT_MAX_IN_FLIGHT_PARTS: usize = 16;
+/// Default window a node sender starts a link with, before it has measured the link.
+pub const DEFAULT_INITIAL_IN_FLIGHT_PARTS: usize = 4;
 
 /// A peer's role in a round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -152,9 +166,19 @@ pub struct RoundConfig {
     pub sender_timeout: Duration,
     /// See the module docs; must be larger than `sender_timeout`.
     pub reducer_timeout: Duration,
-    /// Parts a node may have outstanding at one reducer before it waits for replies (a
-    /// reducer bans a node sender that exceeds it).
+    /// Cap on the parts a node may have outstanding at one reducer before it waits for
+    /// replies (a reducer bans a node sender that exceeds it): the per-link memory budget in
+    /// parts. Each link's window starts at `initial_in_flight_parts` and grows with the
+    /// measured bandwidth-delay product up to this cap ([`window`]).
     pub max_in_flight_parts: usize,
+    /// The window a link starts with (clamped to `[1, max_in_flight_parts]`), and its floor.
+    pub initial_in_flight_parts: usize,
+    /// Measured link rates per member (in member order; empty or shorter: unknown). Every
+    /// member must use the same values (they come with the group's declarations).
+    pub rates: Vec<LinkRates>,
+    /// Timeouts derived from part sizes, `rates` and the round's observed arrivals, within
+    /// bounds ([`deadline`]); `None` keeps the fixed `sender_timeout` / `reducer_timeout`.
+    pub adaptive_timeouts: Option<AdaptiveTimeouts>,
     /// Bound on the whole round: when it passes, every sender still sending is banned and
     /// every reducer still owing replies is failed, and the round ends with what it has.
     /// `None` (the default) leaves the bound to the caller (e.g. the averager's step timeout).
@@ -176,6 +200,9 @@ impl RoundConfig {
             sender_timeout: DEFAULT_SENDER_TIMEOUT,
             reducer_timeout: DEFAULT_REDUCER_TIMEOUT,
             max_in_flight_parts: DEFAULT_MAX_IN_FLIGHT_PARTS,
+            initial_in_flight_parts: DEFAULT_INITIAL_IN_FLIGHT_PARTS,
+            rates: Vec::new(),
+            adaptive_timeouts: None,
             round_timeout: None,
             aggregator: Aggregator::Mean,
         }
@@ -412,6 +439,9 @@ pub enum RoundError {
     /// `max_in_flight_parts` is zero.
     #[error("max_in_flight_parts must be at least 1")]
     ZeroWindow,
+    /// [`AdaptiveTimeouts`] bounds out of range (`0 < min ≤ max`, `factor ≥ 1`).
+    #[error("adaptive timeouts need 0 < min <= max and factor >= 1, got {0:?}")]
+    BadAdaptiveTimeouts(AdaptiveTimeouts),
     /// [`CenteredClip`] parameters out of range (`tau` must be positive, `tolerance` not
     /// negative).
     #[error("CenteredClip needs tau > 0 and tolerance >= 0, got tau {tau}, tolerance {tolerance}")]

@@ -107,6 +107,10 @@ pub struct AveragerConfig {
     pub reducer_timeout: Duration,
     /// All-reduce: bound on the whole round.
     pub round_timeout: Duration,
+    /// All-reduce: derive the sender and reducer timeouts from part sizes, the members'
+    /// declared measured rates and the round's observed arrivals, within these bounds
+    /// ([`crate::allreduce::deadline`]); `None` (the default) keeps the fixed ones.
+    pub adaptive_timeouts: Option<crate::allreduce::AdaptiveTimeouts>,
     /// Bound on linking to a group's members.
     pub link_timeout: Duration,
     /// Target part size in bytes.
@@ -152,6 +156,7 @@ impl AveragerConfig {
             sender_timeout: crate::allreduce::DEFAULT_SENDER_TIMEOUT,
             reducer_timeout: crate::allreduce::DEFAULT_REDUCER_TIMEOUT,
             round_timeout: Duration::from_secs(300),
+            adaptive_timeouts: None,
             link_timeout: Duration::from_secs(10),
             part_size_bytes: crate::allreduce::DEFAULT_PART_SIZE_BYTES,
             compression: Compression::default(),
@@ -292,6 +297,9 @@ struct Shared {
     version: AtomicU64,
     /// Error feedback residuals, with sparse compression (`crate::compression::feedback`).
     feedback: Option<Mutex<ErrorFeedback>>,
+    /// This peer's upload and download rates measured in its past rounds
+    /// ([`runner::traffic`]), published with its declarations.
+    measured: Mutex<Option<crate::allreduce::LinkRates>>,
 }
 
 impl Shared {
@@ -438,6 +446,7 @@ impl Averager {
             devices,
             version: AtomicU64::new(0),
             feedback,
+            measured: Mutex::new(None),
         });
         let (steps_tx, steps) = mpsc::channel(16);
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -872,7 +881,14 @@ impl Actor {
     /// are public) and our contact multiaddrs ([`contact_addrs`]: listen addresses when public,
     /// relay circuit addresses when not), so members that never talked to us can link.
     async fn member_info(&self, options: &StepOptions) -> MemberInfo {
-        member_info(&self.dht, &self.hub, &self.config, options.gather.clone()).await
+        let mut info =
+            member_info(&self.dht, &self.hub, &self.config, options.gather.clone()).await;
+        info.measured = *self
+            .shared
+            .measured
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        info
     }
 
     /// Tells the swarm where the peers declared in `value` can be reached (the contact
@@ -1423,6 +1439,12 @@ impl Actor {
         cfg.reducer_timeout = self.config.reducer_timeout;
         cfg.round_timeout = Some(self.config.round_timeout);
         cfg.aggregator = self.config.aggregator;
+        cfg.adaptive_timeouts = self.config.adaptive_timeouts;
+        cfg.rates = group
+            .members
+            .iter()
+            .map(|m| m.info.measured.unwrap_or_default())
+            .collect();
         let carriers = established.carriers.clone();
         let links = established.kinds.clone();
         let summary: Vec<String> = links
@@ -1465,9 +1487,11 @@ impl Actor {
                 .map(|(i, peer)| format!("node {} ↔ member {i} {}", short_id(&me), short_id(peer)))
                 .collect()
         });
+        let traffic = Arc::new(runner::Traffic::default());
         let runner_cfg = RunnerConfig {
             pool: self.pool.clone(),
             lanes,
+            traffic: Some(traffic.clone()),
             ..RunnerConfig::default()
         };
         let rounding = std::time::Instant::now();
@@ -1497,6 +1521,14 @@ impl Actor {
                 options.timeout,
             )
             .await?;
+        if let Some(rates) = traffic.rates() {
+            let mut measured = self
+                .shared
+                .measured
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            *measured = Some(runner::traffic::smooth(*measured, rates));
+        }
         self.trace("round", rounding, || {
             vec![
                 ("group", crate::runner::hex(&group.group_id)),

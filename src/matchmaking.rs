@@ -77,6 +77,7 @@ mod declaration;
 mod key;
 pub mod load_balancing;
 mod machine;
+pub mod rate_shares;
 pub mod sim;
 #[cfg(test)]
 mod tests;
@@ -187,6 +188,9 @@ pub struct MemberInfo {
     /// [`crate::reach::MAX_UNLINKABLE`]: a group plans no traffic between it and those of them
     /// it contains ([`crate::reach::honoured_cuts`] says which claims count).
     pub unlinkable: Vec<PeerId>,
+    /// Its upload and download rates measured in past rounds (bytes per second, finite and
+    /// positive where known; `None`: nothing measured, or an older peer).
+    pub measured: Option<crate::allreduce::LinkRates>,
 }
 
 impl MemberInfo {
@@ -200,6 +204,7 @@ impl MemberInfo {
             reach: Reach::Public,
             relay_data: false,
             unlinkable: Vec::new(),
+            measured: None,
         }
     }
 
@@ -217,6 +222,13 @@ impl MemberInfo {
     pub fn validate(&self) -> Result<(), InfoError> {
         if let Some(b) = self.bandwidth
             && !(b.is_finite() && b >= 0.0)
+        {
+            return Err(InfoError::Bandwidth(b));
+        }
+        if let Some(r) = self.measured
+            && let Some(b) = [r.up, r.down]
+                .into_iter()
+                .find(|b| !(b.is_finite() && *b > 0.0))
         {
             return Err(InfoError::Bandwidth(b));
         }

@@ -40,6 +40,9 @@ use crate::tensor::{DType, Tensor, ops};
 use crate::timeline;
 use crate::wire::{self, Frame, FrameDecoder, WireError};
 
+pub mod traffic;
+pub use traffic::Traffic;
+
 /// A bidirectional byte stream to one group member.
 pub trait Link: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for T {}
@@ -67,6 +70,9 @@ pub struct RunnerConfig {
     /// Timeline lane of each member's link ([`crate::timeline`]): with them, every frame sent,
     /// received and handled is a span on its member's lane. `None`: no per-frame spans.
     pub lanes: Option<Arc<[String]>>,
+    /// Where the link tasks count the round's bytes and busy time ([`Traffic`]: the measured
+    /// rates a peer publishes). `None`: not measured.
+    pub traffic: Option<Arc<Traffic>>,
 }
 
 impl Default for RunnerConfig {
@@ -80,6 +86,7 @@ impl Default for RunnerConfig {
             close_timeout: Duration::from_secs(5),
             pool: BufferPool::default(),
             lanes: None,
+            traffic: None,
         }
     }
 }
@@ -238,6 +245,7 @@ pub async fn run_round_pending(
                 LinkEnd {
                     peer,
                     lane: lane.clone(),
+                    traffic: runner.traffic.clone(),
                 },
                 read,
                 group_id.clone(),
@@ -247,7 +255,11 @@ pub async fn run_round_pending(
                 runner.pool.clone(),
             ));
             tasks.spawn(write_link(
-                LinkEnd { peer, lane },
+                LinkEnd {
+                    peer,
+                    lane,
+                    traffic: runner.traffic.clone(),
+                },
                 write,
                 rx,
                 group_id.clone(),
@@ -606,10 +618,16 @@ const MAX_RESERVE_AHEAD: usize = 4 << 20;
 struct LinkEnd {
     peer: usize,
     lane: Option<String>,
+    /// Where this link's transfers are counted, if anywhere.
+    traffic: Option<Arc<Traffic>>,
 }
 
 async fn read_link(
-    LinkEnd { peer, lane }: LinkEnd,
+    LinkEnd {
+        peer,
+        lane,
+        traffic,
+    }: LinkEnd,
     mut read: impl AsyncRead + Unpin,
     group_id: Bytes,
     tx: mpsc::Sender<Inbound>,
@@ -621,11 +639,14 @@ async fn read_link(
     let mut staging = BytesMut::with_capacity(STAGING_BYTES);
     let mut head_at = None;
     let error = loop {
-        let timed = lane.as_ref().map(|_| &mut head_at);
+        let timed = (lane.is_some() || traffic.is_some()).then_some(&mut head_at);
         let body = match next_frame(&decoder, &mut read, &mut staging, &pool, timed).await {
             Ok(body) => body,
             Err(e) => break e,
         };
+        if let (Some(traffic), Some(started)) = (&traffic, head_at) {
+            traffic.received(body.len() as u64, started, std::time::Instant::now());
+        }
         // Nothing more is read from this link until the frames queued from it fit the budget
         // with this one (the budget holds at least one frame of the largest size).
         let cost = u32::try_from(body.len().max(1)).unwrap_or(u32::MAX);
@@ -748,7 +769,11 @@ async fn fill(
 }
 
 async fn write_link(
-    LinkEnd { peer, lane }: LinkEnd,
+    LinkEnd {
+        peer,
+        lane,
+        traffic,
+    }: LinkEnd,
     mut write: impl AsyncWrite + Unpin,
     mut rx: mpsc::Receiver<Message>,
     group_id: Bytes,
@@ -781,9 +806,14 @@ async fn write_link(
             group_id: group_id.clone(),
             message,
         };
+        let writing = std::time::Instant::now();
         let error = write_frame(&mut write, &mut head, &frame, idle, write_timeout)
             .await
             .err();
+        if let Some(traffic) = &traffic {
+            let bytes = head.len() + frame.message.payload_len();
+            traffic.sent(bytes as u64, writing, std::time::Instant::now());
+        }
         if let Some(error) = error {
             let _ = events.send(Inbound::Failed { from: peer, error }).await;
             return;
@@ -883,6 +913,7 @@ mod tests {
             LinkEnd {
                 peer: 0,
                 lane: None,
+                traffic: None,
             },
             receiver,
             group,

@@ -139,6 +139,9 @@ pub struct SimConfig {
     pub jitter: Duration,
     /// Uplink bandwidth of every peer, bytes per second.
     pub bandwidth: f64,
+    /// Per-peer uplink bandwidth overriding `bandwidth` (peer `i` uses entry `i` where there
+    /// is one).
+    pub peer_bandwidth: Vec<f64>,
     /// Uplink backlog, in bytes, beyond which a peer's machine is not asked for more.
     pub uplink_buffer_bytes: usize,
     /// How long the slow faults stall.
@@ -169,6 +172,7 @@ impl SimConfig {
             latency: Duration::from_millis(5),
             jitter: Duration::from_millis(1),
             bandwidth: 1e9,
+            peer_bandwidth: Vec::new(),
             uplink_buffer_bytes: 4 << 20,
             slow_pause: Duration::from_secs(10),
             time_limit: Duration::from_secs(600),
@@ -201,6 +205,8 @@ pub struct PeerResult {
     pub tensors: Vec<Tensor>,
     /// Its outcome, if it finished.
     pub outcome: Option<Outcome>,
+    /// Its machine's events, with the virtual time after the start at which they came out.
+    pub events: Vec<(Duration, RoundEvent)>,
 }
 
 /// The result of a simulation.
@@ -512,6 +518,7 @@ struct World<'a> {
     target: Vec<Option<usize>>,
     rng: StdRng,
     payload_bytes_sent: Vec<u64>,
+    events: Vec<Vec<(Duration, RoundEvent)>>,
 }
 
 impl World<'_> {
@@ -528,9 +535,10 @@ impl World<'_> {
     fn send(&mut self, from: usize, t: Transmit) {
         self.payload_bytes_sent[from] += t.message.payload_len() as u64;
         let bytes = t.message.payload_len() + MESSAGE_OVERHEAD_BYTES;
+        let rate = self.bandwidth(from);
         let up = &mut self.uplinks[from];
         let start = up.free_at.max(self.now);
-        let done = start + Duration::from_secs_f64(bytes as f64 / self.cfg.bandwidth);
+        let done = start + Duration::from_secs_f64(bytes as f64 / rate);
         up.free_at = done;
         let jitter = if self.cfg.jitter.is_zero() {
             Duration::ZERO
@@ -549,8 +557,16 @@ impl World<'_> {
         );
     }
 
-    fn backlog_limit(&self) -> Duration {
-        Duration::from_secs_f64(self.cfg.uplink_buffer_bytes as f64 / self.cfg.bandwidth)
+    fn bandwidth(&self, p: usize) -> f64 {
+        self.cfg
+            .peer_bandwidth
+            .get(p)
+            .copied()
+            .unwrap_or(self.cfg.bandwidth)
+    }
+
+    fn backlog_limit(&self, p: usize) -> Duration {
+        Duration::from_secs_f64(self.cfg.uplink_buffer_bytes as f64 / self.bandwidth(p))
     }
 
     /// Sends `t` from `p` only after the slow faults' pause.
@@ -646,7 +662,7 @@ impl World<'_> {
 
     /// Lets peer `p` transmit while its uplink has room, then records events and timers.
     fn pump(&mut self, p: usize) {
-        let limit = self.backlog_limit();
+        let limit = self.backlog_limit(p);
         loop {
             let now = self.now;
             let ready = self.uplinks[p].free_at.saturating_duration_since(now) <= limit;
@@ -673,6 +689,7 @@ impl World<'_> {
             if ev == RoundEvent::Finished {
                 self.status[p] = PeerStatus::Finished(self.now - self.start);
             }
+            self.events[p].push((self.now - self.start, ev));
         }
         let deadline = m.poll_timeout();
         if deadline.is_some() && deadline != self.timers[p] {
@@ -804,6 +821,7 @@ pub fn run_with_tensors(
             .collect(),
         rng: StdRng::seed_from_u64(cfg.seed ^ 0x5EED),
         payload_bytes_sent: vec![0; n],
+        events: vec![Vec::new(); n],
     };
     let mut initial = Vec::with_capacity(n);
     for ((p, peer), tensors) in cfg.peers.iter().enumerate().zip(tensors) {
@@ -878,13 +896,15 @@ pub fn run_with_tensors(
     }
     let elapsed = world.now - start;
     let payload_bytes_sent = std::mem::take(&mut world.payload_bytes_sent);
+    let events = std::mem::take(&mut world.events);
     tracing::info!(wall = ?t1.elapsed(), virtual_time = ?elapsed, "sim: round done");
     let peers = world
         .machines
         .into_iter()
         .zip(world.status)
         .zip(initial)
-        .map(|((m, status), init)| match m {
+        .zip(events)
+        .map(|(((m, status), init), events)| match m {
             Some(m) if matches!(status, PeerStatus::Finished(_)) => {
                 let (tensors, outcome) =
                     m.into_outcome().expect("a finished machine has an outcome");
@@ -892,17 +912,20 @@ pub fn run_with_tensors(
                     status,
                     tensors,
                     outcome: Some(outcome),
+                    events,
                 }
             }
             Some(m) => PeerResult {
                 status,
                 tensors: m.tensors().to_vec(),
                 outcome: None,
+                events,
             },
             None => PeerResult {
                 status,
                 tensors: init.unwrap_or_default(),
                 outcome: None,
+                events,
             },
         })
         .collect();

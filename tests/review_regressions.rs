@@ -186,7 +186,9 @@ fn round_timeout_bounds_a_trickling_sender() {
 #[test]
 fn node_beyond_its_window_is_banned() {
     let start = Instant::now();
-    let mut m = machine(node_config(3, 0), start); // window 4
+    let mut cfg = node_config(3, 0);
+    cfg.max_in_flight_parts = 4; // the cap reducers enforce (the default is 16)
+    let mut m = machine(cfg, start);
     let span = m.partition().span(0);
     assert!(span.len() > 4);
     for g in span {

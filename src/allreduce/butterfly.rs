@@ -12,10 +12,12 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::deadline::{GapMean, expected_gap, longer};
+use super::window::LinkWindow;
 use super::{
     AbortReason, AveragedMessage, Input, LocalValues, Message, Mode, Outcome, PartMessage,
     PartResult, Partition, PeerSet, ReduceError, Reducer, Role, RoundConfig, RoundError,
@@ -42,6 +44,10 @@ struct OutLink {
     replies: usize,
     status: LinkStatus,
     last_progress: Instant,
+    /// The in-flight window, sized to the link's measured bandwidth-delay product.
+    window: LinkWindow,
+    /// Observed gaps between this reducer's replies (while its deadline runs).
+    reply_gaps: GapMean,
 }
 
 /// One sender to this peer as a reducer.
@@ -50,10 +56,15 @@ struct InLink {
     weight: Option<f64>,
     received: usize,
     transmitted: usize,
-    held: Vec<Message>,
     status: LinkStatus,
     last_activity: Instant,
+    /// Observed gaps between this sender's parts (while its deadline runs).
+    gaps: GapMean,
 }
+
+/// The gap expected between a reducer's replies, and whether one of its senders has no
+/// expectation (adaptive timeouts).
+type ReplyExpectation = (Option<Duration>, bool);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
@@ -179,6 +190,11 @@ pub struct Butterfly {
     scratch: Vec<f32>,
     pool: BufferPool,
     round_deadline: Option<Instant>,
+    /// Per sender: the gap expected between its parts to us (adaptive timeouts, known rates).
+    expected_in: Vec<Option<Duration>>,
+    /// Per reducer: the gap expected between its replies to us, and whether one of its
+    /// senders has no expectation (then its fixed `sender_timeout` applies there).
+    expected_reply: Vec<ReplyExpectation>,
 }
 
 impl Butterfly {
@@ -225,6 +241,11 @@ impl Butterfly {
         }
         if cfg.max_in_flight_parts == 0 {
             return Err(RoundError::ZeroWindow);
+        }
+        if let Some(bounds) = cfg.adaptive_timeouts
+            && !bounds.is_valid()
+        {
+            return Err(RoundError::BadAdaptiveTimeouts(bounds));
         }
         if !super::reducer::valid_weight(cfg.weight) {
             return Err(RoundError::BadWeight(cfg.weight));
@@ -275,6 +296,12 @@ impl Butterfly {
                     replies: 0,
                     status: LinkStatus::Active,
                     last_progress: now,
+                    window: LinkWindow::new(
+                        span.len(),
+                        cfg.initial_in_flight_parts,
+                        cfg.max_in_flight_parts,
+                    ),
+                    reply_gaps: GapMean::default(),
                     span,
                 })
             })
@@ -294,9 +321,9 @@ impl Butterfly {
                         weight: None,
                         received: 0,
                         transmitted: 0,
-                        held: Vec::new(),
                         status: LinkStatus::Active,
                         last_activity: now,
+                        gaps: GapMean::default(),
                     })
                 })
                 .collect();
@@ -319,7 +346,10 @@ impl Butterfly {
                 .ok_or_else(|| RoundError::BadPlan(format!("pending tensor {t} of {count}")))? =
                 true;
         }
+        let (expected_in, expected_reply) = expected_gaps(&cfg, &modes, &partition);
         let mut machine = Self {
+            expected_in,
+            expected_reply,
             pending: pending_tensors,
             modes,
             results: vec![None; partition.num_parts()],
@@ -511,10 +541,6 @@ impl Butterfly {
             for r in 0..self.out_links.len() {
                 self.fail_reducer(r, Violation::RoundTimeout, true);
             }
-            // Clients whose replies are held: they will not finish sending now.
-            for l in self.in_links.iter_mut().flatten() {
-                l.held.clear();
-            }
         }
         for s in 0..self.in_links.len() {
             if self.in_deadline(s).is_some_and(|d| d <= now) {
@@ -576,7 +602,6 @@ impl Butterfly {
                 && l.status != LinkStatus::Failed
             {
                 l.status = LinkStatus::Failed;
-                l.held.clear();
                 self.outbox[s].push_back(Message::Abort {
                     role: Role::Reducer,
                     reason: AbortReason::Cancelled,
@@ -632,8 +657,7 @@ impl Butterfly {
         l.status == LinkStatus::Active
             && l.next < l.span.end
             && !self.pending[self.partition.part(l.next).tensor]
-            && (self.modes[self.cfg.me] == Mode::Client
-                || l.in_flight < self.cfg.max_in_flight_parts)
+            && (self.modes[self.cfg.me] == Mode::Client || l.in_flight < l.window.window())
     }
 
     fn make_part(&mut self, to: usize, now: Instant) -> Message {
@@ -653,6 +677,7 @@ impl Butterfly {
         let spec = *self.partition.part(g);
         let codec = self.codecs[spec.tensor];
         let (dtype, payload) = encode_part(&self.tensors, spec, codec, &self.pool);
+        link.window.on_send(g - link.span.start, now, payload.len());
         Message::Part(PartMessage {
             part: g as u32,
             weight: self.cfg.weight,
@@ -671,7 +696,24 @@ impl Butterfly {
             return None;
         }
         // Overflow (an effectively infinite timeout) means no deadline.
-        l.last_progress.checked_add(self.cfg.reducer_timeout)
+        l.last_progress.checked_add(self.reducer_timeout(r))
+    }
+
+    /// How long we wait for reducer `r`'s next reply (see [`super::deadline`]).
+    fn reducer_timeout(&self, r: usize) -> Duration {
+        let fixed = self.cfg.reducer_timeout;
+        let Some(bounds) = self.cfg.adaptive_timeouts else {
+            return fixed;
+        };
+        let (expected, unknown_sender) = self.expected_reply[r];
+        let observed = self.out_links[r].as_ref().and_then(|l| l.reply_gaps.mean());
+        let slack = fixed.saturating_sub(self.cfg.sender_timeout);
+        let adaptive = longer(expected, observed).map(|g| bounds.timeout(g).saturating_add(slack));
+        match (adaptive, unknown_sender) {
+            (Some(t), false) => t,
+            (Some(t), true) => t.max(fixed),
+            (None, _) => fixed,
+        }
     }
 
     fn on_averaged(&mut self, now: Instant, from: usize, msg: AveragedMessage) {
@@ -755,7 +797,14 @@ impl Butterfly {
             outputs[g] = output;
             self.results[g] = Some(msg.contributors);
         }
+        let client = self.modes[me] == Mode::Client;
         let link = self.out_links[from].as_mut().expect("checked above");
+        if !client || link.next == link.span.end {
+            // Its deadline was running: the time since is a gap between its replies.
+            link.reply_gaps
+                .add(now.saturating_duration_since(link.last_progress));
+        }
+        link.window.on_ack(g - link.span.start, now);
         link.replied[g - link.span.start] = true;
         link.replies += 1;
         link.in_flight -= 1;
@@ -818,7 +867,17 @@ impl Butterfly {
         if self.modes[s] != Mode::Client && owes {
             return None;
         }
-        l.last_activity.checked_add(self.cfg.sender_timeout)
+        l.last_activity.checked_add(self.sender_timeout(s))
+    }
+
+    /// How long we wait for sender `s`'s next part (see [`super::deadline`]).
+    fn sender_timeout(&self, s: usize) -> Duration {
+        let fixed = self.cfg.sender_timeout;
+        let Some(bounds) = self.cfg.adaptive_timeouts else {
+            return fixed;
+        };
+        let observed = self.in_links[s].as_ref().and_then(|l| l.gaps.mean());
+        longer(self.expected_in[s], observed).map_or(fixed, |g| bounds.timeout(g))
     }
 
     fn on_part(&mut self, now: Instant, from: usize, msg: PartMessage) {
@@ -900,14 +959,16 @@ impl Butterfly {
             return;
         }
         let link = self.in_links[from].as_mut().expect("checked above");
+        if self.modes[from] == Mode::Client || link.received == link.transmitted {
+            // Its deadline was running: the time since is a gap between its parts.
+            link.gaps
+                .add(now.saturating_duration_since(link.last_activity));
+        }
         link.weight = Some(msg.weight);
         link.received += 1;
         link.last_activity = now;
         if link.received == span.len() {
             link.status = LinkStatus::Done;
-            // A client gets its results only once it has sent everything.
-            let held = std::mem::take(&mut link.held);
-            self.outbox[from].extend(held);
         }
     }
 
@@ -927,7 +988,6 @@ impl Butterfly {
             return;
         }
         link.status = LinkStatus::Failed;
-        link.held.clear();
         self.banned.insert(s);
         self.outbox[s].retain(|m| !matches!(m, Message::Averaged(_)));
         if notify {
@@ -1060,12 +1120,9 @@ impl Butterfly {
                     payload,
                     finite: None,
                 });
-                let sending_done = link.status == LinkStatus::Done;
-                if self.modes[s] == Mode::Client && !sending_done {
-                    link.held.push(reply);
-                } else {
-                    self.outbox[s].push_back(reply);
-                }
+                // Clients too get each average at once (issue 32: never held behind their
+                // own sends).
+                self.outbox[s].push_back(reply);
             }
             // Our own result: the exact average (never compressed). Values of ours that are
             // not finite were left out of it: that part stays local for us, as it does in the
@@ -1095,8 +1152,7 @@ impl Butterfly {
         let reducing_done = self
             .reducer
             .as_ref()
-            .is_none_or(|r| r.is_finished() && !r.has_completed())
-            && self.in_links.iter().flatten().all(|l| l.held.is_empty());
+            .is_none_or(|r| r.is_finished() && !r.has_completed());
         // Finished means every message was handed out too: a driver may stop at `Finished`.
         let drained = self.outbox.iter().all(VecDeque::is_empty);
         // Nor does a round end while a tensor of ours is pending: whoever takes the tensors
@@ -1137,4 +1193,67 @@ impl Butterfly {
             failed_reducers: self.failed_reducers.clone(),
         }
     }
+}
+
+/// The expected gaps for adaptive timeouts (see [`super::deadline`]): per sender `s`, between
+/// its parts to us; per reducer `r`, between its replies to us, with whether one of `r`'s
+/// senders has no expectation. All `None` without adaptive timeouts or rates.
+fn expected_gaps(
+    cfg: &RoundConfig,
+    modes: &[Mode],
+    partition: &Partition,
+) -> (Vec<Option<Duration>>, Vec<ReplyExpectation>) {
+    let n = modes.len();
+    if cfg.adaptive_timeouts.is_none() {
+        return (vec![None; n], vec![(None, true); n]);
+    }
+    let reduces = |r: usize| modes[r].is_reducer() && !partition.span(r).is_empty();
+    let rates = |i: usize| cfg.rates.get(i).copied().unwrap_or_default();
+    // Senders into reducer r (other than r), and parts per step on member i's uplink.
+    let senders_into = |r: usize| (0..n).filter(|&s| s != r && modes[s].is_sender()).count();
+    let uplink_load = |i: usize| {
+        let sends = if modes[i].is_sender() {
+            (0..n).filter(|&r| r != i && reduces(r)).count()
+        } else {
+            0
+        };
+        let replies = if reduces(i) { senders_into(i) } else { 0 };
+        sends + replies
+    };
+    let gap = |s: usize, r: usize| {
+        expected_gap(
+            cfg.part_size_bytes,
+            rates(s).up(),
+            uplink_load(s),
+            rates(r).down(),
+            senders_into(r),
+        )
+    };
+    let me = cfg.me;
+    let expected_in = (0..n)
+        .map(|s| {
+            (s != me && modes[s].is_sender() && reduces(me))
+                .then(|| gap(s, me))
+                .flatten()
+        })
+        .collect();
+    let expected_reply = (0..n)
+        .map(|r| {
+            if r == me || !reduces(r) {
+                return (None, true);
+            }
+            let mut unknown = false;
+            let mut longest: Option<Duration> = None;
+            for s in (0..n).filter(|&s| s != r && modes[s].is_sender()) {
+                match gap(s, r) {
+                    Some(g) => longest = longer(longest, Some(g)),
+                    None => unknown = true,
+                }
+            }
+            // The reducer's own uplink carries its replies and its own parts.
+            let own = expected_gap(cfg.part_size_bytes, rates(r).up(), uplink_load(r), None, 0);
+            (longer(longest, own), unknown)
+        })
+        .collect();
+    (expected_in, expected_reply)
 }

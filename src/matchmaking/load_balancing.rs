@@ -31,6 +31,7 @@
 //! to members that some sender of the group cannot connect to ([`crate::reach::reducers`]:
 //! e.g. a member behind a NAT that another member's NAT keeps it from hole punching to).
 
+use super::rate_shares::{RatedPeer, rate_shares};
 use super::{Group, Mode};
 use crate::allreduce::Member;
 
@@ -259,6 +260,26 @@ pub fn group_fractions_cut(
     if may_reduce.iter().any(|&m| m) && !reachable.iter().any(|&r| r) {
         return Err(LoadBalanceError::Unreachable);
     }
+    // Every member declared measured rates: shares from those (issue 32), as element counts.
+    let rated: Option<Vec<RatedPeer>> = group
+        .members
+        .iter()
+        .zip(&reachable)
+        .map(|(m, &reachable)| {
+            m.info.measured.map(|r| RatedPeer {
+                sender: m.info.mode.is_sender(),
+                may_reduce: reachable,
+                up: r.up,
+                down: r.down,
+            })
+        })
+        .collect();
+    if let Some(rated) = rated
+        && vector_size > 0
+    {
+        let shares = rate_shares(&rated)?.shares;
+        return Ok(shares.iter().map(|s| s * vector_size as f64).collect());
+    }
     let bandwidths: Vec<Option<f64>> = group
         .members
         .iter()
@@ -422,6 +443,30 @@ mod tests {
             leader: PeerId::from_bytes(vec![1]).unwrap(),
             key: GroupKey::parse("p.0b").unwrap(),
         }
+    }
+
+    /// With every member's measured rates declared, shares follow them: a member with a 4x
+    /// slower uplink reduces less, a client nothing; one member without measured rates (an
+    /// older peer) brings back the advertised-bandwidth balancing (equal here).
+    #[test]
+    fn measured_rates_set_the_fractions() {
+        let rates = |up: f64| crate::allreduce::LinkRates { up, down: 1e7 };
+        let mut g = group(&[
+            (Mode::Node, None),
+            (Mode::Node, None),
+            (Mode::Node, None),
+            (Mode::Client, None),
+        ]);
+        for (m, up) in g.members.iter_mut().zip([1e6, 1e6, 0.25e6, 1e6]) {
+            m.info.measured = Some(rates(up));
+        }
+        let f = group_fractions(&g, 1000, 1).unwrap();
+        assert!((f.iter().sum::<f64>() - 1000.0).abs() < 1e-6, "{f:?}");
+        assert!(f[2] < f[0] / 2.0, "{f:?}");
+        assert_eq!(f[3], 0.0);
+        g.members[1].info.measured = None;
+        let f = group_fractions(&g, 999, 1).unwrap();
+        assert_eq!(f, vec![333.0, 333.0, 333.0, 0.0]);
     }
 
     #[test]

@@ -91,6 +91,8 @@ fn member_data(info: &MemberInfo) -> proto::MemberData {
             .iter()
             .map(|p| Bytes::copy_from_slice(p.as_bytes()))
             .collect(),
+        measured_up: info.measured.map(|r| r.up),
+        measured_down: info.measured.map(|r| r.down),
     }
 }
 
@@ -112,6 +114,19 @@ fn parse_member_data(d: Option<proto::MemberData>) -> Result<MemberInfo, WireErr
     {
         return Err(invalid("bandwidth", format!("{b}")));
     }
+    let measured = match (d.measured_up, d.measured_down) {
+        (None, None) => None,
+        (Some(up), Some(down)) => {
+            if let Some(b) = [up, down]
+                .into_iter()
+                .find(|b| !(b.is_finite() && *b > 0.0))
+            {
+                return Err(invalid("measured", format!("{b}")));
+            }
+            Some(crate::allreduce::LinkRates { up, down })
+        }
+        _ => return Err(invalid("measured", "only one direction")),
+    };
     let reach = match proto::Reach::try_from(d.reach) {
         Ok(proto::Reach::Public) => Reach::Public,
         Ok(proto::Reach::Punchable) => Reach::Punchable,
@@ -151,6 +166,7 @@ fn parse_member_data(d: Option<proto::MemberData>) -> Result<MemberInfo, WireErr
         reach,
         relay_data: d.relay_data,
         unlinkable,
+        measured,
     })
 }
 
@@ -438,6 +454,10 @@ mod tests {
             reach: crate::reach::Reach::Punchable,
             relay_data: true,
             unlinkable: vec![peer("cannot-link")],
+            measured: Some(crate::allreduce::LinkRates {
+                up: 2.5e6,
+                down: 12.5e6,
+            }),
         }
     }
 
@@ -541,6 +561,28 @@ mod tests {
         ));
     }
 
+    /// A declaration from a peer that predates measured rates (fields 8 and 9 absent)
+    /// decodes, with the rates unknown; one with them round-trips them.
+    #[test]
+    fn measured_rates_are_optional_on_the_wire() {
+        let mut frame = proto::MatchmakingFrame::from(&samples()[0]);
+        let Some(proto::matchmaking_frame::Body::JoinRequest(j)) = frame.body.as_mut() else {
+            panic!("sample 0 is a join request");
+        };
+        let member = j.member.as_mut().unwrap();
+        assert_eq!(member.measured_up, Some(2.5e6));
+        member.measured_up = None;
+        member.measured_down = None;
+        let Ok(Message::Join(old)) = Message::try_from(frame) else {
+            panic!("an old declaration decodes");
+        };
+        assert_eq!(old.info.measured, None);
+        let Ok(Message::Join(new)) = decode(&encode(&samples()[0])) else {
+            panic!("round trip");
+        };
+        assert_eq!(new.info.measured, info().measured);
+    }
+
     #[test]
     fn hostile_fields_are_typed_errors() {
         let join = |f: &dyn Fn(&mut proto::JoinRequest)| {
@@ -585,6 +627,24 @@ mod tests {
                 ..
             })
         ));
+        for (up, down) in [
+            (Some(-1.0), Some(1.0)),
+            (Some(1.0), Some(f64::NAN)),
+            (Some(0.0), Some(1.0)),
+            (Some(1.0), None),
+        ] {
+            assert!(matches!(
+                join(&|j| {
+                    let m = j.member.as_mut().unwrap();
+                    m.measured_up = up;
+                    m.measured_down = down;
+                }),
+                Err(WireError::Invalid {
+                    field: "measured",
+                    ..
+                })
+            ));
+        }
         assert!(matches!(
             join(&|j| j.member.as_mut().unwrap().mode = 7),
             Err(WireError::UnknownEnum {

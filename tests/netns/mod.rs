@@ -434,9 +434,18 @@ impl Testbed {
     /// its `eth0` and the bridge port; for a home host it is the router's WAN link (the home's
     /// line to its ISP); the LAN stays unlimited. Calling it again replaces the limit.
     pub fn rate_limit(&self, host: &Host, mbit: u32) {
-        assert!(mbit > 0, "rate_limit: mbit must be positive");
-        let rate = format!("{mbit}mbit");
-        for (ns, dev) in &host.uplink {
+        self.rate_limit_each(host, mbit, mbit);
+    }
+
+    /// Like [`Testbed::rate_limit`] with a different rate per direction: `up_mbit` from the
+    /// host (its end's egress), `down_mbit` to it (the internet end's egress): a home line.
+    pub fn rate_limit_each(&self, host: &Host, up_mbit: u32, down_mbit: u32) {
+        assert!(
+            up_mbit > 0 && down_mbit > 0,
+            "rate_limit: rates must be positive"
+        );
+        for ((ns, dev), mbit) in host.uplink.iter().zip([up_mbit, down_mbit]) {
+            let rate = format!("{mbit}mbit");
             must(run(Command::new("tc").args([
                 "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", &rate, "burst",
                 "256kb", "latency", "100ms",
