@@ -142,6 +142,21 @@ pub struct AveragerConfig {
     pub state_priority: f64,
     /// State download and serving parameters.
     pub state: state::StateConfig,
+    /// Test hook, not for use: a step whose round is over stops here before applying its
+    /// result (after taking its snapshot), so that a test can change the tensors meanwhile.
+    #[doc(hidden)]
+    pub apply_gate: Option<ApplyGate>,
+}
+
+/// Test hook ([`AveragerConfig::apply_gate`]): a step signals `reached` (one permit) once
+/// its round is over and waits for `release` (at most the round timeout) before applying.
+#[doc(hidden)]
+#[derive(Clone, Debug, Default)]
+pub struct ApplyGate {
+    /// Notified (a stored permit) when a step reaches the gate.
+    pub reached: Arc<tokio::sync::Notify>,
+    /// The step applies once this is notified.
+    pub release: Arc<tokio::sync::Notify>,
 }
 
 impl AveragerConfig {
@@ -170,6 +185,7 @@ impl AveragerConfig {
             allow_state_sharing: true,
             state_priority: 0.0,
             state: state::StateConfig::default(),
+            apply_gate: None,
         }
     }
 }
@@ -274,6 +290,10 @@ pub enum AveragerError {
     /// The averager has shut down.
     #[error("the averager has shut down")]
     Shutdown,
+    /// A shared tensor's memory was freed or moved by its owner
+    /// ([`crate::tensor::MovableMemory`]): the step read or wrote nothing of it.
+    #[error(transparent)]
+    TensorMemory(crate::tensor::TensorError),
 }
 
 struct StepRequest {
@@ -1459,7 +1479,9 @@ impl Actor {
         let summary = summary.join(",");
         tracing::info!(links = %summary, "linked to the group");
         let span = tracing::info_span!("step", links = %summary);
-        let snapshot: Vec<Tensor> = self.shared.lock_tensors().clone();
+        let snapshot: Vec<Tensor> =
+            crate::tensor::with_memory_checked(&mut self.shared.lock_tensors(), |t| t.to_vec())
+                .map_err(AveragerError::TensorMemory)?;
         let (snapshot, pending) = self.shared.devices.start_round(snapshot)?;
         // Error feedback: the round sends `compress(input + residual)` (one pass over the
         // tensors, on a blocking thread); the residual changes only once the round finished
@@ -1535,6 +1557,10 @@ impl Actor {
                 ("me", group.me.to_string()),
             ]
         });
+        if let Some(gate) = &self.config.apply_gate {
+            gate.reached.notify_one();
+            let _ = tokio::time::timeout(self.config.round_timeout, gate.release.notified()).await;
+        }
         let applying = std::time::Instant::now();
         // The delta rule passes over every tensor (and waits for device uploads): on a
         // blocking thread, not on the runtime's workers. Once started it runs to the end even
@@ -1545,23 +1571,26 @@ impl Actor {
             let mut outcome = outcome;
             {
                 let mut tensors = shared.lock_tensors_mut();
-                match (&shared.feedback, inputs) {
-                    (Some(feedback), Some(inputs)) => {
-                        let mut feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
-                        let failed = |e: crate::compression::feedback::FeedbackError| {
-                            AveragerError::Round(e.to_string())
-                        };
-                        feedback
-                            .commit(&inputs, &start, &mut outcome, weight)
-                            .map_err(failed)?;
-                        // Host tensors only; ordered so that peers agree bit for bit.
-                        crate::compression::feedback::apply(&outcome, &mut tensors, &inputs)
-                            .map_err(failed)?;
+                // Shared memory is checked (and held in place) for the whole read-modify-write;
+                // if it moved, nothing is written and the residual is not committed.
+                crate::tensor::with_memory_checked(&mut tensors, |tensors| {
+                    match (&shared.feedback, inputs) {
+                        (Some(feedback), Some(inputs)) => {
+                            let mut feedback = feedback.lock().unwrap_or_else(|e| e.into_inner());
+                            let failed = |e: crate::compression::feedback::FeedbackError| {
+                                AveragerError::Round(e.to_string())
+                            };
+                            feedback
+                                .commit(&inputs, &start, &mut outcome, weight)
+                                .map_err(failed)?;
+                            // Host tensors only; ordered so that peers agree bit for bit.
+                            crate::compression::feedback::apply(&outcome, tensors, &inputs)
+                                .map_err(failed)
+                        }
+                        _ => shared.devices.apply_host(&outcome, tensors, &start, 1.0),
                     }
-                    _ => shared
-                        .devices
-                        .apply_host(&outcome, &mut tensors, &start, 1.0)?,
-                }
+                })
+                .map_err(AveragerError::TensorMemory)??;
             }
             // The device snapshots are read (for the deltas) once their copies are done.
             shared.devices.wait_snapshots()?;

@@ -32,6 +32,7 @@ pub mod sparse;
 
 use crate::tensor::{DType, PartView};
 
+pub(crate) use blockwise::BLOCK as BLOCKWISE_BLOCK;
 pub use blockwise::Blockwise8Bit;
 pub use float16::{BFloat16Codec, Float16Codec};
 pub use none::NoCompression;

@@ -190,7 +190,9 @@ pub fn dht_record(data: &[u8]) {
     }
 }
 
-/// A part payload under every codec and element type, into outputs of several lengths.
+/// A part payload under every codec and element type, into outputs of several lengths; then
+/// the same bytes read as elements of that type (any bits: finite, infinite, NaN) encoded by
+/// the codec and decoded again ([`codec_roundtrip`]).
 pub fn codec(data: &[u8]) {
     let Some((&selector, payload)) = data.split_first() else {
         return;
@@ -207,6 +209,98 @@ pub fn codec(data: &[u8]) {
         payload.len() + 1,
     ] {
         let _ = kind.codec().decode(payload, dtype, &mut out[..n]);
+    }
+    codec_roundtrip(kind, dtype, payload);
+}
+
+/// `payload` read as little-endian elements of `dtype`, encoded by `kind`'s codec and decoded:
+/// encoding never panics and its decode succeeds with the same count, within the codec's
+/// stated bound (`crate::compression`'s table): raw values bit for bit, f16 and bf16 within
+/// their relative bounds, blockwise 8-bit within `absmax · (0.9/128 + 2^-20)` per block; the
+/// other 8-bit and sparse codecs give finite values. Non-finite input: the 16-bit and raw
+/// codecs keep NaN as NaN; the others give finite values or [`CodecError::NonFinite`].
+///
+/// [`CodecError::NonFinite`]: crate::compression::CodecError::NonFinite
+fn codec_roundtrip(kind: CompressionType, dtype: DType, payload: &[u8]) {
+    use crate::compression::CodecError;
+    use crate::tensor::PartView;
+    use half::{bf16, f16};
+    let words = || {
+        payload
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+    };
+    let (f16s, bf16s): (Vec<f16>, Vec<bf16>) = match dtype {
+        DType::F16 => (words().map(f16::from_bits).collect(), Vec::new()),
+        DType::BF16 => (Vec::new(), words().map(bf16::from_bits).collect()),
+        DType::F32 => (Vec::new(), Vec::new()),
+    };
+    let f32s: Vec<f32> = match dtype {
+        DType::F32 => payload
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        DType::F16 => f16s.iter().map(|v| v.to_f32()).collect(),
+        DType::BF16 => bf16s.iter().map(|v| v.to_f32()).collect(),
+    };
+    let view = match dtype {
+        DType::F32 => PartView::F32(&f32s),
+        DType::F16 => PartView::F16(&f16s),
+        DType::BF16 => PartView::BF16(&bf16s),
+    };
+    let codec = kind.codec();
+    let mut encoded = Vec::new();
+    codec.encode(view, &mut encoded);
+    let mut back = vec![0.0f32; f32s.len()];
+    let decoded = codec.decode(&encoded, codec.wire_dtype(dtype), &mut back);
+    let finite = f32s.iter().all(|v| v.is_finite());
+    match kind {
+        CompressionType::None | CompressionType::Float16 | CompressionType::BFloat16 => {
+            decoded.expect("a 16-bit or raw encoding decodes");
+            for (&a, &b) in f32s.iter().zip(&back) {
+                assert_eq!(a.is_nan(), b.is_nan(), "{kind:?}: {a} -> {b}");
+                if a.is_finite() {
+                    let err = (f64::from(a) - f64::from(b)).abs();
+                    let ok = match kind {
+                        CompressionType::None => a.to_bits() == b.to_bits(),
+                        CompressionType::Float16 if a.abs() > 65504.0 => b == 65504f32.copysign(a),
+                        CompressionType::Float16 => {
+                            err <= (f64::from(a.abs()) * 2f64.powi(-11)).max(2f64.powi(-25))
+                        }
+                        // Beyond bf16's largest finite value, round to nearest gives infinity.
+                        _ if b.is_infinite() => {
+                            b.signum() == a.signum() && a.abs() >= bf16::MAX.to_f32()
+                        }
+                        _ if a.abs() >= f32::MIN_POSITIVE => {
+                            err <= f64::from(a.abs()) * 2f64.powi(-8)
+                        }
+                        _ => err <= 2f64.powi(-134),
+                    };
+                    assert!(ok, "{kind:?}: {a} -> {b} is outside the codec's bound");
+                }
+            }
+        }
+        _ => match decoded {
+            Ok(()) => {
+                assert!(
+                    back.iter().all(|v| v.is_finite()),
+                    "{kind:?} decoded a non-finite value"
+                );
+                if kind == CompressionType::Blockwise8Bit {
+                    let block = crate::compression::BLOCKWISE_BLOCK;
+                    for (x, d) in f32s.chunks(block).zip(back.chunks(block)) {
+                        let absmax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                        let bound = f64::from(absmax) * (0.9 / 128.0 + 2f64.powi(-20));
+                        for (&a, &b) in x.iter().zip(d) {
+                            let err = (f64::from(a) - f64::from(b)).abs();
+                            assert!(err <= bound, "blockwise: {a} -> {b}, absmax {absmax}");
+                        }
+                    }
+                }
+            }
+            Err(CodecError::NonFinite { .. }) if !finite => {}
+            Err(e) => panic!("{kind:?}: encoding {} values gave {e}", f32s.len()),
+        },
     }
 }
 

@@ -10,7 +10,7 @@ pub mod dlpack;
 mod external;
 pub mod ops;
 
-pub use external::External;
+pub use external::{External, MovableMemory, with_memory_checked};
 
 use half::{bf16, f16};
 use ndarray::{ArrayD, IxDyn};
@@ -97,6 +97,15 @@ pub enum TensorError {
     /// Two tensors that must agree in dtype or length do not.
     #[error("tensor mismatch: {0}")]
     Mismatch(String),
+    /// An external tensor's memory was freed or moved by its owner
+    /// ([`MovableMemory`]); nothing was read or written.
+    #[error("tensor {index}'s memory changed under the averager: {why}")]
+    MemoryMoved {
+        /// The tensor's position in the list checked.
+        index: usize,
+        /// What the owner found.
+        why: String,
+    },
 }
 
 /// A dense tensor in standard (row-major, contiguous) layout.

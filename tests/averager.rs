@@ -9,8 +9,8 @@ use swarm::Swarm;
 
 use hivemesh::allreduce::Mode;
 use hivemesh::averager::{
-    Averager, AveragerConfig, AveragerError, KeySchedule, Stage, StepControlError, StepOptions,
-    StepOutcome,
+    ApplyGate, Averager, AveragerConfig, AveragerError, KeySchedule, Stage, StepControlError,
+    StepOptions, StepOutcome,
 };
 use hivemesh::links::LinkKind;
 use hivemesh::matchmaking::Grid;
@@ -412,6 +412,54 @@ async fn trigger_holds_the_all_reduce() {
     for c in controls {
         c.result().await.unwrap();
     }
+    swarm.shutdown(averagers).await;
+}
+
+/// The delta rule at the averager level: a peer whose tensors gain +1 (through `tensors()`)
+/// between its snapshot and its apply (held there by the test hook `apply_gate`) keeps the
+/// change: it ends at the mean + 1, the other peer at the mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_made_during_the_round_survives_the_apply() {
+    let _serial = serial().await;
+    let swarm = Swarm::start(2, |_| false).await;
+    let inputs = [vec![vec![1.0f32, 2.0, 3.0]], vec![vec![3.0f32, 6.0, -1.0]]];
+    let gate = ApplyGate::default();
+    let averagers: Vec<_> = (0..2)
+        .map(|i| {
+            let mut c = config("delta-rule", Mode::Node, Some(2));
+            if i == 0 {
+                c.apply_gate = Some(gate.clone());
+            }
+            swarm.averager(i, inputs[i].clone(), c)
+        })
+        .collect();
+    let stepping = {
+        let averagers = averagers.clone();
+        tokio::spawn(async move {
+            step_all(&averagers, |_| StepOptions {
+                timeout: Some(Duration::from_secs(60)),
+                ..StepOptions::default()
+            })
+            .await
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(120), gate.reached.notified())
+        .await
+        .expect("peer 0 reaches its apply");
+    averagers[0].tensors()[0]
+        .add_scaled_f32(0, &[1.0; 3], 1.0)
+        .unwrap();
+    gate.release.notify_one();
+    for r in stepping.await.unwrap() {
+        r.unwrap();
+    }
+    let mean = weighted_mean(&[(inputs[0].clone(), 1.0), (inputs[1].clone(), 1.0)]);
+    let plus_one: Vec<Vec<f64>> = mean
+        .iter()
+        .map(|t| t.iter().map(|v| v + 1.0).collect())
+        .collect();
+    assert_close(&values(&averagers[0]), &plus_one, 1e-6, "the changed peer");
+    assert_close(&values(&averagers[1]), &mean, 1e-6, "the other peer");
     swarm.shutdown(averagers).await;
 }
 

@@ -147,10 +147,15 @@ class Averager:
         state_trusted_peers: Optional[List[str]] = ...,
         state_min_agreeing: int = ...,
         centered_clip_tau: Optional[float] = ...,
+        _apply_gate: bool = ...,
     ) -> None: ...
     @property
     def mode(self) -> str:
         """``node``, ``client`` or ``aux``."""
+    def _apply_gate_reached(self, timeout: float) -> bool:
+        """Test hook: whether a step stopped before its apply within ``timeout``."""
+    def _apply_gate_release(self) -> None:
+        """Test hook: lets the stopped step apply."""
     def schedule_step(
         self,
         *,

@@ -18,12 +18,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use hivemesh::allreduce::Mode;
 use hivemesh::averager::{
-    AveragedTensor, Averager as RustAverager, AveragerConfig, AveragerError, KeySchedule, Stage,
-    StepControl as RustStepControl, StepControlError, StepOptions, StepOutcome,
+    ApplyGate, AveragedTensor, Averager as RustAverager, AveragerConfig, AveragerError,
+    KeySchedule, Stage, StepControl as RustStepControl, StepControlError, StepOptions, StepOutcome,
 };
 use hivemesh::compression::{Compression, CompressionType};
 use hivemesh::dht::{Dht, DhtTime};
-use hivemesh::tensor::{DType, Tensor};
+use hivemesh::tensor::{DType, MovableMemory, Tensor};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
@@ -57,15 +57,87 @@ enum CompressionArg {
     Codes((u32, usize, u32)),
 }
 
-/// What keeps a shared tensor's memory alive: the Python object (and its storage).
-struct Keepalive(#[allow(dead_code)] Vec<Py<PyAny>>);
+/// A shared tensor's memory, which Python may free or move (`storage.resize_(0)`, as FSDP
+/// does, `tensor.resize_()`, `tensor.set_()`, numpy's `resize(refcheck=False)`): checked
+/// before every access the averager makes ([`MovableMemory`]).
+struct SharedMemory {
+    /// The tensor or array.
+    obj: Py<PyAny>,
+    /// A PyTorch tensor's storage at the start (kept, so that it is not freed while the
+    /// averager lives even if the tensor is given another one).
+    storage: Option<Py<PyAny>>,
+    shape: Vec<usize>,
+}
+
+impl SharedMemory {
+    /// Whether `nbytes` bytes at `ptr` are still the object's elements, with its shape, in
+    /// memory it holds: `Err` says what changed.
+    fn check(&self, py: Python<'_>, ptr: usize, nbytes: usize) -> PyResult<Result<(), String>> {
+        let obj = self.obj.bind(py);
+        let (now, shape): (usize, Vec<usize>) = if self.storage.is_some() {
+            if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+                return Ok(Err("the tensor is no longer contiguous".into()));
+            }
+            let storage = obj.call_method0("untyped_storage")?;
+            let start: usize = storage.call_method0("data_ptr")?.extract()?;
+            let len: usize = storage.call_method0("nbytes")?.extract()?;
+            if len == 0 && nbytes > 0 {
+                return Ok(Err("its storage was freed (storage.resize_(0)?)".into()));
+            }
+            let now: usize = obj.call_method0("data_ptr")?.extract()?;
+            if now < start || now - start > len || len - (now - start) < nbytes {
+                return Ok(Err(format!(
+                    "its storage holds {len} bytes at {start:#x}, not the {nbytes} bytes at \
+                     {now:#x} it is averaged over (storage.resize_()?)"
+                )));
+            }
+            (now, obj.getattr("shape")?.extract()?)
+        } else {
+            let iface = obj.getattr("__array_interface__")?;
+            let (now, _readonly): (usize, bool) = iface.get_item("data")?.extract()?;
+            (now, iface.get_item("shape")?.extract()?)
+        };
+        if now != ptr {
+            return Ok(Err(format!(
+                "its data moved from {ptr:#x} to {now:#x} (resize_() or set_()?)"
+            )));
+        }
+        if shape != self.shape {
+            return Ok(Err(format!(
+                "its shape changed from {:?} to {shape:?}",
+                self.shape
+            )));
+        }
+        Ok(Ok(()))
+    }
+}
+
+impl MovableMemory for SharedMemory {
+    /// Checks with the GIL held and runs `access` before releasing it: no Python code can free
+    /// or move the memory between the check and the end of the access (a PyTorch operation
+    /// that another thread had already entered, with the GIL released, is not excluded: that
+    /// is what the tensor lock, `get_tensors()`, is for).
+    fn pinned(
+        &self,
+        ptr: *const u8,
+        nbytes: usize,
+        access: &mut dyn FnMut(),
+    ) -> Result<(), String> {
+        Python::attach(|py| {
+            self.check(py, ptr as usize, nbytes)
+                .map_err(|e| format!("cannot check it: {e}"))??;
+            access();
+            Ok(())
+        })
+    }
+}
 
 /// Wraps a PyTorch tensor or numpy array's memory as a [`Tensor`] (a CUDA tensor as a device
 /// tensor, with the `cuda` feature), after checking it.
 fn shared_tensor(index: usize, obj: &Bound<'_, PyAny>) -> PyResult<AveragedTensor> {
     let bad = |why: String| PyTypeError::new_err(format!("averaged_tensors[{index}]: {why}"));
     let module: String = obj.get_type().getattr("__module__")?.extract()?;
-    let (ptr, shape, dtype, keep) = if module.starts_with("torch") {
+    let (ptr, shape, dtype, storage) = if module.starts_with("torch") {
         let device: String = obj.getattr("device")?.getattr("type")?.extract()?;
         #[cfg(feature = "cuda")]
         if device == "cuda" {
@@ -103,12 +175,7 @@ fn shared_tensor(index: usize, obj: &Bound<'_, PyAny>) -> PyResult<AveragedTenso
         let shape: Vec<usize> = obj.getattr("shape")?.extract()?;
         let ptr: usize = obj.call_method0("data_ptr")?.extract()?;
         let storage = obj.call_method0("untyped_storage")?;
-        (
-            ptr,
-            shape,
-            dtype,
-            vec![obj.clone().unbind(), storage.unbind()],
-        )
+        (ptr, shape, dtype, Some(storage.unbind()))
     } else if let Ok(iface) = obj.getattr("__array_interface__") {
         let iface = iface
             .cast_into::<PyDict>()
@@ -140,19 +207,26 @@ fn shared_tensor(index: usize, obj: &Bound<'_, PyAny>) -> PyResult<AveragedTenso
             }
         };
         let shape: Vec<usize> = get("shape")?.extract()?;
-        (ptr, shape, dtype, vec![obj.clone().unbind()])
+        (ptr, shape, dtype, None)
     } else {
         return Err(bad(format!(
             "a {}; expected a torch.Tensor or a numpy.ndarray",
             obj.get_type().name()?
         )));
     };
+    let memory = Arc::new(SharedMemory {
+        obj: obj.clone().unbind(),
+        storage,
+        shape: shape.clone(),
+    });
     // SAFETY: `ptr` is the first element of a live, contiguous, writable CPU buffer of
-    // `shape` and `dtype` (checked above through the object's own interface); `Keepalive`
-    // holds the object (and a PyTorch tensor's storage), so the memory stays allocated for
-    // as long as the tensor. The averager touches it only under its tensor lock, which
-    // Python takes through `TensorLock`.
-    unsafe { Tensor::from_external(&shape, dtype, ptr as *mut u8, Keepalive(keep)) }
+    // `shape` and `dtype` (checked above through the object's own interface). Python can
+    // free or move it (resizing the storage or the tensor, `set_()`), so every access the
+    // averager makes goes through `with_memory_checked`: `SharedMemory::pinned` checks, with
+    // the GIL held, that the object still has its elements at `ptr`, inside its storage, and
+    // keeps the GIL until the access ends. The averager touches the memory only under its
+    // tensor lock, which Python takes through `TensorLock` to write the tensors.
+    unsafe { Tensor::from_movable_external(&shape, dtype, ptr as *mut u8, memory) }
         .map(AveragedTensor::from)
         .map_err(|e| bad(e.to_string()))
 }
@@ -227,6 +301,13 @@ pub(crate) struct Averager {
 }
 
 impl Averager {
+    fn gate(&self) -> PyResult<ApplyGate> {
+        self.config
+            .apply_gate
+            .clone()
+            .ok_or_else(|| PyValueError::new_err("this averager was made without _apply_gate"))
+    }
+
     fn get(&self) -> PyResult<Arc<RustAverager>> {
         self.owner.check("averager")?;
         self.inner
@@ -245,7 +326,7 @@ impl Averager {
     /// `"topk:0.02:2:2048"` (sparse top-k with error feedback). `mode`: `"node"`,
     /// `"client"`, `"aux"` or `None` (a client behind a NAT nobody can reach, else a node).
     #[new]
-    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=CompressionArg::Codes((0, 0, 0)), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1, centered_clip_tau=None))]
+    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=CompressionArg::Codes((0, 0, 0)), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1, centered_clip_tau=None, _apply_gate=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         node: &Node,
@@ -269,6 +350,7 @@ impl Averager {
         state_trusted_peers: Option<Vec<String>>,
         state_min_agreeing: usize,
         centered_clip_tau: Option<f64>,
+        _apply_gate: bool,
     ) -> PyResult<Self> {
         let parts = node.parts()?;
         let shared: Vec<AveragedTensor> = tensors
@@ -349,6 +431,8 @@ impl Averager {
                     .collect::<PyResult<_>>()
             })
             .transpose()?;
+        // Test hook: steps stop before applying their result (`_apply_gate_reached`).
+        config.apply_gate = _apply_gate.then(ApplyGate::default);
         let dht = parts.dht.clone();
         let cfg = config.clone();
         // `start` spawns the averager's tasks: it runs on the runtime.
@@ -371,6 +455,25 @@ impl Averager {
     fn mode(&self) -> String {
         let reach = self.dht.p2p().reachability().class();
         self.config.resolved_mode(reach).to_string()
+    }
+
+    /// Test hook (with `_apply_gate=True`): waits, GIL released, at most `timeout` seconds for
+    /// a step to stop before applying its result; returns whether one did.
+    fn _apply_gate_reached(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let gate = self.gate()?;
+        let reached = runtime::wait(
+            py,
+            async move { gate.reached.notified().await },
+            runtime::OnInterrupt::<fn()>::Abort,
+            Some(seconds("timeout", timeout)?),
+        )?;
+        Ok(reached.is_some())
+    }
+
+    /// Test hook (with `_apply_gate=True`): lets the step stopped before its apply go on.
+    fn _apply_gate_release(&self) -> PyResult<()> {
+        self.gate()?.release.notify_one();
+        Ok(())
     }
 
     /// Schedules a step; returns its `StepControl` at once.

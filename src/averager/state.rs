@@ -481,6 +481,10 @@ pub enum StateError {
     /// [`Averager::tensors`]); nothing was installed.
     #[error("the local tensors no longer have the averager's schema")]
     LocalSchemaChanged,
+    /// A shared tensor's memory was freed or moved by its owner
+    /// ([`crate::tensor::MovableMemory`]); nothing was installed.
+    #[error(transparent)]
+    LocalMemoryChanged(crate::tensor::TensorError),
     /// The download did not finish within [`StateConfig::load_timeout`]; nothing was installed.
     #[error("state download did not finish within {0:?}")]
     Timeout(Duration),

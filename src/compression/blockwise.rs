@@ -16,7 +16,7 @@ use super::{Codec, CodecError, CompressionType};
 use crate::tensor::{DType, PartView};
 
 /// Values per block (one absmax each).
-const BLOCK: usize = 4096;
+pub(crate) const BLOCK: usize = 4096;
 
 const _: () = assert!(CHUNK == BLOCK, "blocks are encoded one f32 chunk at a time");
 

@@ -6,10 +6,18 @@
 //! the memory alive (the Python bindings hand in a reference to the tensor's storage). The
 //! averager reads and writes such a tensor exactly as it does an owned one, under its tensor
 //! lock; a clone is an owned copy, so a round's snapshot never aliases the caller's memory.
+//!
+//! Memory that its owner may free or move behind the tensor's back (PyTorch's
+//! `storage.resize_(0)`, `tensor.resize_()`, `tensor.set_()`) comes with a [`MovableMemory`]
+//! ([`Tensor::from_movable_external`]): the averager reads or writes such tensors only inside
+//! [`with_memory_checked`], which asks every owner whether the memory is still where the
+//! tensor points, holds it there (the Python bindings: with the GIL held) for the access, and
+//! refuses with [`TensorError::MemoryMoved`] otherwise, touching nothing.
 
 use std::any::Any;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use half::{bf16, f16};
 
@@ -21,7 +29,63 @@ pub struct External {
     dtype: DType,
     shape: Vec<usize>,
     numel: usize,
+    /// Set when the owner's memory can move: checked before each access.
+    movable: Option<Arc<dyn MovableMemory>>,
     _owner: Box<dyn Any + Send + Sync>,
+}
+
+/// An owner whose memory may be freed or moved while the tensor lives (see the module docs).
+pub trait MovableMemory: Send + Sync + 'static {
+    /// Calls `access` once if the `nbytes` bytes at `ptr` are still the owner's memory,
+    /// keeping them in place until it returns; otherwise returns why not, without calling it.
+    fn pinned(&self, ptr: *const u8, nbytes: usize, access: &mut dyn FnMut())
+    -> Result<(), String>;
+}
+
+/// Runs `access` on `tensors` once every [movable](MovableMemory) external tensor among them
+/// has been found in place and is held there (the memory checks nest, in order); fails with
+/// [`TensorError::MemoryMoved`] (and runs nothing) when one moved. Tensors without such an
+/// owner are not checked.
+pub fn with_memory_checked<R>(
+    tensors: &mut [Tensor],
+    access: impl FnOnce(&mut [Tensor]) -> R,
+) -> Result<R, TensorError> {
+    type Pin = (usize, Arc<dyn MovableMemory>, usize, usize);
+    let pins: Vec<Pin> = tensors
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| match t {
+            Tensor::External(e) => e.movable.clone().map(|m| {
+                let nbytes = e.numel * e.dtype.size_bytes();
+                (i, m, e.ptr.as_ptr() as usize, nbytes)
+            }),
+            _ => None,
+        })
+        .collect();
+    fn nest(pins: &[Pin], access: &mut dyn FnMut()) -> Result<(), TensorError> {
+        let Some(((index, memory, ptr, nbytes), rest)) = pins.split_first() else {
+            access();
+            return Ok(());
+        };
+        let mut inner = Ok(());
+        memory
+            .pinned(*ptr as *const u8, *nbytes, &mut || {
+                inner = nest(rest, access)
+            })
+            .map_err(|why| TensorError::MemoryMoved { index: *index, why })?;
+        inner
+    }
+    let mut access = Some(access);
+    let mut out = None;
+    nest(&pins, &mut || {
+        if let Some(f) = access.take() {
+            out = Some(f(&mut *tensors));
+        }
+    })?;
+    out.ok_or_else(|| TensorError::MemoryMoved {
+        index: 0,
+        why: "a memory check neither ran the access nor refused it".into(),
+    })
 }
 
 // SAFETY: an `External` is a unique handle to its elements (the contract of
@@ -150,8 +214,31 @@ impl Tensor {
             dtype,
             shape: shape.to_vec(),
             numel,
+            movable: None,
             _owner: Box::new(owner),
         }))
+    }
+
+    /// [`Tensor::from_external`] over memory that `owner` may free or move: the tensor is
+    /// read and written only inside [`with_memory_checked`], which asks `owner` first.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Tensor::from_external`], except that the memory need stay allocated and
+    /// unshared only while `owner`'s [`MovableMemory::pinned`] runs its access (it must
+    /// refuse when the memory moved), and every access goes through [`with_memory_checked`].
+    pub unsafe fn from_movable_external(
+        shape: &[usize],
+        dtype: DType,
+        ptr: *mut u8,
+        owner: Arc<dyn MovableMemory>,
+    ) -> Result<Self, TensorError> {
+        // SAFETY: the caller's contract, narrowed to the checked accesses.
+        let mut t = unsafe { Self::from_external(shape, dtype, ptr, owner.clone())? };
+        if let Self::External(e) = &mut t {
+            e.movable = Some(owner);
+        }
+        Ok(t)
     }
 }
 
@@ -220,6 +307,62 @@ mod tests {
             memory.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
             [2.0, 3.0, 4.0]
         );
+    }
+
+    /// Memory that can be marked as moved: then it refuses every access.
+    #[derive(Default)]
+    struct Moving {
+        moved: std::sync::atomic::AtomicBool,
+    }
+
+    impl MovableMemory for Moving {
+        fn pinned(
+            &self,
+            _ptr: *const u8,
+            _nbytes: usize,
+            access: &mut dyn FnMut(),
+        ) -> Result<(), String> {
+            if self.moved.load(Ordering::SeqCst) {
+                return Err("moved".into());
+            }
+            access();
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn moved_memory_is_refused_before_any_access() {
+        let mut memory = vec![1.0f32; 4];
+        let owner = Arc::new(Moving::default());
+        // SAFETY: `memory` outlives the tensors and nothing else touches it meanwhile.
+        let shared = unsafe {
+            Tensor::from_movable_external(
+                &[4],
+                DType::F32,
+                memory.as_mut_ptr().cast(),
+                owner.clone(),
+            )
+        }
+        .unwrap();
+        let mut tensors = vec![Tensor::from_f32(&[1], vec![0.0]).unwrap(), shared];
+        let added = with_memory_checked(&mut tensors, |t| {
+            t[1].add_scaled_f32(0, &[1.0; 4], 1.0).unwrap();
+            "added"
+        });
+        assert_eq!(added, Ok("added"));
+        owner.moved.store(true, Ordering::SeqCst);
+        let mut ran = false;
+        let refused = with_memory_checked(&mut tensors, |_| ran = true);
+        assert!(!ran, "nothing runs once the memory moved");
+        assert_eq!(
+            refused,
+            Err(TensorError::MemoryMoved {
+                index: 1,
+                why: "moved".into()
+            })
+        );
+        drop(tensors);
+        assert_eq!(memory, vec![2.0; 4], "only the checked access wrote");
     }
 
     #[test]

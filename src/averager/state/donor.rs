@@ -65,11 +65,12 @@ pub(super) async fn open_session(inner: &Arc<Inner>, peer: PeerId) -> Response {
                         let builder = inner.clone();
                         tokio::task::spawn_blocking(move || {
                             let started = Instant::now();
-                            let (version, external, snapshot) = build_snapshot(&builder);
-                            cache(&builder, version, external, false, started, snapshot)
+                            let (version, external, snapshot) = build_snapshot(&builder)?;
+                            Some(cache(&builder, version, external, false, started, snapshot))
                         })
                         .await
                         .ok()
+                        .flatten()
                     }
                     Some(provider) => provided_snapshot(inner, provider).await,
                 }
@@ -206,27 +207,38 @@ fn check_provided(state: &ProvidedState) -> Result<(), String> {
 
 /// A snapshot of the tensors and metadata, the tensors' version it was taken at, and whether
 /// any tensor is [external](Tensor::External). Only the copy runs under the tensor lock; the
-/// hashes after it.
-pub(super) fn build_snapshot(inner: &Inner) -> (u64, bool, Snapshot) {
+/// hashes after it. `None` (logged) when a shared tensor's memory moved
+/// ([`crate::tensor::MovableMemory`]): nothing is served then.
+pub(super) fn build_snapshot(inner: &Inner) -> Option<(u64, bool, Snapshot)> {
     let (version, external, data, tensors) = {
-        let tensors = lock(&inner.shared.tensors);
+        let mut tensors = lock(&inner.shared.tensors);
         // Read under the lock: every change through a guard counted before it was taken.
         let version = inner.shared.version.load(Ordering::SeqCst);
         let external = tensors.iter().any(|t| matches!(t, Tensor::External(_)));
         let total = tensors.iter().map(Tensor::size_bytes).sum();
-        let mut data = Vec::with_capacity(total);
-        for t in tensors.iter() {
-            data.extend_from_slice(t.flat().as_bytes());
-        }
+        let data = crate::tensor::with_memory_checked(&mut tensors, |tensors| {
+            let mut data = Vec::with_capacity(total);
+            for t in tensors.iter() {
+                data.extend_from_slice(t.flat().as_bytes());
+            }
+            data
+        });
+        let data = match data {
+            Ok(data) => data,
+            Err(e) => {
+                tracing::warn!(error = %e, "not serving the state");
+                return None;
+            }
+        };
         let descriptors: Vec<TensorDescriptor> = tensors.iter().map(TensorDescriptor::of).collect();
         (version, external, data, descriptors)
     };
     let metadata = lock(&inner.metadata).clone();
-    (
+    Some((
         version,
         external,
         snapshot_of(inner, data, tensors, metadata),
-    )
+    ))
 }
 
 /// The served form of a state: its data, chunk hashes and description.

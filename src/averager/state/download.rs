@@ -553,12 +553,15 @@ impl Inner {
             {
                 return Err(StateError::LocalSchemaChanged);
             }
-            let mut offset = 0;
-            for t in tensors.iter_mut() {
-                let n = t.size_bytes();
-                copy_into(t, &data[offset..offset + n]);
-                offset += n;
-            }
+            crate::tensor::with_memory_checked(&mut tensors, |tensors| {
+                let mut offset = 0;
+                for t in tensors.iter_mut() {
+                    let n = t.size_bytes();
+                    copy_into(t, &data[offset..offset + n]);
+                    offset += n;
+                }
+            })
+            .map_err(StateError::LocalMemoryChanged)?;
         }
         *lock(&self.metadata) = meta.metadata.clone();
         Ok(Some(self.loaded_state(meta, reports, skipped)))
