@@ -24,10 +24,11 @@ The baseline: the same model and SGD optimizer trained in one process for as man
 ``--target-batch-size`` samples as the swarm has epochs (``use_local_updates=False`` is exactly
 that algorithm: one optimizer step per epoch on the average gradient of the epoch's samples).
 With ``--use-local-updates`` the peers step on every batch and average parameters once per
-epoch, so their loss differs from the baseline's (it usually drops faster).
+epoch; the baseline is then one process taking as many steps of 32 samples as the swarm's
+epochs hold.
 
 Output: a line each time a peer reaches an epoch (``peer I reached epoch E at T s``), per peer
-a line ``peer I: epoch E loss L accuracy A``, then
+a line ``peer I: epoch E loss L accuracy A steps S`` (S: its calls to ``opt.step()``), then
 ``final: backend=B mode=M peers=N epochs=E wall_s=W loss=L baseline_loss=BL``. Exit status 0
 when every peer (the late joiner too) reached the final epoch, 1 otherwise.
 """
@@ -132,7 +133,7 @@ def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace
                 print("--progress needs tqdm (pip install tqdm): no bar", file=sys.stderr)
             else:
                 bar = tqdm(desc=f"peer {index}", position=index, leave=False)
-        last_epoch = opt.local_epoch
+        last_epoch, steps = opt.local_epoch, 0
         deadline = time.monotonic() + args.timeout
         while opt.local_epoch < args.epochs and time.monotonic() < deadline:
             for batch in torch.randperm(len(x_all), generator=gen).split(32):
@@ -141,6 +142,7 @@ def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace
                 loss = F.cross_entropy(model(x_all[batch]), y_all[batch])
                 loss.backward()
                 opt.step()
+                steps += 1
                 if hasattr(opt, "report_metrics"):  # hivemesh: the loss for `hivemesh monitor`
                     opt.report_metrics(loss=loss.item(), name=f"peer {index}")
                 if bar is not None:
@@ -152,7 +154,7 @@ def peer(index: int, backend: str, initial_peers: list, args: argparse.Namespace
                 if opt.local_epoch >= args.epochs or time.monotonic() > deadline:
                     break
         loss, acc = evaluate(model)
-        results.put(("done", index, opt.local_epoch, loss, acc))
+        results.put(("done", index, opt.local_epoch, loss, acc, steps))
         # Keep serving the state to whoever is still catching up: the parent ends this
         # process once every peer is done.
         threading.Event().wait()
@@ -190,7 +192,8 @@ def main() -> int:
     p.add_argument("--late-epoch", type=int, default=2)
     p.add_argument("--target-batch-size", type=int, default=4096)
     p.add_argument("--lr", type=float, default=None,
-                   help="SGD's learning rate (default 1.0 synchronous, 0.1 with local updates)")
+                   help="SGD's learning rate (default 1.0 synchronous, 0.01 with local updates: at 0.1 "
+                        "one process's local steps plateau at their noise)")
     p.add_argument("--matchmaking-time", type=float, default=3.0)
     p.add_argument("--use-local-updates", action="store_true")
     p.add_argument("--no-late-joiner", action="store_true")
@@ -205,14 +208,14 @@ def main() -> int:
     args = p.parse_args()
     if args.run_peer is not None:  # one peer process (started by the parent)
         if args.lr is None:
-            args.lr = 0.1 if args.use_local_updates else 1.0
+            args.lr = 0.01 if args.use_local_updates else 1.0
         peer(args.run_peer, args.backend, json.loads(args.initial_peers), args, args.late,
              _Lines(), _Stdin())
         return 0
     if args.peers < 1 or args.epochs < 1:
         p.error("--peers and --epochs must be positive")
     if args.lr is None:
-        args.lr = 0.1 if args.use_local_updates else 1.0
+        args.lr = 0.01 if args.use_local_updates else 1.0
 
     hm = importlib.import_module(args.backend)
     dht = hm.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -291,8 +294,8 @@ def main() -> int:
         print(f"failed: {fatal}", file=sys.stderr)
         return 1
     for index in sorted(done):
-        epoch, loss, acc = done[index]
-        print(f"peer {index}: epoch {epoch} loss {loss:.4f} accuracy {acc:.3f}")
+        epoch, loss, acc, steps = done[index]
+        print(f"peer {index}: epoch {epoch} loss {loss:.4f} accuracy {acc:.3f} steps {steps}")
     losses = [done[i][1] for i in done]
     mode = "local_updates" if args.use_local_updates else "synchronous"
     print(f"final: backend={args.backend} mode={mode} peers={len(done)} epochs={args.epochs} "
