@@ -308,9 +308,9 @@ pub struct HubConfig {
     /// Inbound TLS handshakes running at once (each in its own task, under `hello_timeout`);
     /// clients arriving while this many run wait in the kernel's accept queue.
     pub max_tls_handshakes: usize,
-    /// Inbound TLS handshakes running at once from one IP address (the peer is not known
-    /// before the handshake ends); a client from an address holding its share is closed at
-    /// once (its opener falls back to a stream).
+    /// Inbound TLS handshakes running at once from one address (an IPv4 address, or the /64
+    /// of an IPv6 one; the peer is not known before the handshake ends); a client from an
+    /// address holding its share is closed at once (its opener falls back to a stream).
     pub max_tls_handshakes_per_ip: usize,
     /// Inbound streams queued between the swarm and the hub.
     pub stream_queue: usize,
@@ -481,6 +481,10 @@ pub struct HubStats {
     /// TLS connections refused after their handshake because this node runs a private swarm
     /// and does not know the peer as a member ([`crate::wire::RejectReason::NotInSwarm`]).
     pub not_in_swarm: u64,
+    /// TLS clients closed before any handshake because this node runs a private swarm and
+    /// neither a swarm peer has connected from their address nor a registered round's member
+    /// advertises it.
+    pub unknown_address: u64,
 }
 
 /// The links of one round, as [`crate::runner::run_round`] takes them, and how they were made.

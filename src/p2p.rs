@@ -93,6 +93,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt as _};
 
 pub use identity::load_or_create as load_or_create_identity;
+pub(crate) use inbound::AddrKey;
 pub use private::{SwarmKey, SwarmKeyError, SwarmPeers};
 pub use store::{StoreLimits, StoreRefusal, StoreUsage};
 
@@ -633,6 +634,16 @@ impl P2p {
     /// an open swarm, always.
     pub fn knows_swarm_member(&self, peer: &PeerId) -> bool {
         self.swarm_peers.as_ref().is_none_or(|p| p.contains(peer))
+    }
+
+    /// Whether a connection from `ip` may come from a swarm member: in a private swarm,
+    /// whether a peer has had a libp2p connection with this node from that address (its IPv4
+    /// address, or the /64 of its IPv6 one); in an open swarm, always. The TLS data plane
+    /// checks it before running a handshake (`links::hub`).
+    pub fn knows_swarm_address(&self, ip: std::net::IpAddr) -> bool {
+        self.swarm_peers
+            .as_ref()
+            .is_none_or(|p| p.knows_address(ip))
     }
 
     /// The addresses others can dial, each ending with `/p2p/<peer id>` (waits until every

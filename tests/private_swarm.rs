@@ -151,6 +151,32 @@ async fn members_average_and_outsiders_join_neither_the_dht_nor_a_round() {
     );
     let stats = boot.hub().stats();
     assert_eq!(stats.not_in_swarm, 1, "{stats:?}");
+    assert_eq!(stats.unknown_address, 0, "{stats:?}");
+
+    // Before any handshake, the address: a TLS client from 127.0.0.2, where no swarm peer has
+    // connected from, is closed before the hub sends a ServerHello, so its handshake fails on
+    // the client's side (after a handshake, TLS 1.3 would have let it finish and read a
+    // Reject), and the hub counts no failed handshake.
+    let failed_before = stats.tls_failed;
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.2:0".parse().expect("addr"))
+        .expect("bind 127.0.0.2");
+    let tcp = socket
+        .connect(boot.hub().data_addr().expect("a data listener"))
+        .await
+        .expect("the TCP connection is accepted");
+    let identity = DataIdentity::new(&keys[1]).expect("identity");
+    let refused = transport::connect_over(&identity, tcp, boot_id, Duration::from_secs(30)).await;
+    assert!(
+        matches!(refused, Err(transport::TlsError::Handshake { .. })),
+        "closed before a ServerHello: {:?}",
+        refused.map(|s| s.peer_id())
+    );
+    let stats = boot.hub().stats();
+    assert_eq!(stats.unknown_address, 1, "{stats:?}");
+    assert_eq!(stats.tls_failed, failed_before, "{stats:?}");
+    assert_eq!(stats.not_in_swarm, 1, "{stats:?}");
 
     // A round among the three members, over TLS links between peers that may have no libp2p
     // connection of their own (admitted as registered members). The outsider runs an averager

@@ -5,8 +5,11 @@
 //! * one task accepts TCP clients on the [`DataListener`] and runs each TLS handshake (under
 //!   `hello_timeout`) in a task of its own, at most `max_tls_handshakes` at once (at the limit
 //!   it stops accepting: later clients wait in the kernel's queue) and `max_tls_handshakes_per_ip`
-//!   from one IP address (a client over its address's share is closed at once), in a `JoinSet`
-//!   it owns (aborted when the task is); they forward authenticated TLS streams;
+//!   from one address (an IPv4 address or an IPv6 /64, [`AddrKey`]: a client over its address's
+//!   share is closed at once), in a `JoinSet` it owns (aborted when the task is); they forward
+//!   authenticated TLS streams. In a private swarm a client is first checked by address, before
+//!   any handshake runs ([`Shared::admits_addr`]): one from an address no swarm peer has
+//!   connected from, and no registered member advertises, is closed before a ServerHello;
 //! * one task forwards the node's inbound [`PART_PROTOCOL`] streams;
 //! * the *supervisor* receives both (one bounded queue) and runs one task per inbound link in
 //!   its own `JoinSet` (dropped, so aborted, with it), at most `max_pending_links` at once and
@@ -27,7 +30,7 @@ use tokio::task::JoinSet;
 use super::{
     Carrier, DataPlane, HubConfig, HubError, HubStats, LinkKind, LinkPeer, PART_PROTOCOL, Plan,
 };
-use crate::p2p::{InboundStreams, P2p};
+use crate::p2p::{AddrKey, InboundStreams, P2p};
 use crate::runner::Link;
 use crate::shares::{Refused, Shares};
 use crate::transport::{DataIdentity, DataListener, Handshake, PeerMismatch, PunchSocket};
@@ -85,6 +88,22 @@ impl Shared {
         self.p2p.knows_swarm_member(peer)
             || self.groups().values().any(|reg| reg.members.contains(peer))
     }
+
+    /// Whether a TCP client from `ip` may run a TLS handshake: always in an open swarm; in a
+    /// private one, when a peer has had a libp2p connection with this node from that address
+    /// (IPv4 address or IPv6 /64), or a member of a round registered here advertises a data
+    /// address there. The ClientHello names no peer, so this is all that can be checked
+    /// before the handshake; [`Shared::admits`] checks the peer after it. A member refused
+    /// here falls back to a libp2p stream, which makes its address known.
+    fn admits_addr(&self, ip: std::net::IpAddr) -> bool {
+        if self.p2p.knows_swarm_address(ip) {
+            return true;
+        }
+        let key = AddrKey::of_ip(ip);
+        self.groups()
+            .values()
+            .any(|reg| reg.member_addrs.contains(&key))
+    }
 }
 
 /// Counts one event in the hub's stats.
@@ -97,6 +116,8 @@ struct Registration {
     /// Tells this registration from a later one with the same group id.
     token: u64,
     members: Vec<PeerId>,
+    /// The keys of the members' advertised data addresses ([`Shared::admits_addr`]).
+    member_addrs: Vec<AddrKey>,
     me: usize,
     /// Which members open their link to us ([`Plan::Await`]).
     expect_from: Vec<bool>,
@@ -311,6 +332,10 @@ impl LinkHub {
             Registration {
                 token,
                 members: members.iter().map(|m| m.peer_id).collect(),
+                member_addrs: members
+                    .iter()
+                    .filter_map(|m| m.data_addr.map(|a| AddrKey::of_ip(a.ip())))
+                    .collect(),
                 me,
                 expect_from,
                 relay_ok,
@@ -492,7 +517,14 @@ async fn accept_tls(shared: Arc<Shared>, listener: DataListener, tx: mpsc::Sende
             accepted = listener.accept_tcp(), if !shares.is_full() => match accepted {
                 Ok(handshake) => {
                     let ip = handshake.peer_addr().ip();
-                    match shares.try_take(ip) {
+                    if !shared.admits_addr(ip) {
+                        // A private swarm, and an address no member is known at: closed
+                        // before any handshake (dropping the handshake closes it).
+                        bump(&shared, |s| &mut s.unknown_address);
+                        tracing::debug!(%ip, "TLS client from an address not known in this private swarm");
+                        continue;
+                    }
+                    match shares.try_take(handshake_key(ip)) {
                         Ok(share) => {
                             let (shared, tx) = (Arc::clone(&shared), tx.clone());
                             handshakes.spawn(async move {
@@ -520,6 +552,13 @@ async fn accept_tls(shared: Arc<Shared>, listener: DataListener, tx: mpsc::Sende
             }
         }
     }
+}
+
+/// Whose share of the TLS handshakes a client from `ip` takes: its IPv4 address, or the /64 of
+/// its IPv6 one (one subscriber's usual allocation, so one host cannot fill the pool by
+/// spreading over its addresses).
+fn handshake_key(ip: std::net::IpAddr) -> AddrKey {
+    AddrKey::of_ip(ip)
 }
 
 /// Runs one inbound TLS handshake (under `hello_timeout`) and hands the link to the supervisor.
@@ -920,6 +959,7 @@ fn register_metrics(shared: &Shared) {
         ("over_share", |s| s.over_share),
         ("tls_failed", |s| s.tls_failed),
         ("not_in_swarm", |s| s.not_in_swarm),
+        ("unknown_address", |s| s.unknown_address),
     ];
     shared.p2p.metrics().register_collector(
         crate::metrics::WatchCollector::new(shared.stats.subscribe()).counters(
@@ -933,6 +973,33 @@ fn register_metrics(shared: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_handshake_shares_count_an_ipv6_net_as_one_address() {
+        let config = HubConfig::default();
+        let shares = Shares::new(config.max_tls_handshakes, config.max_tls_handshakes_per_ip);
+        let mut held = Vec::new();
+        let mut refused = 0;
+        for host in 1..=(config.max_tls_handshakes_per_ip as u16 + 8) {
+            let ip =
+                std::net::IpAddr::V6(std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 7, host, 0, 0, 1));
+            match shares.try_take(handshake_key(ip)) {
+                Ok(share) => held.push(share),
+                Err(Refused::PeerShare) => refused += 1,
+                Err(Refused::Full) => panic!("the pool is larger than one net's share"),
+            }
+        }
+        assert_eq!(held.len(), config.max_tls_handshakes_per_ip);
+        assert_eq!(refused, 8);
+        // Another /64 and an IPv4 address still find room.
+        let other_net = "2001:db8:0:8::1".parse().unwrap();
+        assert!(shares.try_take(handshake_key(other_net)).is_ok());
+        assert!(
+            shares
+                .try_take(handshake_key("192.0.2.1".parse().unwrap()))
+                .is_ok()
+        );
+    }
 
     #[test]
     fn punch_endpoints_are_checked() {

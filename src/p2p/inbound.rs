@@ -51,10 +51,18 @@ impl AddrKey {
             Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
             _ => None,
         });
-        match ip.map(|ip| ip.to_canonical()) {
-            Some(IpAddr::V4(ip)) => Self::V4(ip),
-            Some(IpAddr::V6(ip)) => Self::V6Net((ip.to_bits() >> 64) as u64),
+        match ip {
+            Some(ip) => Self::of_ip(ip),
             None => Self::Other(remote.clone()),
+        }
+    }
+
+    /// The key of a connection from `ip`: the IPv4 address (an IPv4-mapped IPv6 address
+    /// counts as its IPv4 one), or the /64 of an IPv6 one.
+    pub(crate) fn of_ip(ip: IpAddr) -> Self {
+        match ip.to_canonical() {
+            IpAddr::V4(ip) => Self::V4(ip),
+            IpAddr::V6(ip) => Self::V6Net((ip.to_bits() >> 64) as u64),
         }
     }
 }

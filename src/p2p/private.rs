@@ -21,18 +21,26 @@
 //!   at once with [`crate::wire::RejectReason::NotInSwarm`], before it can send a Hello or hold
 //!   a pending link. A member that links before its round is registered here and before any
 //!   libp2p connection between the two is refused the same way and retries, as for an unknown
-//!   group.
+//!   group. Before that, before any TLS handshake runs (the ClientHello names no peer), the
+//!   TCP connection's source address is checked: it must be one a swarm peer has had a libp2p
+//!   connection from (the allowlist also remembers those addresses, keyed as
+//!   [`super::inbound::AddrKey`]: the IPv4 address or the IPv6 /64), or the data address of a
+//!   member of a round registered here. Any other connection is closed before a ServerHello;
+//!   its opener falls back to a libp2p stream (through the key), after which its address is
+//!   known.
 //!
 //! The key file is the go-libp2p / IPFS `swarm.key` format: `/key/swarm/psk/1.0.0/`, `/base16/`
 //! and 64 hex digits, one per line ([`SwarmKey::generate`] writes one).
 
 use std::collections::{HashSet, VecDeque};
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use libp2p::PeerId;
 use libp2p::pnet::PreSharedKey;
+use libp2p::{Multiaddr, PeerId};
 
+use super::inbound::AddrKey;
 /// A private swarm's pre-shared key (see the module docs).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct SwarmKey(PreSharedKey);
@@ -104,37 +112,81 @@ impl SwarmKey {
     }
 }
 
-/// Peers remembered by [`SwarmPeers`]; the oldest are forgotten first.
+/// Peers (and, apart, addresses) remembered by [`SwarmPeers`]; the oldest are forgotten first.
 const MAX_SWARM_PEERS: usize = 65_536;
 
 /// The peers this node has had a libp2p connection with in a private swarm (every one of them
-/// went through the swarm key), bounded to the most recent 65,536.
+/// went through the swarm key), and the addresses those connections came from (keyed as
+/// [`AddrKey`]), each bounded to the most recent 65,536.
 #[derive(Clone, Debug, Default)]
 pub struct SwarmPeers(Arc<Mutex<Remembered>>);
 
 #[derive(Debug, Default)]
 struct Remembered {
-    set: HashSet<PeerId>,
-    order: VecDeque<PeerId>,
+    peers: Bounded<PeerId>,
+    addrs: Bounded<AddrKey>,
+}
+
+/// A set that forgets its oldest entries beyond [`MAX_SWARM_PEERS`].
+#[derive(Debug)]
+struct Bounded<T> {
+    set: HashSet<T>,
+    order: VecDeque<T>,
+}
+
+impl<T> Default for Bounded<T> {
+    fn default() -> Self {
+        Self {
+            set: HashSet::new(),
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl<T: std::hash::Hash + Eq + Clone> Bounded<T> {
+    fn insert(&mut self, item: T) {
+        if self.set.insert(item.clone()) {
+            self.order.push_back(item);
+            if self.order.len() > MAX_SWARM_PEERS
+                && let Some(old) = self.order.pop_front()
+            {
+                self.set.remove(&old);
+            }
+        }
+    }
 }
 
 impl SwarmPeers {
-    /// Remembers `peer` (connected through the key).
-    pub(super) fn insert(&self, peer: PeerId) {
+    /// Remembers `peer` (connected through the key) and the IP address of its connection at
+    /// `remote` (a relayed connection has none of its own: only the peer is remembered).
+    pub(super) fn insert(&self, peer: PeerId, remote: &Multiaddr) {
         let mut r = self.0.lock().expect("swarm peers lock");
-        if r.set.insert(peer) {
-            r.order.push_back(peer);
-            if r.order.len() > MAX_SWARM_PEERS
-                && let Some(old) = r.order.pop_front()
-            {
-                r.set.remove(&old);
-            }
+        r.peers.insert(peer);
+        let key = AddrKey::of(remote);
+        if !matches!(key, AddrKey::Other(_)) {
+            r.addrs.insert(key);
         }
     }
 
     /// Whether `peer` has had a libp2p connection with this node.
     pub fn contains(&self, peer: &PeerId) -> bool {
-        self.0.lock().expect("swarm peers lock").set.contains(peer)
+        self.0
+            .lock()
+            .expect("swarm peers lock")
+            .peers
+            .set
+            .contains(peer)
+    }
+
+    /// Whether a peer has had a direct libp2p connection with this node from `ip` (from its
+    /// /64 for an IPv6 address).
+    pub fn knows_address(&self, ip: IpAddr) -> bool {
+        self.0
+            .lock()
+            .expect("swarm peers lock")
+            .addrs
+            .set
+            .contains(&AddrKey::of_ip(ip))
     }
 }
 
@@ -156,14 +208,43 @@ mod tests {
     #[test]
     fn swarm_peers_forget_the_oldest_beyond_the_bound() {
         let peers = SwarmPeers::default();
+        let at: Multiaddr = "/p2p-circuit".parse().unwrap();
         let first = PeerId::random();
-        peers.insert(first);
+        peers.insert(first, &at);
         for _ in 0..MAX_SWARM_PEERS {
-            peers.insert(PeerId::random());
+            peers.insert(PeerId::random(), &at);
         }
         assert!(!peers.contains(&first));
         let last = PeerId::random();
-        peers.insert(last);
+        peers.insert(last, &at);
         assert!(peers.contains(&last));
+    }
+
+    #[test]
+    fn swarm_peers_remember_connection_addresses_by_ipv4_or_ipv6_net() {
+        let peers = SwarmPeers::default();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(!peers.knows_address(ip("192.0.2.1")));
+        peers.insert(
+            PeerId::random(),
+            &"/ip4/192.0.2.1/tcp/4001".parse().unwrap(),
+        );
+        peers.insert(
+            PeerId::random(),
+            &"/ip6/2001:db8:1:2::5/tcp/4001".parse().unwrap(),
+        );
+        // Relayed: no address of its own.
+        peers.insert(
+            PeerId::random(),
+            &"/ip4/198.51.100.9/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit"
+                .parse()
+                .unwrap(),
+        );
+        assert!(peers.knows_address(ip("192.0.2.1")));
+        assert!(peers.knows_address(ip("::ffff:192.0.2.1")));
+        assert!(!peers.knows_address(ip("192.0.2.2")));
+        assert!(peers.knows_address(ip("2001:db8:1:2:ffff::1")));
+        assert!(!peers.knows_address(ip("2001:db8:1:3::5")));
+        assert!(!peers.knows_address(ip("198.51.100.9")));
     }
 }

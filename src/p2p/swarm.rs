@@ -942,7 +942,7 @@ impl EventLoop {
                 ..
             } => {
                 if let Some(peers) = &self.swarm_peers {
-                    peers.insert(peer_id);
+                    peers.insert(peer_id, endpoint.get_remote_address());
                 }
                 self.on_connection(peer_id, connection_id, &endpoint);
                 if self.initial_peers.contains(&peer_id) {
