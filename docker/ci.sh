@@ -18,7 +18,9 @@
 #            the peer's private address nor to its ports on the router's).
 # Either way it passes only if every peer exits 0 after all $HIVEMESH_ROUNDS (3) rounds, each in
 # a group of all peers whose parts average every member (stderr: `contributors=N..N
-# local_parts=0`), and all end on the same mean: the mean of their starting means. Each
+# local_parts=0`), and all end on the same mean: the mean of their starting means, and every
+# element of every peer's final vector (copied out of its container: `--dump`) is the
+# element-wise mean of the starting vectors (within 1e-4). Each
 # peer's mode and reachability must be what its place implies: public peers `mode=node
 # reach=public`; behind port-preserving NATs `mode=node reach=punchable` with a hole-punched
 # link (`tls/punched`, or `punched/` with --no-punched-tls) in every round; behind symmetric NATs `mode=client reach=private`. A NATed
@@ -314,6 +316,7 @@ field() { sed -n "s/^.* $1=\([^ ]*\).*\$/\1/p" <<<"$2"; }
 # lines on stderr (`round R: mode=... reach=... links=... contributors=... local_parts=...`)
 # and its reachability lines, checked against what its place on the test bed implies.
 good_peers=0
+vectors=$(mktemp -d)
 finals=()
 initials=()
 round_s_max=0
@@ -383,6 +386,10 @@ for c in "${ids[@]}"; do
     links_seen+=("${kinds[@]}")
   done
   finals+=("$final")
+  for what in initial final; do
+    docker cp "$c:/tmp/hivemesh-vector.$what" "$vectors/$name.$what" >/dev/null 2>&1 ||
+      problems+=("no $what vector in the container")
+  done
   if ((${#problems[@]} == 0)); then
     good_peers=$((good_peers + 1))
   else
@@ -398,14 +405,41 @@ if ((good_peers == peers && distinct == 1)) &&
   awk -v a="${finals[0]}" -v b="$expected" 'BEGIN { d = a - b; exit !(d < 1e-3 && d > -1e-3) }'; then
   averaged=1
 fi
+# Element-wise: the largest distance of any peer's final element from the exact mean of the
+# starting vectors ("none" if a vector is missing or the lengths differ).
+elementwise=$(python3 - "$vectors" <<'PY'
+import os, struct, sys
+d = sys.argv[1]
+def read(path):
+    data = open(path, "rb").read()
+    return struct.unpack(f"<{len(data) // 4}f", data)
+try:
+    names = sorted({f.rsplit(".", 1)[0] for f in os.listdir(d)})
+    starts = [read(os.path.join(d, n + ".initial")) for n in names]
+    exact = [sum(v[i] for v in starts) / len(starts) for i in range(len(starts[0]))]
+    worst = 0.0
+    for n in names:
+        end = read(os.path.join(d, n + ".final"))
+        if len(end) != len(exact) or any(len(s) != len(exact) for s in starts):
+            raise ValueError("lengths differ")
+        worst = max([worst] + [abs(a - b) for a, b in zip(end, exact)])
+    print(f"{worst:.3g}")
+except (OSError, ValueError, IndexError, struct.error):
+    print("none")
+PY
+) || elementwise=none
+rm -rf "$vectors"
+if [[ $elementwise == none ]] || ! awk -v d="$elementwise" 'BEGIN { exit !(d < 1e-4) }'; then
+  averaged=0
+fi
 link_kinds=$(printf '%s\n' "${links_seen[@]}" | grep -vx self | sort | uniq -c | awk '{ printf "%s%s:%s", (NR > 1 ? "," : ""), $2, $1 }') || true
 
 summary="docker $mode: peers=$peers rounds=$rounds ok=$good_peers mean=$(printf '%s\n' "${finals[@]}" | sort -u | paste -sd/)"
-summary+=" expected=$expected links=${link_kinds:-none} round_s_max=$round_s_max"
+summary+=" expected=$expected elementwise_max_dev=$elementwise links=${link_kinds:-none} round_s_max=$round_s_max"
 ((nat)) && summary+=" topology=$( ((topology_ok)) && echo ok || echo FAILED)"
 summary+=" base_s=$base_s image_s=$image_s run_s=$run_s"
 echo "$summary"
 
 ((topology_ok)) || die "the NAT topology is not as intended"
-((averaged)) || die "not every peer averaged all rounds with everyone to the same mean ($expected expected)"
+((averaged)) || die "not every peer averaged all rounds with everyone to the same mean ($expected expected; elementwise_max_dev=$elementwise)"
 say "PASS"

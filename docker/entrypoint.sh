@@ -6,7 +6,7 @@
 #                          $HIVEMESH_SHARED/bootstrap.addrs (a volume the others mount).
 #   peer [JOIN FLAGS]      waits (at most $HIVEMESH_WAIT s) for that file and for the bootstrap
 #                          to accept TCP, then runs `hivemesh-join --initial-peer <it>
-#                          --host <own address> JOIN FLAGS`. With $HIVEMESH_ROUTER set (a
+#                          --host <own address> --dump /tmp/hivemesh-vector JOIN FLAGS`. With $HIVEMESH_ROUTER set (a
 #                          router's name), the default route goes through that router first.
 #   router                 a home router: forwards between the network it shares with the
 #                          bootstrap (WAN) and the others, masquerades outgoing connections
@@ -90,7 +90,8 @@ case $role in
       sleep 0.2
     done
     log peer "host $own_ip, bootstrap $addr"
-    exec hivemesh-join --initial-peer "$addr" --host "$own_ip" "$@"
+    # The vectors before and after the rounds, for docker/ci.sh's element-wise check.
+    exec hivemesh-join --initial-peer "$addr" --host "$own_ip" --dump /tmp/hivemesh-vector "$@"
     ;;
   router)
     shift

@@ -99,6 +99,10 @@ struct Args {
     /// DHT node runs with `--swarm-key FILE` too). TCP only.
     #[arg(long, value_name = "FILE")]
     swarm_key: Option<std::path::PathBuf>,
+    /// Write the vector before the first round to `PREFIX.initial` and after the last to
+    /// `PREFIX.final` (little-endian f32): tests compare every element with the exact mean.
+    #[arg(long, value_name = "PREFIX")]
+    dump: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -186,6 +190,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.size,
         mean(&values)
     );
+    if let Some(prefix) = &args.dump {
+        dump(prefix, "initial", &values)?;
+    }
 
     // One stderr line per change of how others reach us (a relay going away, say).
     let mut reach = node.dht().p2p().watch_reachability();
@@ -249,6 +256,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     }
+    if let Some(prefix) = &args.dump {
+        dump(prefix, "final", &averager.tensors()[0].to_f32_vec())?;
+    }
     let nat = node.dht().p2p().nat_stats();
     eprintln!(
         "nat: punches_ok={} punches_failed={} reservations={} reservations_lost={}",
@@ -296,6 +306,14 @@ fn detail(outcome: &hivemesh::averager::StepOutcome) -> String {
         outcome.report.banned.len(),
         outcome.report.failed_reducers.len()
     )
+}
+
+/// Writes `values` to `{prefix}.{what}` as little-endian f32.
+fn dump(prefix: &std::path::Path, what: &str, values: &[f32]) -> anyhow::Result<()> {
+    let mut path = prefix.as_os_str().to_owned();
+    path.push(format!(".{what}"));
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
 fn mean(values: &[f32]) -> f64 {

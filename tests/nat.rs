@@ -372,7 +372,11 @@ fn public_hosts_average_through_a_dht_node() {
         .map(|(i, host)| {
             let ip = host.ip().to_string();
             let seed = i.to_string();
+            let dump = dump_prefix(host.name());
+            let dump = dump.to_str().unwrap();
             let args = [
+                "--dump",
+                dump,
                 "--initial-peer",
                 &addr,
                 "--host",
@@ -436,6 +440,8 @@ fn public_hosts_average_through_a_dht_node() {
             "final means {finals:?}, the mean of all: {global}"
         );
     }
+    let names: Vec<&str> = peers.iter().map(Host::name).collect();
+    assert_every_element_is_the_mean(&names);
 }
 
 /// A process outliving its bed is killed with it, and the bed's namespaces are gone after drop;
@@ -563,7 +569,11 @@ fn spawn_joins(
         .map(|(i, p)| {
             let ip = p.host.ip().to_string();
             let seed = (i + 1).to_string();
+            let dump = dump_prefix(p.host.name());
+            let dump = dump.to_str().unwrap().to_owned();
             let mut args = vec![
+                "--dump",
+                &dump,
                 "--initial-peer",
                 &p.initial_peer,
                 "--host",
@@ -582,9 +592,53 @@ fn spawn_joins(
                 &seed,
             ];
             args.extend_from_slice(extra);
+            let _ = std::fs::remove_file(format!("{dump}.final"));
             bed.spawn(&p.host, join, args)
         })
         .collect()
+}
+
+/// Where the `join` of the host `name` writes its vectors (`--dump`): one per test process and
+/// host.
+fn dump_prefix(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("hivemesh-nat-{}-{name}", std::process::id()))
+}
+
+/// The vector a `join` wrote to `{prefix}.{what}` (and the file removed).
+fn read_dump(name: &str, what: &str) -> Vec<f32> {
+    let mut path = dump_prefix(name).into_os_string();
+    path.push(format!(".{what}"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{name}'s {what} vector: {e}"));
+    let _ = std::fs::remove_file(&path);
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// Every element of the final vector of each `join` named in `names` (`--dump`) is the mean of
+/// that element over all their starting vectors (f32 rounding aside).
+fn assert_every_element_is_the_mean(names: &[&str]) {
+    let starts: Vec<Vec<f32>> = names.iter().map(|n| read_dump(n, "initial")).collect();
+    let exact: Vec<f64> = (0..starts[0].len())
+        .map(|i| starts.iter().map(|v| f64::from(v[i])).sum::<f64>() / starts.len() as f64)
+        .collect();
+    for name in names {
+        let end = read_dump(name, "final");
+        assert_eq!(end.len(), exact.len(), "{name}");
+        let (worst, at) = end
+            .iter()
+            .zip(&exact)
+            .map(|(a, b)| (f64::from(*a) - b).abs())
+            .zip(0..)
+            .fold((0.0, 0), |m, (d, i)| if d > m.0 { (d, i) } else { m });
+        assert!(
+            worst < 1e-4,
+            "{name}: element {at} is {} where the exact mean is {}",
+            end[at],
+            exact[at]
+        );
+    }
 }
 
 /// Waits for every peer to exit (bounded by the rounds' timeouts), then fails with every
@@ -673,9 +727,12 @@ fn four_peers_two_behind_nats(
 }
 
 /// Every peer printed `rounds` rounds in a group of 4, every round's parts average all four
-/// members and none kept local values, and all four end on the same mean: the mean of their
-/// starting means.
+/// members and none kept local values, all four end on the same mean (the mean of their
+/// starting means), and every element of every peer's final vector is the element-wise mean of
+/// the four starting vectors.
 fn assert_all_four_averaged(runs: &[PeerRun], rounds: usize) {
+    let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
+    assert_every_element_is_the_mean(&names);
     let mut initial = Vec::new();
     let mut finals = Vec::new();
     for run in runs {
