@@ -192,7 +192,7 @@ pub fn dht_record(data: &[u8]) {
 
 /// A part payload under every codec and element type, into outputs of several lengths; then
 /// the same bytes read as elements of that type (any bits: finite, infinite, NaN) encoded by
-/// the codec and decoded again ([`codec_roundtrip`]).
+/// the codec and decoded again (`codec_roundtrip`).
 pub fn codec(data: &[u8]) {
     let Some((&selector, payload)) = data.split_first() else {
         return;

@@ -117,7 +117,7 @@ const MAX_SWARM_PEERS: usize = 65_536;
 
 /// The peers this node has had a libp2p connection with in a private swarm (every one of them
 /// went through the swarm key), and the addresses those connections came from (keyed as
-/// [`AddrKey`]), each bounded to the most recent 65,536.
+/// an IPv4 address or an IPv6 /64), each bounded to the most recent 65,536.
 #[derive(Clone, Debug, Default)]
 pub struct SwarmPeers(Arc<Mutex<Remembered>>);
 
