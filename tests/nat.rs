@@ -216,6 +216,9 @@ fn answering_routers_refuse_unsolicited_packets() {
     let s0 = bed.home_with("s0", Nat::PortPreserving, Unsolicited::Answer);
     let s1 = bed.home_with("s1", Nat::PortPreserving, Unsolicited::Answer);
     bed.separate(&s0, &s1);
+    let y0 = bed.home_with("y0", Nat::PortPreserving, Unsolicited::Answer);
+    let y1 = bed.home_with("y1", Nat::PortPreserving, Unsolicited::Answer);
+    bed.symmetric_towards(&y0, &y1);
     assert_eq!(h0.unsolicited(), Some(Unsolicited::Answer));
     let wan = h0.router_ip().unwrap();
     let _at_home = listen(&h0, 6000);
@@ -252,6 +255,43 @@ fn answering_routers_refuse_unsolicited_packets() {
     simultaneous_open(&h0, &h1, within, Duration::from_millis(50))
         .expect("a staggered simultaneous open between answering routers");
     let never = simultaneous_open(&s0, &s1, Duration::from_secs(2), Duration::ZERO);
+    assert!(never.is_err());
+    // A router symmetric towards one home only: from one local port, the public host sees the
+    // port kept, the other home's router (whose own kernel accepts, it answers unsolicited
+    // packets) a random one; so a simultaneous open between the two never meets.
+    let (_bound, port) = free_port(&y0);
+    connect(
+        &y0,
+        Some(port),
+        SocketAddr::new(a.ip(), 5000),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    assert_eq!(accept(&at_a).1.port(), port, "kept towards the public host");
+    let at_y1_router = netns::in_namespace(y1.router_namespace().unwrap(), || {
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        socket.set_reuse_address(true).unwrap();
+        socket
+            .bind(&SocketAddr::from(([0, 0, 0, 0], 5001)).into())
+            .unwrap();
+        socket.listen(4).unwrap();
+        socket
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        socket
+    });
+    let y1_wan = y1.router_ip().unwrap();
+    connect(
+        &y0,
+        Some(port),
+        SocketAddr::new(y1_wan, 5001),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let (_conn, from) = accept(&at_y1_router);
+    assert_eq!(from.ip(), y0.router_ip().unwrap());
+    assert_ne!(from.port(), port, "a random port towards the other home");
+    let never = simultaneous_open(&y0, &y1, Duration::from_secs(2), Duration::ZERO);
     assert!(never.is_err());
     // Separated homes still reach the public internet.
     connect(
@@ -674,8 +714,20 @@ struct Homes {
     name: &'static str,
     nat: Nat,
     unsolicited: Unsolicited,
-    /// The two homes cannot reach each other at all ([`Testbed::separate`]).
-    separated: bool,
+    /// What lies between the two homes.
+    between: Between,
+}
+
+/// What lies between a scenario's two homes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Between {
+    /// The internet: a hole punch can meet.
+    Open,
+    /// Nothing: they cannot reach each other at all ([`Testbed::separate`]).
+    Separated,
+    /// The first home's router is symmetric towards the second's (and port-preserving towards
+    /// everyone else, [`Testbed::symmetric_towards`]): both look punchable, no punch can meet.
+    SymmetricTowards,
 }
 
 impl Homes {
@@ -685,7 +737,17 @@ impl Homes {
             name: "silent-drop",
             nat,
             unsolicited: Unsolicited::Drop,
-            separated: false,
+            between: Between::Open,
+        }
+    }
+
+    /// Port-preserving routers that answer unsolicited packets, with `between` between them.
+    fn answering(name: &'static str, between: Between) -> Self {
+        Self {
+            name,
+            nat: Nat::PortPreserving,
+            unsolicited: Unsolicited::Answer,
+            between,
         }
     }
 }
@@ -704,8 +766,10 @@ fn four_peers_two_behind_nats(
     let (mut dht, addr) = start_dht(bed, &boot, &[]);
     let nat0 = bed.home_with("nat0", homes.nat, homes.unsolicited);
     let nat1 = bed.home_with("nat1", homes.nat, homes.unsolicited);
-    if homes.separated {
-        bed.separate(&nat0, &nat1);
+    match homes.between {
+        Between::Open => {}
+        Between::Separated => bed.separate(&nat0, &nat1),
+        Between::SymmetricTowards => bed.symmetric_towards(&nat0, &nat1),
     }
     let peers = [
         (bed.public_host("pub0"), false),
@@ -1013,12 +1077,7 @@ fn router_variant(homes: Homes, tag: &str) -> Option<Vec<PeerRun>> {
 /// round still averages all four peers, none waits for a timeout.
 #[test]
 fn peers_behind_answering_routers_average_whole_rounds() {
-    let homes = Homes {
-        name: "rst-icmp",
-        nat: Nat::PortPreserving,
-        unsolicited: Unsolicited::Answer,
-        separated: false,
-    };
+    let homes = Homes::answering("rst-icmp", Between::Open);
     let Some(runs) = router_variant(homes, "nat-rst") else {
         return;
     };
@@ -1041,15 +1100,34 @@ fn peers_behind_answering_routers_average_whole_rounds() {
 /// link between them (neither reduces; they send to the public reducers).
 #[test]
 fn a_pair_that_can_never_punch_averages_whole_rounds() {
-    let homes = Homes {
-        name: "never",
-        nat: Nat::PortPreserving,
-        unsolicited: Unsolicited::Answer,
-        separated: true,
-    };
+    let homes = Homes::answering("never", Between::Separated);
     let Some(runs) = router_variant(homes, "nat-never") else {
         return;
     };
+    assert_never_linked_after_the_first_round(&runs);
+}
+
+/// A pair that can never punch because of its routers: one is symmetric towards the other
+/// (while port-preserving towards everyone else, so both classify as punchable), the other
+/// answers unsolicited packets, so every punch packet is reset or refused. The same outcome as
+/// with homes cut off from each other.
+#[test]
+fn a_pair_whose_routers_never_let_a_punch_meet_averages_whole_rounds() {
+    let homes = Homes::answering("sym-rst", Between::SymmetricTowards);
+    let Some(runs) = router_variant(homes, "nat-symrst") else {
+        return;
+    };
+    for run in runs.iter().filter(|r| r.nated) {
+        for d in run.details() {
+            assert_eq!(PeerRun::field(d, "reach"), "punchable", "{}: {d}", run.name);
+        }
+    }
+    assert_never_linked_after_the_first_round(&runs);
+}
+
+/// The NATed pair of a scenario never had a punched link, and after the first round each of
+/// them linked to the two public peers only (the pair was planned without traffic).
+fn assert_never_linked_after_the_first_round(runs: &[PeerRun]) {
     for run in runs.iter().filter(|r| r.nated) {
         // DCUtR may punch to the public peers (it runs on every relayed connection); never a
         // link between the two NATed peers.

@@ -38,7 +38,8 @@
 //!   reset for a TCP SYN, an ICMP port-unreachable for UDP ([`Unsolicited::Answer`],
 //!   [`Testbed::home_with`]). No hairpinning: a home host cannot reach its own router's WAN
 //!   address. [`Testbed::separate`] cuts two homes off from each other (a pair no hole punch
-//!   can ever join).
+//!   can ever join); [`Testbed::symmetric_towards`] makes one home's router symmetric towards
+//!   another home only (a pair whose routers defeat every punch, though both look punchable).
 //! - [`Nat::PortPreserving`] is plain `MASQUERADE`: Linux keeps the source port when the mapped
 //!   tuple is free, so the mapping is endpoint-independent in practice (hole punching can work).
 //!   [`Nat::Symmetric`] is `MASQUERADE --random-fully`: a random public port per connection.
@@ -427,6 +428,38 @@ impl Testbed {
             let out = ["-I", "FORWARD", "-o", "wan", "-d", &other, "-j", "DROP"];
             must(netns_exec(&r.ns, "iptables", &out));
         }
+    }
+
+    /// Makes `host`'s router map connections to `other`'s router like a symmetric NAT (a new
+    /// random public port per connection: `MASQUERADE --random-fully` for that destination
+    /// only), while it keeps ports towards everyone else. Observers on the internet still see
+    /// a port-preserving NAT (the host classifies itself as punchable), but every packet of a
+    /// hole punch towards `other` leaves from a port that `other` did not aim at: with `other`
+    /// answering unsolicited packets ([`Unsolicited::Answer`]) the punch's packets are reset or
+    /// refused on both sides, every time. A pair whose routers make punching impossible.
+    pub fn symmetric_towards(&self, host: &Host, other: &Host) {
+        let (Some(r), Some(o)) = (&host.router, &other.router) else {
+            panic!(
+                "symmetric_towards: {} and {} must both be home hosts",
+                host.name, other.name
+            );
+        };
+        let other = o.wan_ip.to_string();
+        let rule = [
+            "-t",
+            "nat",
+            "-I",
+            "POSTROUTING",
+            "1",
+            "-o",
+            "wan",
+            "-d",
+            &other,
+            "-j",
+            "MASQUERADE",
+            "--random-fully",
+        ];
+        must(netns_exec(&r.ns, "iptables", &rule));
     }
 
     /// Limits `host`'s link to `mbit` Mbit/s in each direction: `tbf rate <mbit>mbit burst
