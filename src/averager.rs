@@ -1383,7 +1383,9 @@ impl Actor {
     }
 
     /// Where the plan has hole-punched pairs ([`crate::links::census::needs_census`]): tells
-    /// every linked member which members we could not link to, hears theirs, and re-plans the
+    /// every linked member which members we could not link to (a signed statement), floods
+    /// the statements over the links until every member holds all of them (so members linked
+    /// to neither end of a failed pair learn of it too), and re-plans the
     /// round's fractions with the pairs that failed ([`load_balancing::group_cuts`]), so that
     /// no member whom a sender cannot reach keeps a span: the round goes on at once with every
     /// contribution instead of banning the pair and waiting for timeouts. A link whose census
@@ -1405,17 +1407,35 @@ impl Actor {
             .filter(|&i| established.errors[i].is_some())
             .map(|i| i as u32)
             .collect();
-        let heard = census::exchange(&mut established.links, &mine, self.config.link_timeout).await;
-        let mut mine = mine;
-        for (i, heard) in heard.iter().enumerate() {
-            if heard.is_none() && established.links[i].take().is_some() {
-                tracing::info!(member = i, "no census on the link: dropped");
-                established.kinds[i] = None;
-                established.carriers[i] = None;
-                mine.push(i as u32);
-            }
+        let own = census::sign(self.dht.keypair(), &group.group_id, group.me as u32, &mine)
+            .map_err(|e| AveragerError::Round(e.to_string()))?;
+        let linked: Vec<bool> = established.links.iter().map(Option::is_some).collect();
+        let mut flood = census::Flood::new(n, group.me, own, &linked);
+        let peers: Vec<libp2p::PeerId> = link_peers.iter().map(|p| p.peer_id).collect();
+        let verify = |k: usize, s: &crate::wire::CensusStatement| {
+            peers
+                .get(k)
+                .is_some_and(|peer| census::verify(peer, &group.group_id, s))
+        };
+        census::exchange(
+            &mut established.links,
+            &mut flood,
+            verify,
+            self.config.link_timeout,
+        )
+        .await;
+        let mut found = flood.failed_pairs();
+        for &i in flood.dropped() {
+            tracing::info!(member = i, "no census on the link: dropped");
+            established.kinds[i] = None;
+            established.carriers[i] = None;
+            found.push((group.me, i));
         }
-        let found = census::failed_pairs(group.me, &mine, &heard, n);
+        tracing::debug!(
+            rounds = flood.rounds(),
+            heard = flood.heard().len(),
+            "census over"
+        );
         let cuts = load_balancing::group_cuts(group, &found);
         if cuts == load_balancing::group_cuts(group, &[]) {
             return Ok(round_members);

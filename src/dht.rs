@@ -172,6 +172,7 @@ use libp2p::PeerId;
 pub use addrs::{MAX_ADDR_BYTES, MAX_ADDRS, decode_addrs, encode_addrs};
 pub(crate) use client::read_answer;
 pub use client::{Dht, DhtError, DhtPolicy, StoreRequest};
+pub(crate) use owner::embedded_public_key;
 pub use owner::{
     DEFAULT_VERIFIED_ENTRIES, OWNED_KEY_PREFIX, OWNER_SUBKEY_PREFIX, SIGNING_DOMAIN, SignError,
     VerifiedEntries, is_owned_key, owned_key, owner_subkey, signing_payload, subkey_owner,

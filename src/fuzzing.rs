@@ -390,7 +390,11 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             from_index: 1,
             from_peer: peer,
         }),
-        LinkMessage::Census(vec![0, 2]),
+        LinkMessage::Census(Some(
+            crate::links::census::sign(&keypair, b"group-1", 1, &[0, 2])
+                .expect("an Ed25519 key signs"),
+        )),
+        LinkMessage::Census(None),
     ] {
         let mut frame = BytesMut::new();
         encode_link_frame(&message, &mut frame);

@@ -98,8 +98,10 @@
 //!   for [`crate::reach::UNLINKABLE_FOR`] ([`LinkHub::unlinkable`]) and published with our next
 //!   join, so the next group plans no traffic between the pair.
 //! * **The census** ([`census`]): in a round whose plan has hole-punched pairs, every member
-//!   tells every member it is linked to which members it could not link to, once the links are
-//!   made and before the first round frame; the round is re-planned around the failed pairs.
+//!   tells every member it is linked to which members it could not link to (a statement it
+//!   signs), once the links are made and before the first round frame, and passes on the
+//!   statements it heard until every member holds all of them; every member re-plans the round
+//!   around the same failed pairs.
 //!
 //! Every wait is under a timeout, every queue is bounded, and the hub's tasks are owned by the
 //! hub: [`LinkHub::shutdown`] (or dropping it) stops them.

@@ -80,6 +80,10 @@ pub enum WireError {
     /// A census naming more members than [`MAX_CENSUS`].
     #[error("a census of {0} members (at most {MAX_CENSUS})")]
     Census(usize),
+    /// A census statement whose signature is not [`CENSUS_SIGNATURE_BYTES`] long, or an end
+    /// of a census round that carries a statement's fields.
+    #[error("a malformed census frame")]
+    CensusFrame,
 }
 
 /// A validated frame: which round, and what.
@@ -272,13 +276,30 @@ pub enum LinkMessage {
     /// Opener → acceptor, instead of a Hello: the opener cannot make this link (its hole punch
     /// failed), so the acceptor stops waiting for it.
     GiveUp(Hello),
-    /// Both ways on every link of a round with hole-punched pairs, before round frames: the
-    /// member indices the sender could not link to (at most [`MAX_CENSUS`]).
-    Census(Vec<u32>),
+    /// Both ways on every link of a round with hole-punched pairs, before round frames, in
+    /// census rounds ([`crate::links::census`]): a member's signed statement, or `None` for the
+    /// end of this census round's statements on the link.
+    Census(Option<CensusStatement>),
 }
 
-/// Most member indices a [`LinkMessage::Census`] carries.
+/// Most member indices a [`CensusStatement`] carries.
 pub const MAX_CENSUS: usize = 64;
+/// The length of a census statement's signature (Ed25519).
+pub const CENSUS_SIGNATURE_BYTES: usize = 64;
+
+/// One member's census statement: the members it could not link to in this round, signed by
+/// it ([`crate::links::census::sign`]), so that any member can pass it on and nobody can
+/// change it or speak for another member.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CensusStatement {
+    /// The member (group index) whose statement this is.
+    pub member: u32,
+    /// The member indices it could not link to (at most [`MAX_CENSUS`]).
+    pub unlinked: Vec<u32>,
+    /// Its signature ([`CENSUS_SIGNATURE_BYTES`]) over
+    /// [`crate::links::census::signing_payload`].
+    pub signature: Bytes,
+}
 
 /// The first frame on a new link.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -372,8 +393,15 @@ impl From<&LinkMessage> for proto::LinkFrame {
             LinkMessage::GiveUp(h) => Body::GiveUp(proto::GiveUp {
                 hello: Some(hello(h)),
             }),
-            LinkMessage::Census(unlinked) => Body::Census(proto::Census {
-                unlinked: unlinked.iter().take(MAX_CENSUS).copied().collect(),
+            LinkMessage::Census(None) => Body::Census(proto::Census {
+                end: true,
+                ..Default::default()
+            }),
+            LinkMessage::Census(Some(s)) => Body::Census(proto::Census {
+                unlinked: s.unlinked.iter().take(MAX_CENSUS).copied().collect(),
+                member: s.member,
+                signature: s.signature.clone(),
+                end: false,
             }),
             LinkMessage::Ack => Body::Ack(proto::Ack {}),
             LinkMessage::Reject(r) => {
@@ -428,7 +456,21 @@ impl TryFrom<proto::LinkFrame> for LinkMessage {
                 if c.unlinked.len() > MAX_CENSUS {
                     return Err(WireError::Census(c.unlinked.len()));
                 }
-                LinkMessage::Census(c.unlinked)
+                if c.end {
+                    if !c.unlinked.is_empty() || c.member != 0 || !c.signature.is_empty() {
+                        return Err(WireError::CensusFrame);
+                    }
+                    LinkMessage::Census(None)
+                } else {
+                    if c.signature.len() != CENSUS_SIGNATURE_BYTES {
+                        return Err(WireError::CensusFrame);
+                    }
+                    LinkMessage::Census(Some(CensusStatement {
+                        member: c.member,
+                        unlinked: c.unlinked,
+                        signature: c.signature,
+                    }))
+                }
             }
             Body::Ack(proto::Ack {}) => LinkMessage::Ack,
             Body::Reject(r) => {
@@ -938,8 +980,17 @@ mod tests {
                 reason: RejectReason::Duplicate,
                 detail: "x".into(),
             }),
-            LinkMessage::Census(vec![0, 3, 7]),
-            LinkMessage::Census(Vec::new()),
+            LinkMessage::Census(Some(CensusStatement {
+                member: 2,
+                unlinked: vec![0, 3, 7],
+                signature: Bytes::from(vec![9; CENSUS_SIGNATURE_BYTES]),
+            })),
+            LinkMessage::Census(Some(CensusStatement {
+                member: 0,
+                unlinked: Vec::new(),
+                signature: Bytes::from(vec![1; CENSUS_SIGNATURE_BYTES]),
+            })),
+            LinkMessage::Census(None),
         ];
         let mut buf = BytesMut::new();
         for m in &messages {
@@ -1003,15 +1054,55 @@ mod tests {
         ));
         // A census naming more members than allowed (it fits the frame), a give-up without its
         // Hello.
-        let census = proto::LinkFrame {
-            body: Some(proto::link_frame::Body::Census(proto::Census {
-                unlinked: vec![1; MAX_CENSUS + 1],
-            })),
+        let census = |c: proto::Census| {
+            LinkMessage::try_from(proto::LinkFrame {
+                body: Some(proto::link_frame::Body::Census(c)),
+            })
         };
+        let signature = Bytes::from(vec![1; CENSUS_SIGNATURE_BYTES]);
         assert_eq!(
-            LinkMessage::try_from(census),
+            census(proto::Census {
+                unlinked: vec![1; MAX_CENSUS + 1],
+                signature: signature.clone(),
+                ..Default::default()
+            }),
             Err(WireError::Census(MAX_CENSUS + 1))
         );
+        // The largest statement fits a link frame.
+        let largest = proto::LinkFrame {
+            body: Some(proto::link_frame::Body::Census(proto::Census {
+                unlinked: vec![u32::MAX; MAX_CENSUS],
+                member: u32::MAX,
+                signature: signature.clone(),
+                end: false,
+            })),
+        };
+        assert!(largest.encoded_len() <= MAX_LINK_FRAME_BYTES);
+        // A signature of another length; an end that carries a statement's fields.
+        for c in [
+            proto::Census {
+                signature: Bytes::from(vec![1; CENSUS_SIGNATURE_BYTES - 1]),
+                ..Default::default()
+            },
+            proto::Census::default(),
+            proto::Census {
+                end: true,
+                member: 1,
+                ..Default::default()
+            },
+            proto::Census {
+                end: true,
+                signature,
+                ..Default::default()
+            },
+            proto::Census {
+                end: true,
+                unlinked: vec![0],
+                ..Default::default()
+            },
+        ] {
+            assert_eq!(census(c), Err(WireError::CensusFrame));
+        }
         let give_up = proto::LinkFrame {
             body: Some(proto::link_frame::Body::GiveUp(proto::GiveUp {
                 hello: None,

@@ -244,6 +244,11 @@ impl Dht {
         &self.p2p
     }
 
+    /// The node's identity keypair (for the link layer's signed census statements).
+    pub(crate) fn keypair(&self) -> &Keypair {
+        &self.keypair
+    }
+
     /// This node's owner subkey ([`owner_subkey`] of its peer id): the subkey under which it
     /// declares itself, and which no other peer can write.
     pub fn own_subkey(&self) -> Bytes {

@@ -87,7 +87,7 @@ pub fn signing_payload(key: &[u8], subkey: &[u8], value: &[u8], expiration: DhtT
 }
 
 /// The public key embedded in `peer`, if its id is the identity multihash of its key.
-fn embedded_public_key(peer: &PeerId) -> Option<PublicKey> {
+pub(crate) fn embedded_public_key(peer: &PeerId) -> Option<PublicKey> {
     let mh = peer.as_ref();
     (mh.code() == IDENTITY_MULTIHASH)
         .then(|| PublicKey::try_decode_protobuf(mh.digest()).ok())
