@@ -92,6 +92,7 @@
 //! ([`crate::monitor`]) shows it. [`MetricsPublisher`] writes it (see [`publisher`] for the
 //! schedule); the encoding and its checks are in [`metrics`].
 
+pub mod diloco;
 mod ema;
 pub mod metrics;
 mod progress;
@@ -103,6 +104,7 @@ mod tracker;
 #[cfg(test)]
 mod tests;
 
+pub use diloco::{DiLoCo, DiLoCoConfig, DiLoCoError, OuterSgd, OuterStep, StateCheckError};
 pub use ema::{EmaError, PerformanceEma};
 pub use metrics::{
     MAX_NAME_BYTES, MetricsError, MetricsRecord, ModeClaim, PeerMetrics, ReachClaim, metrics_key,

@@ -326,7 +326,7 @@ impl Averager {
     /// `"topk:0.02:2:2048"` (sparse top-k with error feedback). `mode`: `"node"`,
     /// `"client"`, `"aux"` or `None` (a client behind a NAT nobody can reach, else a node).
     #[new]
-    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=CompressionArg::Codes((0, 0, 0)), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1, centered_clip_tau=None, _apply_gate=false))]
+    #[pyo3(signature = (node, tensors, prefix, *, target_group_size=None, min_group_size=2, min_matchmaking_time=5.0, request_timeout=3.0, allreduce_timeout=None, sender_timeout=None, reducer_timeout=None, compression=CompressionArg::Codes((0, 0, 0)), part_size_bytes=None, mode=None, initial_group_bits=String::new(), allow_state_sharing=true, state_priority=0.0, allow_relayed_data=false, bandwidth=None, state_trusted_peers=None, state_min_agreeing=1, centered_clip_tau=None, adaptive_timeouts=None, _apply_gate=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         node: &Node,
@@ -350,6 +350,7 @@ impl Averager {
         state_trusted_peers: Option<Vec<String>>,
         state_min_agreeing: usize,
         centered_clip_tau: Option<f64>,
+        adaptive_timeouts: Option<(f64, f64, f64)>,
         _apply_gate: bool,
     ) -> PyResult<Self> {
         let parts = node.parts()?;
@@ -371,6 +372,20 @@ impl Averager {
         }
         if let Some(t) = reducer_timeout {
             config.reducer_timeout = seconds("reducer_timeout", t)?;
+        }
+        if let Some((min, max, factor)) = adaptive_timeouts {
+            let bounds = hivemesh::allreduce::AdaptiveTimeouts {
+                min: seconds("adaptive_timeouts' min", min)?,
+                max: seconds("adaptive_timeouts' max", max)?,
+                factor,
+            };
+            if !bounds.is_valid() {
+                return Err(PyValueError::new_err(format!(
+                    "adaptive_timeouts must be (min, max, factor) with 0 < min <= max and a \
+                     finite factor >= 1, not ({min}, {max}, {factor})"
+                )));
+            }
+            config.adaptive_timeouts = Some(bounds);
         }
         config.compression = match compression {
             CompressionArg::Spec(spec) => spec

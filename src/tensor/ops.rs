@@ -33,12 +33,19 @@ fn le_f32(chunk: &[u8]) -> f32 {
 }
 
 /// `x[i] += alpha · (avg[i] − start[i])` for an average given as little-endian f32 bytes
-/// (any alignment): the delta rule applied in one pass.
+/// (any alignment): the delta rule applied in one pass. Where `alpha` is 1 and an element has
+/// not changed since the round began (`x[i] == start[i]`), it becomes `avg[i]` exactly (in
+/// f32, `x + (avg − x)` may be one rounding away from `avg`), so every peer of a lossless
+/// round that left its tensors alone holds the same bits.
 #[inline]
 pub fn add_average_le(x: &mut [f32], avg: &[u8], start: &[f32], alpha: f32) {
     debug_assert!(avg.len() == x.len() * 4 && start.len() == x.len());
+    let whole = alpha == 1.0;
     for ((v, c), &s) in x.iter_mut().zip(avg.chunks_exact(4)).zip(start) {
-        *v += alpha * (le_f32(c) - s);
+        let a = le_f32(c);
+        let moved = *v + alpha * (a - s);
+        // A select, not a branch: the loop still vectorises.
+        *v = if whole && *v == s { a } else { moved };
     }
 }
 
@@ -424,6 +431,36 @@ mod tests {
         assert!(!all_finite(&[0.0, f32::NAN]));
         assert!(!all_finite(&vec![f32::NEG_INFINITY; 3000]));
         assert!(all_finite(&[]));
+    }
+
+    #[test]
+    fn an_unchanged_element_takes_the_average_exactly() {
+        // 1e8 + (1e-8 - 1e8) is 0 in f32, not 1e-8: the delta rule must still leave the
+        // average where the element did not move, and keep a concurrent change (+1) where it
+        // did.
+        let avg: Vec<u8> = [0.3f32, 0.3, 1e-8]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let start = [0.1f32, 0.1, 1.0e8];
+        assert_ne!(
+            1.0e8f32 + (1e-8f32 - 1.0e8),
+            1e-8,
+            "the example needs a rounding"
+        );
+        let mut x = [0.1f32, 1.1, 1.0e8];
+        add_average_le(&mut x, &avg, &start, 1.0);
+        assert_eq!(x[0].to_bits(), 0.3f32.to_bits());
+        assert_eq!(x[1], 1.1 + (0.3 - 0.1));
+        assert_eq!(
+            x[2].to_bits(),
+            1e-8f32.to_bits(),
+            "a large start still gives the average"
+        );
+        // With another alpha, the rule is the plain one.
+        let mut y = [0.1f32];
+        add_average_le(&mut y, &avg[..4], &start[..1], 0.5);
+        assert_eq!(y[0], 0.1 + 0.5 * (0.3 - 0.1));
     }
 
     #[test]

@@ -640,3 +640,24 @@ def test_a_failed_allreduce_raises_allreduce_exception():
     assert StepControl(Finished(hivemesh.MatchmakingError("no group"))).result() is None
     with pytest.raises(hivemesh.ShutdownError):
         StepControl(Finished(hivemesh.ShutdownError("gone"))).result()
+
+
+def test_adaptive_timeouts_reach_the_core_and_average(make_dht):
+    """``adaptive_timeouts``: ``True`` (the default bounds) averages like the fixed timeouts;
+    bounds the core refuses (min above max, a factor below 1) and malformed values are a
+    ``ValueError`` at construction, not a failed round later."""
+    torch.manual_seed(5)
+    tensors = [[torch.randn(64)] for _ in range(2)]
+    mean = (tensors[0][0] + tensors[1][0]) / 2
+    averagers = averagers_for(make_dht, tensors, adaptive_timeouts=True)
+    try:
+        controls = [a.step(wait=False, timeout=STEP_TIMEOUT) for a in averagers]
+        assert all(c.result(timeout=STEP_TIMEOUT) is not None for c in controls)
+        for t in tensors:
+            assert torch.allclose(t[0], mean, rtol=0, atol=1e-6)
+    finally:
+        shutdown(averagers)
+    for bad in [(5.0, 1.0, 3.0), (1.0, 60.0, 0.5), (0.0, 60.0, 3.0), "fast", (1.0, 2.0)]:
+        with pytest.raises(ValueError, match="adaptive_timeouts"):
+            hivemesh.DecentralizedAverager([torch.zeros(2)], make_dht(), prefix="bad",
+                                           start=True, adaptive_timeouts=bad)

@@ -30,7 +30,7 @@ import concurrent.futures
 import contextlib
 import threading
 import weakref
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 from hivemesh import _hivemesh
 from hivemesh._hivemesh import get_dht_time
@@ -45,6 +45,25 @@ from hivemesh.averaging.control import (
 )
 
 __all__ = ["DecentralizedAverager"]
+
+
+#: ``adaptive_timeouts=True``: the Rust core's default bounds (min s, max s, factor).
+DEFAULT_ADAPTIVE_TIMEOUTS = (1.0, 60.0, 3.0)
+
+
+def _adaptive_timeouts(arg: Union[None, bool, Tuple[float, float, float]]
+                       ) -> Optional[Tuple[float, float, float]]:
+    """``adaptive_timeouts`` as the core takes it: ``None`` or ``(min, max, factor)``."""
+    if arg is None or arg is False:
+        return None
+    if arg is True:
+        return DEFAULT_ADAPTIVE_TIMEOUTS
+    try:
+        low, high, factor = (float(x) for x in arg)
+    except (TypeError, ValueError):
+        raise ValueError(f"adaptive_timeouts must be None, a bool or (min, max, factor), "
+                         f"not {arg!r}") from None
+    return (low, high, factor)
 
 
 def _tensor_kind(t: Any) -> str:
@@ -131,7 +150,12 @@ class DecentralizedAverager:
     ``centered_clip_tau``: combine the parts this peer reduces with the robust CenteredClip
     aggregator of this radius (L2 norm over a part, ``part_size_bytes`` long) instead of the
     mean, so that a minority of peers sending huge values cannot drag the average far; set
-    it the same on every peer.
+    it the same on every peer. ``adaptive_timeouts``: derive the sender and reducer timeouts
+    of each round from the part sizes, the members' measured rates and the gaps observed
+    between parts (a slow but steady peer is not banned, a silent one is dropped as fast as
+    the bounds allow): ``True`` for the default bounds (1 s, 60 s, 3 expected gaps), or
+    ``(min_seconds, max_seconds, factor)``; ``None`` (the default) keeps the fixed
+    ``sender_timeout``/``reducer_timeout``.
     """
 
     def __init__(
@@ -168,6 +192,7 @@ class DecentralizedAverager:
         state_trusted_peers: Optional[Sequence[Any]] = None,
         state_min_agreeing: int = 1,
         centered_clip_tau: Optional[float] = None,
+        adaptive_timeouts: Union[None, bool, Tuple[float, float, float]] = None,
     ):
         if not isinstance(dht, DHT):
             raise TypeError(f"dht must be a hivemesh.DHT, not {type(dht).__name__}")
@@ -226,6 +251,7 @@ class DecentralizedAverager:
                                  else [str(p) for p in state_trusted_peers]),
             state_min_agreeing=int(state_min_agreeing),
             centered_clip_tau=None if centered_clip_tau is None else float(centered_clip_tau),
+            adaptive_timeouts=_adaptive_timeouts(adaptive_timeouts),
         )
         #: hivemind's ``matchmaking_kwargs``: the matchmaking arguments this averager was made
         #: with (read by hivemind's optimizer stack; changing them after the start does
