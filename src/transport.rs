@@ -25,15 +25,17 @@
 //!    than through a process-wide default). The server imposes its own order, so two hivemesh
 //!    peers always get AES-128-GCM. Key exchange is the provider's default (X25519MLKEM768
 //!    first).
-//! 5. ALPN is [`ALPN`] (`hivemesh-data/1`) and both sides require it, so the port cannot be
-//!    confused with a libp2p listener or any other TLS service. No session tickets, no
-//!    resumption, no early data: every connection runs the full handshake and both certificates
-//!    are verified every time.
+//! 5. ALPN is [`ALPN_KEY_UPDATE`] (`hivemesh-data/2`: TLS 1.3 key updates, offered first) or
+//!    [`ALPN`] (`hivemesh-data/1`: without, what older peers speak) and both sides require one
+//!    of them, so the port cannot be confused with a libp2p listener or any other TLS service.
+//!    No session tickets, no resumption, no early data: every connection runs the full
+//!    handshake and both certificates are verified every time.
 //!
 //! After the handshake the stream is a plain byte pipe ([`tokio::io::AsyncRead`] +
 //! [`tokio::io::AsyncWrite`]); framing is the caller's business. Sockets have `TCP_NODELAY`.
 //! rustls runs the handshake only: then the record layer (`src/transport/record.rs`, standard TLS 1.3
-//! records, keys handed over by rustls' `dangerous_extract_secrets`, as for kernel TLS) seals
+//! records, keys handed over by rustls' `dangerous_extract_secrets`, as for kernel TLS; key
+//! updates where both ends agreed to them, see the record module's docs) seals
 //! each record straight from the caller's bytes into a 1 MiB send buffer and opens each
 //! record straight from a [`READ_BUFFER`] (1 MiB) receive buffer into the caller's buffer,
 //! so no byte is copied in user space on either side. Writes are buffered: flush before
@@ -68,7 +70,8 @@ mod tls;
 
 pub use punch::PunchSocket;
 pub(crate) use record::fuzz_record_layer;
+pub use record::{KEY_UPDATE_AT, KeyUpdateError, SEQUENCE_LIMIT};
 pub use tls::{
-    ALPN, DataIdentity, DataListener, DataStream, Handshake, PeerMismatch, READ_BUFFER, TlsError,
-    connect, connect_over,
+    ALPN, ALPN_KEY_UPDATE, DataIdentity, DataListener, DataStream, Handshake, PeerMismatch,
+    READ_BUFFER, TlsError, connect, connect_over,
 };

@@ -28,21 +28,50 @@
 //! * The handshake runs in rustls, over [`HandshakeIo`], which hands rustls the socket's bytes
 //!   one record at a time: when rustls reports the handshake complete it holds no byte of a
 //!   later record, and the bytes already read from the socket move, unparsed, into the record
-//!   layer. The traffic secrets and sequence numbers then come from rustls'
+//!   layer. The traffic keys, ivs and sequence numbers then come from rustls'
 //!   `dangerous_extract_secrets` (the kTLS hand-over API).
 //! * Every record is `TLSCiphertext`: outer type application_data (23), legacy version 0x0303,
 //!   a length of at most 2^14 + 256, then the AEAD output over `TLSInnerPlaintext` (content,
 //!   one content-type byte, optional zero padding), with the 5-byte header as associated data
 //!   and the per-record nonce `iv XOR seq` (the 64-bit sequence number, big-endian, in the
 //!   last 8 bytes of the 12-byte iv).
-//! * Content types accepted after the handshake: application data, and the close_notify
-//!   alert, which is the end of the stream. Any other alert, handshake messages (key updates,
-//!   tickets: hivemesh peers send neither, servers are configured with no tickets) and
-//!   anything that fails to authenticate end the stream with an error; so does the socket
-//!   closing without close_notify (a truncation is an error, not an end).
-//! * No key update: each direction stops with an error after [`SEQUENCE_LIMIT`] records
-//!   (2^24 full records, 256 GiB, well inside AES-GCM's confidentiality limit); links live
-//!   for one round.
+//! * Content types accepted after the handshake: application data, the close_notify alert,
+//!   which is the end of the stream, and (once agreed, below) handshake records holding
+//!   exactly one KeyUpdate. Any other alert, any other handshake message (tickets: hivemesh
+//!   servers are configured with none), a KeyUpdate from a peer that did not agree to them
+//!   and anything that fails to authenticate end the stream with an error
+//!   ([`KeyUpdateError`] for what concerns key updates); so does the socket closing without
+//!   close_notify (a truncation is an error, not an end).
+//!
+//! # Key updates (RFC 8446 §4.6.3, §7.2)
+//!
+//! A key may protect at most [`SEQUENCE_LIMIT`] records (2^24 full records, 256 GiB, well
+//! inside AES-GCM's confidentiality limit of 2^24.5); a direction that reaches it ends with
+//! [`KeyUpdateError::LimitReached`]. Lasting groups keep links for many collectives, so:
+//!
+//! * **Agreement first.** Peers before key updates end the stream at any handshake record, so
+//!   neither end sends one unless both agreed in the handshake: current peers offer the ALPN
+//!   `hivemesh-data/2` before `hivemesh-data/1`, and a connection that negotiated `/2` has key
+//!   updates (`super::tls`). With an older peer (`/1`) nothing changes: no KeyUpdate is ever
+//!   sent, a received one is an error, and each direction ends at the limit with a message
+//!   that says why.
+//! * **The secrets.** rustls hands over keys, not the traffic secrets a key update derives
+//!   from; each connection catches its two application traffic secrets through rustls' key
+//!   log interface on a copy of its configuration (kept in `OkmBlock`s, zeroed on drop), and
+//!   the hand-over checks that each secret derives exactly the key and iv rustls extracted.
+//! * **Sending.** A sender moves on after [`KEY_UPDATE_AT`] records under one key (half the
+//!   limit): before its next application data it seals a KeyUpdate (`update_not_requested`)
+//!   under the old key, then derives `secret' = HKDF-Expand-Label(secret, "traffic upd", "",
+//!   Hash.length)` with the suite's HKDF, the key and iv from `secret'` (labels "key" and
+//!   "iv"), and starts again at sequence number 0. It sends a KeyUpdate too, on its next
+//!   write, when the peer's KeyUpdate asked for one (`update_requested`, what rustls'
+//!   `refresh_traffic_keys` sends); it never asks for one itself: each end updates its own
+//!   direction.
+//! * **Receiving.** A handshake record after agreement must be exactly one KeyUpdate
+//!   (`[24, 0, 0, 1, r]`, `r` 0 or 1, [`KeyUpdateError::Malformed`],
+//!   [`KeyUpdateError::InvalidRequest`]); the receiver moves to the next secret the same way
+//!   and opens every later record under it. Records without content (empty ones and key
+//!   updates) are bounded in a row, as rustls bounds them.
 
 use std::io;
 use std::pin::Pin;
@@ -50,6 +79,7 @@ use std::sync::LazyLock;
 use std::task::{Context, Poll, ready};
 
 use rustls::ConnectionTrafficSecrets;
+use rustls::crypto::tls13::{Hkdf, OkmBlock};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
@@ -73,12 +103,72 @@ const OVERHEAD: usize = HEADER + 1 + TAG;
 
 const APPLICATION_DATA: u8 = 23;
 const ALERT: u8 = 21;
+/// Handshake records after the handshake carry only KeyUpdate here.
+const HANDSHAKE: u8 = 22;
+/// HandshakeType key_update.
+const KEY_UPDATE: u8 = 24;
+/// Bytes of a KeyUpdate message: type, 24-bit length (1), request_update.
+const KEY_UPDATE_LEN: usize = 5;
 const LEGACY_VERSION: [u8; 2] = [3, 3];
 /// close_notify: level warning (1), description 0.
 const CLOSE_NOTIFY: [u8; 2] = [1, 0];
 
-/// Records per direction before the stream refuses to go on (no key update).
+/// Records one key may protect: a direction refuses to seal or open more under one key
+/// (2^24 full records, 256 GiB, well inside AES-GCM's confidentiality limit of 2^24.5).
 pub const SEQUENCE_LIMIT: u64 = 1 << 24;
+
+/// A sender whose peer agreed to key updates moves to its next traffic secret after this
+/// many records under one key: half the limit, so a receiver never sees the limit reached
+/// by a conforming peer.
+pub const KEY_UPDATE_AT: u64 = SEQUENCE_LIMIT / 2;
+
+/// A key update the peer sent that cannot be followed, or a direction at its sequence limit:
+/// the typed error inside the `io::Error` a read or write returns (`get_ref()` and
+/// `downcast_ref`). The stream is unusable after any of them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyUpdateError {
+    /// A handshake record (a key update) from a peer that did not agree to key updates in
+    /// the handshake (ALPN `hivemesh-data/1`).
+    #[error("the peer sent a TLS handshake record but did not agree to key updates")]
+    NotAgreed,
+    /// A handshake record after the handshake that is not exactly one KeyUpdate message.
+    #[error(
+        "a TLS handshake record after the handshake must hold exactly one KeyUpdate (got {len} bytes starting with type {msg_type})"
+    )]
+    Malformed {
+        /// Bytes of content in the record.
+        len: usize,
+        /// Its first byte (the handshake type), 0 when empty.
+        msg_type: u8,
+    },
+    /// A KeyUpdate whose `request_update` is neither 0 nor 1 (RFC 8446 §4.6.3).
+    #[error("KeyUpdate with request_update {0} (only 0 and 1 exist)")]
+    InvalidRequest(u8),
+    /// A direction reached [`SEQUENCE_LIMIT`] records under one key.
+    #[error(
+        "TLS record sequence limit reached under one key: {}",
+        if *.agreed {
+            "the peer did not update its keys in time"
+        } else {
+            "the peer does not support key updates (ALPN hivemesh-data/1); open a new connection"
+        }
+    )]
+    LimitReached {
+        /// Both ends had agreed to key updates.
+        agreed: bool,
+    },
+}
+
+impl From<KeyUpdateError> for io::Error {
+    fn from(e: KeyUpdateError) -> Self {
+        let kind = match e {
+            KeyUpdateError::LimitReached { .. } => io::ErrorKind::Other,
+            _ => io::ErrorKind::InvalidData,
+        };
+        io::Error::new(kind, e)
+    }
+}
 
 /// Capacity of the send buffer: records are sealed into it and written from it.
 pub const WRITE_BUFFER: usize = 1024 * 1024;
@@ -89,34 +179,81 @@ pub const WRITE_BUFFER: usize = 1024 * 1024;
 /// Bounded to 16 MiB.
 static SPARE_BUFFERS: LazyLock<BufferPool> = LazyLock::new(|| BufferPool::new(16 << 20));
 
-/// One direction's key, iv and sequence number.
+/// One direction's key, iv and sequence number; with key updates agreed, its traffic
+/// secret too.
 pub(crate) struct Direction {
     key: Key,
     iv: [u8; NONCE_LEN],
     seq: u64,
+    algorithm: Algorithm,
+    aes_gcm: AesGcm,
+    /// Records one key may protect ([`SEQUENCE_LIMIT`]; lower in tests).
+    limit: u64,
+    /// Present when both ends agreed to key updates.
+    updates: Option<Updates>,
+}
+
+/// What a direction needs to move to its next key (RFC 8446 §7.2).
+struct Updates {
+    /// The current application traffic secret (zeroed on drop by `OkmBlock`).
+    secret: OkmBlock,
+    /// The negotiated suite's HKDF.
+    hkdf: &'static dyn Hkdf,
+    /// Key updates done.
+    done: u64,
 }
 
 impl Direction {
     /// The key for one direction of a connection, from rustls' extracted secrets, on this
     /// machine's faster AES-GCM code ([`AesGcm::for_this_machine`]).
     pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets) -> io::Result<Self> {
-        let (algorithm, key, iv) = match secrets {
-            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (Algorithm::Aes128Gcm, key, iv),
-            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (Algorithm::Aes256Gcm, key, iv),
-            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => {
-                (Algorithm::Chacha20Poly1305, key, iv)
-            }
-            _ => {
-                return Err(invalid(
-                    "negotiated an AEAD the record layer does not implement",
-                ));
-            }
-        };
-        let iv: [u8; NONCE_LEN] = iv
-            .as_ref()
-            .try_into()
-            .map_err(|_| invalid("traffic iv of the wrong length"))?;
-        Self::from_parts(algorithm, key.as_ref(), iv, seq, AesGcm::for_this_machine())
+        let (algorithm, key, iv) = parts(&secrets)?;
+        Self::from_parts(algorithm, key, iv, seq, AesGcm::for_this_machine())
+    }
+
+    /// [`Direction::new`] with key updates: `secret` is this direction's application traffic
+    /// secret and `hkdf` the negotiated suite's. Fails unless `secret` derives the key and iv
+    /// rustls extracted (a secret of the other direction, or of another connection, is
+    /// refused).
+    pub(crate) fn with_updates(
+        seq: u64,
+        secrets: ConnectionTrafficSecrets,
+        secret: OkmBlock,
+        hkdf: &'static dyn Hkdf,
+    ) -> io::Result<Self> {
+        let (algorithm, key, iv) = parts(&secrets)?;
+        let (derived_key, derived_iv) = traffic_key(hkdf, &secret, algorithm)?;
+        if derived_key.as_ref() != key || derived_iv != iv {
+            return Err(invalid(
+                "the traffic secret does not derive the handshake's traffic keys",
+            ));
+        }
+        let mut dir = Self::from_parts(algorithm, key, iv, seq, AesGcm::for_this_machine())?;
+        dir.updates = Some(Updates {
+            secret,
+            hkdf,
+            done: 0,
+        });
+        Ok(dir)
+    }
+
+    /// A direction at sequence number 0 keyed from the application traffic secret `secret`
+    /// (`hkdf`: its suite's), with key updates; AES-128-GCM on the code `aes_gcm` names.
+    #[cfg(test)]
+    pub(crate) fn from_secret(
+        algorithm: Algorithm,
+        secret: OkmBlock,
+        hkdf: &'static dyn Hkdf,
+        aes_gcm: AesGcm,
+    ) -> io::Result<Self> {
+        let (key, iv) = traffic_key(hkdf, &secret, algorithm)?;
+        let mut dir = Self::from_parts(algorithm, key.as_ref(), iv, 0, aes_gcm)?;
+        dir.updates = Some(Updates {
+            secret,
+            hkdf,
+            done: 0,
+        });
+        Ok(dir)
     }
 
     /// A direction of `algorithm` with `key` and `iv`, at sequence number `seq`; AES-128-GCM
@@ -130,16 +267,48 @@ impl Direction {
     ) -> io::Result<Self> {
         let key = Key::new(algorithm, key, aes_gcm)
             .map_err(|_| invalid("traffic key of the wrong length"))?;
-        Ok(Self {
+        let mut dir = Self {
             key,
             iv,
-            seq: seq_checked(seq)?,
-        })
+            seq,
+            algorithm,
+            aes_gcm,
+            limit: SEQUENCE_LIMIT,
+            updates: None,
+        };
+        dir.seq = dir.seq_checked(seq)?;
+        Ok(dir)
+    }
+
+    /// Both ends agreed to key updates.
+    pub(crate) fn updates_agreed(&self) -> bool {
+        self.updates.is_some()
+    }
+
+    /// Key updates this direction has made.
+    pub(crate) fn updates_done(&self) -> u64 {
+        self.updates.as_ref().map_or(0, |u| u.done)
+    }
+
+    /// Moves to the next traffic secret (RFC 8446 §7.2: `HKDF-Expand-Label(secret,
+    /// "traffic upd", "", Hash.length)`), its key and iv, sequence number 0.
+    fn update(&mut self) -> io::Result<()> {
+        let (algorithm, aes_gcm) = (self.algorithm, self.aes_gcm);
+        let updates = self.updates.as_mut().ok_or(KeyUpdateError::NotAgreed)?;
+        let next = expand_label_block(updates.hkdf, &updates.secret, b"traffic upd")?;
+        let (key, iv) = traffic_key(updates.hkdf, &next, algorithm)?;
+        self.key = Key::new(algorithm, key.as_ref(), aes_gcm)
+            .map_err(|_| invalid("traffic key of the wrong length"))?;
+        self.iv = iv;
+        self.seq = 0;
+        updates.secret = next;
+        updates.done += 1;
+        Ok(())
     }
 
     /// The next record's nonce (`iv XOR seq`); counts the record.
     pub(crate) fn next_nonce(&mut self) -> io::Result<[u8; NONCE_LEN]> {
-        let seq = seq_checked(self.seq)?;
+        let seq = self.seq_checked(self.seq)?;
         self.seq += 1;
         let mut nonce = self.iv;
         for (n, s) in nonce[NONCE_LEN - 8..].iter_mut().zip(seq.to_be_bytes()) {
@@ -147,16 +316,92 @@ impl Direction {
         }
         Ok(nonce)
     }
+
+    fn seq_checked(&self, seq: u64) -> io::Result<u64> {
+        if seq >= self.limit {
+            Err(KeyUpdateError::LimitReached {
+                agreed: self.updates.is_some(),
+            }
+            .into())
+        } else {
+            Ok(seq)
+        }
+    }
+
+    /// Lowers the records one key may protect (tests: thousands instead of millions).
+    #[cfg(test)]
+    pub(crate) fn set_limit(&mut self, limit: u64) {
+        self.limit = limit;
+    }
 }
 
-fn seq_checked(seq: u64) -> io::Result<u64> {
-    if seq >= SEQUENCE_LIMIT {
-        Err(io::Error::other(
-            "TLS record sequence limit reached (no key update): open a new connection",
-        ))
-    } else {
-        Ok(seq)
-    }
+/// The algorithm, key and iv of rustls' extracted secrets.
+fn parts(secrets: &ConnectionTrafficSecrets) -> io::Result<(Algorithm, &[u8], [u8; NONCE_LEN])> {
+    let (algorithm, key, iv) = match secrets {
+        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (Algorithm::Aes128Gcm, key, iv),
+        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (Algorithm::Aes256Gcm, key, iv),
+        ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => {
+            (Algorithm::Chacha20Poly1305, key, iv)
+        }
+        _ => {
+            return Err(invalid(
+                "negotiated an AEAD the record layer does not implement",
+            ));
+        }
+    };
+    let iv: [u8; NONCE_LEN] = iv
+        .as_ref()
+        .try_into()
+        .map_err(|_| invalid("traffic iv of the wrong length"))?;
+    Ok((algorithm, key.as_ref(), iv))
+}
+
+/// HKDF-Expand-Label(`secret`, `label`, "", `out.len()`) (RFC 8446 §7.1).
+fn expand_label(
+    hkdf: &dyn Hkdf,
+    secret: &OkmBlock,
+    label: &[u8],
+    out: &mut [u8],
+) -> io::Result<()> {
+    let length = u16::try_from(out.len())
+        .map_err(|_| invalid("HKDF output too long"))?
+        .to_be_bytes();
+    let label_len = [u8::try_from(6 + label.len()).map_err(|_| invalid("HKDF label too long"))?];
+    // HkdfLabel: uint16 length, opaque label<7..255> ("tls13 " + label), opaque context<0..255>.
+    let info: [&[u8]; 5] = [&length, &label_len, b"tls13 ", label, &[0]];
+    hkdf.expander_for_okm(secret)
+        .expand_slice(&info, out)
+        .map_err(|_| invalid("HKDF output too long"))
+}
+
+/// HKDF-Expand-Label with an output of the hash's length (a traffic secret).
+fn expand_label_block(hkdf: &dyn Hkdf, secret: &OkmBlock, label: &[u8]) -> io::Result<OkmBlock> {
+    let mut block = [0u8; OkmBlock::MAX_LEN];
+    let len = secret.as_ref().len();
+    let out = block
+        .get_mut(..len)
+        .ok_or_else(|| invalid("traffic secret too long"))?;
+    expand_label(hkdf, secret, label, out)?;
+    let next = OkmBlock::new(out);
+    block.fill(0);
+    Ok(next)
+}
+
+/// The traffic key and iv of `secret` (RFC 8446 §7.3), the key as an `OkmBlock` (zeroed on
+/// drop) of the algorithm's key length.
+fn traffic_key(
+    hkdf: &dyn Hkdf,
+    secret: &OkmBlock,
+    algorithm: Algorithm,
+) -> io::Result<(OkmBlock, [u8; NONCE_LEN])> {
+    let mut key = [0u8; 32];
+    let key = &mut key[..algorithm.key_len()];
+    expand_label(hkdf, secret, b"key", key)?;
+    let block = OkmBlock::new(key);
+    key.fill(0);
+    let mut iv = [0u8; NONCE_LEN];
+    expand_label(hkdf, secret, b"iv", &mut iv)?;
+    Ok((block, iv))
 }
 
 fn invalid(message: &str) -> io::Error {
@@ -175,22 +420,30 @@ fn header(length: usize) -> [u8; HEADER] {
 }
 
 /// The first error a half of the stream hit: every later call on that half reports it again
-/// (a record stream that failed once cannot be resynchronised).
+/// (a record stream that failed once cannot be resynchronised), a [`KeyUpdateError`] as
+/// itself.
 #[derive(Default)]
-struct StickyError(Option<(io::ErrorKind, String)>);
+struct StickyError(Option<(io::ErrorKind, String, Option<KeyUpdateError>)>);
 
 impl StickyError {
     /// The recorded error, if any.
     fn check(&self) -> io::Result<()> {
         match &self.0 {
-            Some((kind, message)) => Err(io::Error::new(*kind, message.clone())),
+            Some((kind, _, Some(typed))) => Err(io::Error::new(*kind, typed.clone())),
+            Some((kind, message, None)) => Err(io::Error::new(*kind, message.clone())),
             None => Ok(()),
         }
     }
 
     /// Records `e` (unless an earlier error is recorded) and hands it back unchanged.
     fn record(&mut self, e: io::Error) -> io::Error {
-        self.0.get_or_insert_with(|| (e.kind(), e.to_string()));
+        self.0.get_or_insert_with(|| {
+            let typed = e
+                .get_ref()
+                .and_then(|inner| inner.downcast_ref::<KeyUpdateError>())
+                .cloned();
+            (e.kind(), e.to_string(), typed)
+        });
         e
     }
 }
@@ -203,6 +456,12 @@ pub(crate) struct Sender {
     end: usize,
     close_sealed: bool,
     error: StickyError,
+    /// Records under one key after which the next write starts with a key update (when
+    /// agreed): [`KEY_UPDATE_AT`], lower in tests.
+    update_at: u64,
+    /// The peer's KeyUpdate asked for ours (`update_requested`): sent before the next
+    /// application data.
+    update_requested: bool,
 }
 
 impl Sender {
@@ -216,7 +475,42 @@ impl Sender {
             end: 0,
             close_sealed: false,
             error: StickyError::default(),
+            update_at: KEY_UPDATE_AT,
+            update_requested: false,
         }
+    }
+
+    /// The peer asked for a key update: the next write starts with one (RFC 8446 §4.6.3:
+    /// before the next application data). Ignored without agreement.
+    pub(crate) fn request_key_update(&mut self) {
+        self.update_requested = true;
+    }
+
+    /// Key updates sent.
+    pub(crate) fn key_updates(&self) -> u64 {
+        self.dir.updates_done()
+    }
+
+    /// Lowers the key's record limit and the key update threshold (tests).
+    #[cfg(test)]
+    pub(crate) fn set_limits(&mut self, limit: u64, update_at: u64) {
+        self.dir.set_limit(limit);
+        self.update_at = update_at;
+    }
+
+    /// Whether the next record must be a KeyUpdate: agreed, and the key has protected
+    /// `update_at` records or the peer asked.
+    fn key_update_due(&self) -> bool {
+        self.dir.updates_agreed() && (self.dir.seq >= self.update_at || self.update_requested)
+    }
+
+    /// Seals a KeyUpdate (`update_not_requested`) under the current key and moves to the
+    /// next (RFC 8446 §4.6.3); room checked by the caller.
+    fn seal_key_update(&mut self) -> io::Result<()> {
+        self.seal(&[KEY_UPDATE, 0, 0, 1, 0], HANDSHAKE)?;
+        self.dir.update()?;
+        self.update_requested = false;
+        Ok(())
     }
 
     /// Takes the send buffer if this is the first write.
@@ -305,6 +599,18 @@ impl Sender {
         'fill: for slice in bufs {
             let mut rest: &[u8] = slice;
             while !rest.is_empty() {
+                if self.key_update_due() {
+                    if self.room() < KEY_UPDATE_LEN {
+                        break 'fill;
+                    }
+                    if let Err(e) = self.seal_key_update() {
+                        let e = self.error.record(e);
+                        if consumed == 0 {
+                            return Poll::Ready(Err(e));
+                        }
+                        break 'fill;
+                    }
+                }
                 let room = self.room();
                 if room == 0 {
                     break 'fill;
@@ -370,6 +676,9 @@ enum Opened {
     Direct(usize),
     /// Application data of this many bytes, opened into the staging buffer.
     Staged(usize),
+    /// A KeyUpdate (already followed: the direction has its next key); `true` when the peer
+    /// asked for ours.
+    KeyUpdate(bool),
     /// The close_notify alert: the end of the stream.
     CloseNotify,
     /// Any other alert.
@@ -389,9 +698,11 @@ pub(crate) struct Receiver {
     staged: Vec<u8>,
     staged_start: usize,
     staged_end: usize,
-    /// Application-data records without content in a row (bounded: they cost CPU and
+    /// Records without content in a row, key updates included (bounded: they cost CPU and
     /// deliver nothing).
     empty_records: u32,
+    /// The peer's last KeyUpdate asked for ours and the sender has not been told yet.
+    update_requested: bool,
     closed: bool,
     error: StickyError,
     /// The size `buf` grows to at the first bulk read ([`GROW_AT`]).
@@ -454,6 +765,7 @@ impl Receiver {
             staged_start: 0,
             staged_end: 0,
             empty_records: 0,
+            update_requested: false,
             closed: false,
             error: StickyError::default(),
         }
@@ -462,6 +774,23 @@ impl Receiver {
     /// Bytes of buffer this receiver holds.
     pub(crate) fn buffer_bytes(&self) -> usize {
         self.buf.len() + self.staged.len()
+    }
+
+    /// Whether a KeyUpdate asked for ours since the last call (the caller tells its sender:
+    /// [`Sender::request_key_update`]).
+    pub(crate) fn take_update_request(&mut self) -> bool {
+        std::mem::take(&mut self.update_requested)
+    }
+
+    /// Key updates followed.
+    pub(crate) fn key_updates(&self) -> u64 {
+        self.dir.updates_done()
+    }
+
+    /// Lowers the key's record limit (tests).
+    #[cfg(test)]
+    pub(crate) fn set_limit(&mut self, limit: u64) {
+        self.dir.set_limit(limit);
     }
 
     /// Records an error; reports it now, or on the next read when this one already delivered
@@ -501,6 +830,12 @@ impl Receiver {
             // TLS 1.3 ignores the alert level (RFC 8446 §6).
             ALERT if at == 2 && target[1] == CLOSE_NOTIFY[1] => Opened::CloseNotify,
             ALERT => Opened::Alert,
+            HANDSHAKE => {
+                let requested = key_update(&target[..at], self.dir.updates_agreed())?;
+                // The records after this one are under the next key.
+                self.dir.update()?;
+                Opened::KeyUpdate(requested)
+            }
             _ => Opened::Unexpected,
         };
         self.start += HEADER + length;
@@ -563,14 +898,17 @@ impl Receiver {
                         Err(e) => return self.fail_read(delivered, e),
                     };
                     match opened {
-                        Opened::Direct(0) | Opened::Staged(0) => {
+                        Opened::Direct(0) | Opened::Staged(0) | Opened::KeyUpdate(_) => {
+                            if let Opened::KeyUpdate(requested) = opened {
+                                self.update_requested |= requested;
+                            }
                             self.empty_records += 1;
                             if self.empty_records > MAX_EMPTY_RECORDS {
                                 return self.fail_read(
                                     delivered,
                                     io::Error::new(
                                         io::ErrorKind::InvalidData,
-                                        "too many empty TLS records in a row",
+                                        "too many TLS records without content (empty ones or key updates) in a row",
                                     ),
                                 );
                             }
@@ -641,6 +979,25 @@ impl Receiver {
             }
             self.end += n;
         }
+    }
+}
+
+/// The content of a handshake record after the handshake, which must be exactly one
+/// KeyUpdate from a peer that agreed to key updates: its `request_update` (RFC 8446 §4.6.3).
+fn key_update(content: &[u8], agreed: bool) -> Result<bool, KeyUpdateError> {
+    if !agreed {
+        return Err(KeyUpdateError::NotAgreed);
+    }
+    match *content {
+        [KEY_UPDATE, 0, 0, 1, request] => match request {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(KeyUpdateError::InvalidRequest(other)),
+        },
+        _ => Err(KeyUpdateError::Malformed {
+            len: content.len(),
+            msg_type: content.first().copied().unwrap_or(0),
+        }),
     }
 }
 

@@ -27,20 +27,33 @@ use libp2p::PeerId;
 use libp2p::identity::Keypair;
 use rustls::client::ResolvesClientCert;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::tls13::OkmBlock;
 use rustls::crypto::{CryptoProvider, aws_lc_rs};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::{NoServerSessionStorage, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::{
-    CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, OtherError,
-    ServerConfig, SignatureScheme,
+    CertificateError, ClientConfig, DigitallySignedStruct, DistinguishedName, KeyLog, OtherError,
+    ServerConfig, SignatureScheme, SupportedCipherSuite,
 };
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
-/// ALPN protocol id of the data plane; both sides require it.
+/// ALPN protocol id of the data plane without key updates: what older peers offer and
+/// accept. A connection negotiates it or [`ALPN_KEY_UPDATE`]; anything else is refused.
 pub const ALPN: &[u8] = b"hivemesh-data/1";
+
+/// ALPN protocol id of the data plane with TLS 1.3 key updates (RFC 8446 §4.6.3): both ends
+/// offer it first, so two current peers agree on it and an older one picks [`ALPN`]. Only
+/// after agreeing on it does either end send a KeyUpdate (older peers end the stream at any
+/// handshake record).
+pub const ALPN_KEY_UPDATE: &[u8] = b"hivemesh-data/2";
+
+/// What both ends offer, in order of preference.
+fn alpn_protocols() -> Vec<Vec<u8>> {
+    vec![ALPN_KEY_UPDATE.to_vec(), ALPN.to_vec()]
+}
 
 /// Capacity of a stream's receive buffer (the socket is read into it, records are opened out
 /// of it).
@@ -172,7 +185,7 @@ impl DataIdentity {
             .map_err(|e| TlsError::Identity(format!("server config: {e}")))?
             .with_client_cert_verifier(Arc::new(PeerVerifier { expected: None }))
             .with_cert_resolver(Arc::clone(&own) as Arc<dyn ResolvesServerCert>);
-        server.alpn_protocols = vec![ALPN.to_vec()];
+        server.alpn_protocols = alpn_protocols();
         // Our order (AES first), whatever the client prefers.
         server.ignore_client_order = true;
         // Every connection runs a full handshake with both certificates verified.
@@ -209,7 +222,7 @@ impl DataIdentity {
                 expected: Some(expected),
             }))
             .with_client_cert_resolver(Arc::clone(&self.own) as Arc<dyn ResolvesClientCert>);
-        client.alpn_protocols = vec![ALPN.to_vec()];
+        client.alpn_protocols = alpn_protocols();
         client.resumption = rustls::client::Resumption::disabled();
         client.enable_sni = false;
         client.enable_secret_extraction = true;
@@ -249,12 +262,7 @@ pub async fn connect_over(
             detail: format!("cannot set TCP_NODELAY: {e}"),
         })?;
         let server_name = ServerName::IpAddress(addr.ip().into());
-        DataStream::establish(
-            tcp,
-            rustls::ClientConnection::new(config, server_name),
-            addr,
-        )
-        .await
+        DataStream::establish(tcp, Role::Client(config, server_name), addr).await
     })
     .await
     .map_err(|_| TlsError::HandshakeTimeout { addr, timeout })??;
@@ -291,12 +299,7 @@ async fn connect_with(
             detail: format!("cannot set TCP_NODELAY: {e}"),
         })?;
         let server_name = ServerName::IpAddress(addr.ip().into());
-        DataStream::establish(
-            tcp,
-            rustls::ClientConnection::new(config, server_name),
-            addr,
-        )
-        .await
+        DataStream::establish(tcp, Role::Client(config, server_name), addr).await
     })
     .await;
     let stream = match attempt {
@@ -421,8 +424,7 @@ impl Handshake {
                 addr,
                 detail: format!("cannot set TCP_NODELAY: {e}"),
             })?;
-            let conn = rustls::ServerConnection::new(config);
-            DataStream::establish(tcp, conn, addr).await
+            DataStream::establish(tcp, Role::Server(config), addr).await
         })
         .await;
         match attempt {
@@ -445,6 +447,7 @@ pub struct DataStream {
     peer_id: PeerId,
     peer_addr: SocketAddr,
     cipher_suite: &'static str,
+    key_updates: bool,
 }
 
 impl fmt::Debug for DataStream {
@@ -453,48 +456,64 @@ impl fmt::Debug for DataStream {
             .field("peer_id", &self.peer_id)
             .field("peer_addr", &self.peer_addr)
             .field("cipher_suite", &self.cipher_suite)
+            .field("key_updates", &self.key_updates)
             .finish_non_exhaustive()
     }
 }
 
 impl DataStream {
-    /// Runs the handshake of a fresh rustls connection (either role) over `tcp` and hands the
+    /// Runs the handshake of a fresh rustls connection in `role` over `tcp` and hands the
     /// result to the record layer.
-    async fn establish<C: Into<rustls::Connection>>(
-        tcp: TcpStream,
-        conn: Result<C, rustls::Error>,
-        addr: SocketAddr,
-    ) -> Result<Self, TlsError> {
-        let mut conn = conn
-            .map_err(|e| TlsError::Handshake {
-                addr,
-                detail: e.to_string(),
-            })?
-            .into();
+    async fn establish(tcp: TcpStream, role: Role, addr: SocketAddr) -> Result<Self, TlsError> {
+        // Each connection gets its own copy of the configuration, whose key log keeps this
+        // connection's traffic secrets for key updates.
+        let captured = Arc::new(TrafficSecrets::default());
+        let conn: Result<rustls::Connection, rustls::Error> = match role {
+            Role::Client(config, server_name) => {
+                let mut config = ClientConfig::clone(&config);
+                config.key_log = Arc::clone(&captured) as Arc<dyn KeyLog>;
+                rustls::ClientConnection::new(Arc::new(config), server_name).map(Into::into)
+            }
+            Role::Server(config) => {
+                let mut config = ServerConfig::clone(&config);
+                config.key_log = Arc::clone(&captured) as Arc<dyn KeyLog>;
+                rustls::ServerConnection::new(Arc::new(config)).map(Into::into)
+            }
+        };
+        let mut conn = conn.map_err(|e| TlsError::Handshake {
+            addr,
+            detail: e.to_string(),
+        })?;
         let mut io = HandshakeIo::new(tcp);
         handshake(&mut conn, &mut io)
             .await
             .map_err(|e| handshake_error(addr, &e))?;
-        Self::new(io, conn, addr)
+        Self::new(io, conn, addr, &captured)
     }
 
     /// Checks what the finished handshake negotiated and hands the connection over to the
-    /// record layer.
+    /// record layer, with key updates when both ends agreed to them ([`ALPN_KEY_UPDATE`]).
     fn new(
         io: HandshakeIo,
         mut conn: rustls::Connection,
         peer_addr: SocketAddr,
+        captured: &TrafficSecrets,
     ) -> Result<Self, TlsError> {
         let refuse = |detail: String| TlsError::Handshake {
             addr: peer_addr,
             detail,
         };
-        if conn.alpn_protocol() != Some(ALPN) {
-            return Err(refuse(format!(
-                "the peer did not negotiate ALPN {:?}",
-                String::from_utf8_lossy(ALPN)
-            )));
-        }
+        let key_updates = match conn.alpn_protocol() {
+            Some(p) if p == ALPN_KEY_UPDATE => true,
+            Some(p) if p == ALPN => false,
+            _ => {
+                return Err(refuse(format!(
+                    "the peer did not negotiate ALPN {:?} or {:?}",
+                    String::from_utf8_lossy(ALPN_KEY_UPDATE),
+                    String::from_utf8_lossy(ALPN)
+                )));
+            }
+        };
         let cert = match conn.peer_certificates() {
             Some([cert]) => cert,
             _ => return Err(refuse("the peer presented no single certificate".into())),
@@ -502,10 +521,12 @@ impl DataStream {
         let peer_id = libp2p::tls::certificate::parse(cert)
             .map_err(|e| refuse(format!("peer certificate: {e}")))?
             .peer_id();
-        let cipher_suite = conn
-            .negotiated_cipher_suite()
-            .and_then(|s| s.suite().as_str())
-            .unwrap_or("unknown");
+        let suite = conn.negotiated_cipher_suite();
+        let cipher_suite = suite.and_then(|s| s.suite().as_str()).unwrap_or("unknown");
+        let Some(SupportedCipherSuite::Tls13(suite)) = suite else {
+            return Err(refuse("no TLS 1.3 cipher suite negotiated".into()));
+        };
+        let is_client = matches!(conn, rustls::Connection::Client(_));
         // rustls must hold nothing the record layer would lose: no application data it
         // already decrypted, no unsent records, no part of a record.
         let state = conn
@@ -519,8 +540,31 @@ impl DataStream {
             .dangerous_extract_secrets()
             .map_err(|e| refuse(format!("taking over the record layer: {e}")))?;
         let key_error = |e: io::Error| refuse(format!("traffic keys: {e}"));
-        let tx = Direction::new(secrets.tx.0, secrets.tx.1).map_err(key_error)?;
-        let rx = Direction::new(secrets.rx.0, secrets.rx.1).map_err(key_error)?;
+        let (tx, rx) = if key_updates {
+            let (client, server) = captured.take();
+            let (Some(client), Some(server)) = (client, server) else {
+                return Err(refuse(
+                    "rustls did not hand over the traffic secrets".into(),
+                ));
+            };
+            let (ours, theirs) = if is_client {
+                (client, server)
+            } else {
+                (server, client)
+            };
+            let hkdf = suite.hkdf_provider;
+            (
+                Direction::with_updates(secrets.tx.0, secrets.tx.1, ours, hkdf)
+                    .map_err(key_error)?,
+                Direction::with_updates(secrets.rx.0, secrets.rx.1, theirs, hkdf)
+                    .map_err(key_error)?,
+            )
+        } else {
+            (
+                Direction::new(secrets.tx.0, secrets.tx.1).map_err(key_error)?,
+                Direction::new(secrets.rx.0, secrets.rx.1).map_err(key_error)?,
+            )
+        };
         Ok(Self {
             tcp,
             rx: Receiver::new(rx, buf, start, end, READ_BUFFER),
@@ -528,6 +572,7 @@ impl DataStream {
             peer_id,
             peer_addr,
             cipher_suite,
+            key_updates,
         })
     }
 
@@ -555,6 +600,83 @@ impl DataStream {
     pub fn cipher_suite(&self) -> &'static str {
         self.cipher_suite
     }
+
+    /// Whether both ends agreed to TLS 1.3 key updates ([`ALPN_KEY_UPDATE`]). Without them
+    /// each direction ends with an error after [`SEQUENCE_LIMIT`] records (256 GiB); with
+    /// them a direction moves to its next key every [`KEY_UPDATE_AT`] records and never ends.
+    ///
+    /// [`SEQUENCE_LIMIT`]: super::SEQUENCE_LIMIT
+    /// [`KEY_UPDATE_AT`]: super::KEY_UPDATE_AT
+    pub fn key_updates_agreed(&self) -> bool {
+        self.key_updates
+    }
+
+    /// Key updates so far: (sent, received).
+    pub fn key_updates(&self) -> (u64, u64) {
+        (self.tx.key_updates(), self.rx.key_updates())
+    }
+
+    /// Lowers the records one key may protect to `limit` in both directions and the sender's
+    /// key update threshold to `update_at` (tests: thousands of records instead of millions).
+    #[cfg(test)]
+    pub(crate) fn set_record_limits(&mut self, limit: u64, update_at: u64) {
+        self.tx.set_limits(limit, update_at);
+        self.rx.set_limit(limit);
+    }
+}
+
+/// Which end of the handshake a [`DataStream`] is, with its configuration.
+enum Role {
+    Client(Arc<ClientConfig>, ServerName<'static>),
+    Server(Arc<ServerConfig>),
+}
+
+/// One connection's two application traffic secrets, caught through rustls' key log
+/// interface (one instance per connection, in its own copy of the configuration): rustls
+/// hands the record layer keys, not secrets, and a key update needs the secret. Kept in
+/// `OkmBlock`s, which zero themselves on drop; nothing is logged anywhere.
+#[derive(Default)]
+struct TrafficSecrets(std::sync::Mutex<(Option<OkmBlock>, Option<OkmBlock>)>);
+
+const CLIENT_TRAFFIC_SECRET: &str = "CLIENT_TRAFFIC_SECRET_0";
+const SERVER_TRAFFIC_SECRET: &str = "SERVER_TRAFFIC_SECRET_0";
+
+impl TrafficSecrets {
+    /// The client's and the server's secrets, if rustls gave them.
+    fn take(&self) -> (Option<OkmBlock>, Option<OkmBlock>) {
+        let mut secrets = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (secrets.0.take(), secrets.1.take())
+    }
+}
+
+impl fmt::Debug for TrafficSecrets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TrafficSecrets(..)")
+    }
+}
+
+impl KeyLog for TrafficSecrets {
+    fn log(&self, label: &str, _client_random: &[u8], secret: &[u8]) {
+        if secret.len() > OkmBlock::MAX_LEN {
+            return;
+        }
+        let mut secrets = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match label {
+            CLIENT_TRAFFIC_SECRET => secrets.0 = Some(OkmBlock::new(secret)),
+            SERVER_TRAFFIC_SECRET => secrets.1 = Some(OkmBlock::new(secret)),
+            _ => {}
+        }
+    }
+
+    fn will_log(&self, label: &str) -> bool {
+        matches!(label, CLIENT_TRAFFIC_SECRET | SERVER_TRAFFIC_SECRET)
+    }
 }
 
 impl AsyncRead for DataStream {
@@ -564,7 +686,12 @@ impl AsyncRead for DataStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        this.rx.poll_read(&mut this.tcp, cx, buf)
+        let polled = this.rx.poll_read(&mut this.tcp, cx, buf);
+        if this.rx.take_update_request() {
+            // The peer's KeyUpdate asked for ours: it goes before our next application data.
+            this.tx.request_key_update();
+        }
+        polled
     }
 }
 
@@ -997,11 +1124,50 @@ mod tests {
         (conn, tcp, buf[start..end].to_vec())
     }
 
+    /// Sends everything rustls has queued (records, key updates).
+    async fn flush_stock(conn: &mut rustls::Connection, tcp: &mut TcpStream) {
+        let mut wire = Vec::new();
+        while conn.wants_write() {
+            conn.write_tls(&mut wire).expect("records");
+        }
+        tcp.write_all(&wire).await.expect("send");
+    }
+
+    /// Reads through stock rustls (starting with `pending`, bytes already read) until it sees
+    /// close_notify; returns the plaintext.
+    async fn read_stock(
+        conn: &mut rustls::Connection,
+        tcp: &mut TcpStream,
+        mut pending: Vec<u8>,
+    ) -> Vec<u8> {
+        use std::io::Read as _;
+        let mut got = Vec::new();
+        loop {
+            let mut rd = &pending[..];
+            while !rd.is_empty() {
+                conn.read_tls(&mut rd).expect("read_tls");
+                let state = conn
+                    .process_new_packets()
+                    .expect("our records (and key updates) are valid");
+                let mut chunk = vec![0u8; state.plaintext_bytes_to_read()];
+                conn.reader().read_exact(&mut chunk).expect("plaintext");
+                got.extend_from_slice(&chunk);
+                if state.peer_has_closed() {
+                    return got;
+                }
+            }
+            pending.resize(64 << 10, 0);
+            let n = tcp.read(&mut pending).await.expect("read");
+            assert!(n > 0, "closed before close_notify");
+            pending.truncate(n);
+        }
+    }
+
     /// A stock rustls client (no record-layer hand-over) and our server: our records are
     /// standard TLS 1.3 records both ways, close_notify included.
     #[tokio::test]
     async fn records_interoperate_with_rustls() {
-        use std::io::{Read as _, Write as _};
+        use std::io::Write as _;
         let (server_id, client_id) = (identity(), identity());
         let server = listener(&server_id).await;
         let config = client_id
@@ -1009,34 +1175,12 @@ mod tests {
             .expect("config");
         let addr = server.local_addr();
         let client = async {
-            let (mut conn, mut tcp, mut pending) = stock_client(config, addr).await;
+            let (mut conn, mut tcp, pending) = stock_client(config, addr).await;
             let up: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
             conn.set_buffer_limit(None);
             conn.writer().write_all(&up).expect("plaintext");
-            let mut wire = Vec::new();
-            while conn.wants_write() {
-                conn.write_tls(&mut wire).expect("records");
-            }
-            tcp.write_all(&wire).await.expect("send");
-            // Read until rustls sees close_notify.
-            let mut got = Vec::new();
-            loop {
-                let mut rd = &pending[..];
-                while !rd.is_empty() {
-                    conn.read_tls(&mut rd).expect("read_tls");
-                    let state = conn.process_new_packets().expect("our records are valid");
-                    let mut chunk = vec![0u8; state.plaintext_bytes_to_read()];
-                    conn.reader().read_exact(&mut chunk).expect("plaintext");
-                    got.extend_from_slice(&chunk);
-                    if state.peer_has_closed() {
-                        return got;
-                    }
-                }
-                pending.resize(64 << 10, 0);
-                let n = tcp.read(&mut pending).await.expect("read");
-                assert!(n > 0, "closed before close_notify");
-                pending.truncate(n);
-            }
+            flush_stock(&mut conn, &mut tcp).await;
+            read_stock(&mut conn, &mut tcp, pending).await
         };
         let serve = async {
             let (_, mut stream) = server.accept(T).await.expect("accepted");
@@ -1130,6 +1274,183 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
         assert_eq!(got, b"partial");
         drop(client);
+    }
+
+    /// `len` bytes of a pattern that differs with `seed`.
+    fn pattern(seed: u32, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| ((i as u32).wrapping_mul(7).wrapping_add(seed) % 251) as u8)
+            .collect()
+    }
+
+    /// Two current peers agree to key updates; with a key good for 64 records and an update
+    /// every 16, 2 MiB each way at once (over 128 records per direction) goes through intact
+    /// with several updates in each direction, each followed by the other end.
+    #[tokio::test]
+    async fn lasting_links_update_keys_in_both_directions() {
+        let (mut served, mut client) = pair().await;
+        assert!(served.key_updates_agreed() && client.key_updates_agreed());
+        served.set_record_limits(64, 16);
+        client.set_record_limits(64, 16);
+        let (up, down) = (pattern(1, 2 << 20), pattern(2, 2 << 20));
+        let (mut served_rx, mut served_tx) = tokio::io::split(served);
+        let (mut client_rx, mut client_tx) = tokio::io::split(client);
+        let mut got_up = vec![0u8; up.len()];
+        let mut got_down = vec![0u8; down.len()];
+        let (sent_up, sent_down, read_up, read_down) = tokio::time::timeout(T, async {
+            tokio::join!(
+                async {
+                    client_tx.write_all(&up).await?;
+                    client_tx.flush().await
+                },
+                async {
+                    served_tx.write_all(&down).await?;
+                    served_tx.flush().await
+                },
+                served_rx.read_exact(&mut got_up),
+                client_rx.read_exact(&mut got_down),
+            )
+        })
+        .await
+        .expect("no hang");
+        sent_up.expect("client writes");
+        sent_down.expect("server writes");
+        read_up.expect("server reads");
+        read_down.expect("client reads");
+        assert!(got_up == up, "client to server");
+        assert!(got_down == down, "server to client");
+        let (served, client) = (served_rx.unsplit(served_tx), client_rx.unsplit(client_tx));
+        let (client_sent, client_got) = client.key_updates();
+        let (served_sent, served_got) = served.key_updates();
+        // 128 full records at 16 per key: 7 or 8 updates.
+        assert!(client_sent >= 7, "client sent {client_sent} key updates");
+        assert!(served_sent >= 7, "server sent {served_sent} key updates");
+        assert_eq!(served_got, client_sent);
+        assert_eq!(client_got, served_sent);
+    }
+
+    /// A peer that offers only `hivemesh-data/1` (an older one, on either side) gets no key
+    /// update: the other end, past its update threshold, sends none (the older end would
+    /// refuse it: our receiver without agreement does), and stops at the limit with an error
+    /// that says why.
+    #[tokio::test]
+    async fn an_older_peer_never_receives_a_key_update() {
+        let (server_id, client_id) = (identity(), identity());
+        let server = listener(&server_id).await;
+        let old_client = custom_client(
+            &client_id,
+            server_id.peer_id(),
+            provider(),
+            vec![ALPN.to_vec()],
+            true,
+        );
+        let (accepted, client) = attempt(&server, old_client, server_id.peer_id()).await;
+        let (_, mut served) = accepted.expect("accepted");
+        let mut client = client.expect("connected");
+        assert!(!served.key_updates_agreed() && !client.key_updates_agreed());
+        served.set_record_limits(64, 16);
+        // 48 records' worth (a few more records where the send buffer's tail cuts one short):
+        // past the threshold, within the limit.
+        let data = pattern(3, 48 * 16384);
+        let mut got = vec![0u8; data.len()];
+        let (sent, read) = tokio::time::timeout(T, async {
+            tokio::join!(
+                async {
+                    served.write_all(&data).await?;
+                    served.flush().await
+                },
+                client.read_exact(&mut got)
+            )
+        })
+        .await
+        .expect("no hang");
+        sent.expect("write");
+        read.expect("no key update reached the older peer");
+        assert!(got == data);
+        assert_eq!(served.key_updates(), (0, 0));
+        // Past 64 records the direction ends, and says why.
+        let err = tokio::time::timeout(T, served.write_all(&data))
+            .await
+            .expect("no hang")
+            .expect_err("the sequence limit");
+        assert_eq!(
+            err.get_ref()
+                .and_then(|e| e.downcast_ref::<super::super::KeyUpdateError>()),
+            Some(&super::super::KeyUpdateError::LimitReached { agreed: false }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("does not support key updates"),
+            "{err}"
+        );
+
+        // An older server: a current client falls back to `hivemesh-data/1`.
+        let mut old_config = ServerConfig::clone(&server_id.server_config());
+        old_config.alpn_protocols = vec![ALPN.to_vec()];
+        let tcp_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = tcp_listener.local_addr().expect("addr");
+        let config = client_id
+            .client_config(server_id.peer_id())
+            .expect("config");
+        let (accepted, client) = tokio::join!(
+            async {
+                let (tcp, addr) = tcp_listener.accept().await.expect("accept");
+                Handshake {
+                    tcp,
+                    addr,
+                    config: Arc::new(old_config),
+                }
+                .run(T)
+                .await
+            },
+            connect_with(config, addr, server_id.peer_id(), T)
+        );
+        assert!(!accepted.expect("accepted").1.key_updates_agreed());
+        assert!(!client.expect("connected").key_updates_agreed());
+    }
+
+    /// A stock rustls client (its own record layer) and our server agree to key updates;
+    /// rustls' `refresh_traffic_keys` (a KeyUpdate asking for ours) is followed and answered,
+    /// and rustls follows every KeyUpdate our server sends at its (lowered) threshold.
+    #[tokio::test]
+    async fn key_updates_interoperate_with_rustls() {
+        use std::io::Write as _;
+        let (server_id, client_id) = (identity(), identity());
+        let server = listener(&server_id).await;
+        let config = client_id
+            .client_config(server_id.peer_id())
+            .expect("config");
+        let addr = server.local_addr();
+        let (up, down) = (pattern(4, 100_000), pattern(5, 2 << 20));
+        let client = async {
+            let (mut conn, mut tcp, pending) = stock_client(config, addr).await;
+            assert_eq!(conn.alpn_protocol(), Some(ALPN_KEY_UPDATE));
+            conn.set_buffer_limit(None);
+            conn.writer().write_all(&up[..50_000]).expect("plaintext");
+            conn.refresh_traffic_keys().expect("key update");
+            conn.writer().write_all(&up[50_000..]).expect("plaintext");
+            flush_stock(&mut conn, &mut tcp).await;
+            read_stock(&mut conn, &mut tcp, pending).await
+        };
+        let serve = async {
+            let (_, mut stream) = server.accept(T).await.expect("accepted");
+            assert!(stream.key_updates_agreed());
+            stream.set_record_limits(64, 16);
+            let mut got = vec![0u8; up.len()];
+            stream.read_exact(&mut got).await.expect("rustls records");
+            assert!(got == up, "rustls' records across its key update");
+            stream.write_all(&down).await.expect("write");
+            stream.shutdown().await.expect("close_notify");
+            stream
+        };
+        let (got, stream) = tokio::time::timeout(T, async { tokio::join!(client, serve) })
+            .await
+            .expect("both ends finish");
+        assert!(got == down, "our records across our key updates");
+        let (sent, received) = stream.key_updates();
+        assert_eq!(received, 1);
+        // The answer to rustls' request, then one per 16 of 128 records.
+        assert!(sent >= 8, "{sent} key updates sent");
     }
 
     #[test]

@@ -52,6 +52,16 @@ pub(crate) enum Algorithm {
     Chacha20Poly1305,
 }
 
+impl Algorithm {
+    /// Bytes of its key.
+    pub(crate) fn key_len(self) -> usize {
+        match self {
+            Self::Aes128Gcm => 16,
+            Self::Aes256Gcm | Self::Chacha20Poly1305 => 32,
+        }
+    }
+}
+
 /// Which code runs AES-128-GCM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum AesGcm {
