@@ -29,6 +29,9 @@
 //! `--swarm-key swarm.key` and every peer with the same flag; peers without the key cannot
 //! connect.
 //!
+//! `--hold-after R` stops the peer after round R: it prints `held after round R` and waits for a
+//! line on stdin before round R+1 (tests take a relay away while every peer is held).
+//!
 //! After every round a second line goes to stderr, for tests and the curious:
 //! `round R: mode=M reach=C links=L contributors=MIN..MAX local_parts=N banned=B
 //! failed_reducers=F` (L: how the link to each member was carried, in member order; MIN..MAX:
@@ -103,6 +106,11 @@ struct Args {
     /// `PREFIX.final` (little-endian f32): tests compare every element with the exact mean.
     #[arg(long, value_name = "PREFIX")]
     dump: Option<std::path::PathBuf>,
+    /// After round R (and before round R+1) print `held after round R` and wait for a line on
+    /// stdin (or its end): tests change the network between two rounds while every peer is
+    /// held. Repeatable.
+    #[arg(long = "hold-after", value_name = "R")]
+    hold_after: Vec<usize>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -255,6 +263,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 println!("round {round}: failed after {secs:.2} s: {e}");
             }
         }
+        if args.hold_after.contains(&round) && round < args.rounds {
+            hold(round).await?;
+            // Round R+1 starts at the release: the hold stands in for the interval.
+            next_start = Instant::now();
+        }
     }
     if let Some(prefix) = &args.dump {
         dump(prefix, "final", &averager.tensors()[0].to_f32_vec())?;
@@ -273,6 +286,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
         args.rounds
     );
     Ok(())
+}
+
+/// Prints `held after round R` and waits until stdin yields a line or ends.
+async fn hold(round: usize) -> anyhow::Result<()> {
+    use std::io::Write;
+    println!("held after round {round}");
+    std::io::stdout().flush()?;
+    tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).map(drop)
+    })
+    .await?
+    .context("reading the release line from stdin")
 }
 
 /// The stderr line about a round: mode, reachability, how each link was carried, and how many

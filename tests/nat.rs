@@ -633,7 +633,8 @@ fn spawn_joins(
             ];
             args.extend_from_slice(extra);
             let _ = std::fs::remove_file(format!("{dump}.final"));
-            bed.spawn(&p.host, join, args)
+            // Stdin piped: `--hold-after` waits for a line there.
+            bed.spawn_with_stdin(&p.host, join, args)
         })
         .collect()
 }
@@ -954,15 +955,30 @@ fn a_nated_peer_whose_relay_goes_away_reserves_another_and_rounds_go_on() {
         nated,
         initial_peer: initial.clone(),
     });
-    // Two seconds between rounds, so that relay 1 goes away between rounds 2 and 3.
-    let mut procs = spawn_joins(&bed, &join, &peers, ROUNDS, &["--interval", "2"]);
-    // Both NATed peers have averaged twice (through relay 1, checked below): take it away.
-    for p in &mut procs[2..] {
-        p.wait_line(|l| l.starts_with("round 2: "), Duration::from_secs(150))
+    // Every peer stops after round 2 until released, so that relay 1 goes away between rounds
+    // 2 and 3 however long rounds take.
+    let mut procs = spawn_joins(&bed, &join, &peers, ROUNDS, &["--hold-after", "2"]);
+    // All four have averaged twice (the NATed peers through relay 1, checked below) and wait:
+    // take relay 1 away, then let them go on.
+    for p in &mut procs {
+        p.wait_line(|l| l == "held after round 2", Duration::from_secs(150))
             .unwrap_or_else(|e| panic!("two rounds: {e}\n{}", p.transcript()));
     }
     r1.kill().unwrap();
-    let runs = collect_runs(&mut procs, &peers, ROUNDS);
+    r1.wait_with_timeout(Duration::from_secs(15)).unwrap();
+    for p in &mut procs {
+        p.send_line("go")
+            .unwrap_or_else(|e| panic!("releasing: {e}\n{}", p.transcript()));
+    }
+    let mut runs = collect_runs(&mut procs, &peers, ROUNDS);
+    for run in &mut runs {
+        eprintln!("--- {}\n{}", run.name, run.transcript);
+        // The hold line came right after round 2's; the rest is the usual output.
+        let t = &run.transcript;
+        let held = run.stdout.get(3).map(String::as_str);
+        assert_eq!(held, Some("held after round 2"), "{}:\n{t}", run.name);
+        run.stdout.remove(3);
+    }
     assert_all_four_averaged(&runs, ROUNDS);
     for run in runs.iter().filter(|r| r.nated) {
         // Reachable through relay 1 first, through relay 2 after it went away.

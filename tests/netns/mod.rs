@@ -70,12 +70,12 @@ use std::collections::HashSet;
 use std::ffi::OsStr;
 use std::fmt;
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Mutex, MutexGuard};
@@ -487,7 +487,8 @@ impl Testbed {
     }
 
     /// Starts `program args...` inside `host`'s namespace (`ip netns exec`, which execs the
-    /// program: the child's pid is the program's). Stdin is null; stdout and stderr are
+    /// program: the child's pid is the program's). Stdin is null (see
+    /// [`Testbed::spawn_with_stdin`]); stdout and stderr are
     /// collected line by line (see [`Proc`]). The process gets `SIGKILL` when the [`Proc`] is
     /// dropped, when the bed is dropped, or when the thread that called `spawn` ends
     /// (`PR_SET_PDEATHSIG`): keep it on the test's thread. `SIGINT` is reset to its default in
@@ -497,12 +498,34 @@ impl Testbed {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
+        self.start(host, program, args, false)
+    }
+
+    /// Like [`Testbed::spawn`], with stdin a pipe the test writes to with [`Proc::send_line`]
+    /// (closed when the [`Proc`] is dropped).
+    pub fn spawn_with_stdin<I, S>(&self, host: &Host, program: &Path, args: I) -> Proc
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        self.start(host, program, args, true)
+    }
+
+    fn start<I, S>(&self, host: &Host, program: &Path, args: I, piped_stdin: bool) -> Proc
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
         let mut command = Command::new("ip");
         command
             .args(["netns", "exec", &host.ns])
             .arg(program)
             .args(args)
-            .stdin(Stdio::null())
+            .stdin(if piped_stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         // SAFETY: prctl and signal are async-signal-safe and touch only the child.
@@ -612,6 +635,8 @@ enum Stream {
 pub struct Proc {
     label: String,
     child: Child,
+    /// The write end of its stdin, when spawned with [`Testbed::spawn_with_stdin`].
+    stdin: Option<ChildStdin>,
     rx: Receiver<(Stream, String)>,
     stdout: Vec<String>,
     stderr: Vec<String>,
@@ -634,6 +659,7 @@ impl fmt::Debug for Proc {
 
 impl Proc {
     fn new(label: String, mut child: Child) -> Proc {
+        let stdin = child.stdin.take();
         let (tx, rx) = mpsc::channel();
         let stdout = child.stdout.take().expect("piped stdout");
         let stderr = child.stderr.take().expect("piped stderr");
@@ -663,6 +689,7 @@ impl Proc {
         Proc {
             label,
             child,
+            stdin,
             rx,
             stdout: Vec::new(),
             stderr: Vec::new(),
@@ -741,6 +768,20 @@ impl Proc {
             text.push('\n');
         }
         text
+    }
+
+    /// Writes `line` and a newline to the process's stdin (see [`Testbed::spawn_with_stdin`]).
+    /// Fails if its stdin is not a pipe or the process has closed it.
+    pub fn send_line(&mut self, line: &str) -> io::Result<()> {
+        let label = &self.label;
+        let stdin = self.stdin.as_mut().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotConnected,
+                format!("{label}: stdin is not piped"),
+            )
+        })?;
+        stdin.write_all(format!("{line}\n").as_bytes())?;
+        stdin.flush()
     }
 
     /// Sends `SIGINT` (Ctrl-C), unless the process has already been reaped.
