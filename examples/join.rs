@@ -32,6 +32,10 @@
 //! `--hold-after R` stops the peer after round R: it prints `held after round R` and waits for a
 //! line on stdin before round R+1 (tests take a relay away while every peer is held).
 //!
+//! `--adaptive-timeouts MIN,MAX,FACTOR` derives the sender and reducer timeouts from the
+//! members' measured rates and the observed gaps between parts (a slow but steady peer is not
+//! banned), within the bounds.
+//!
 //! After every round a second line goes to stderr, for tests and the curious:
 //! `round R: mode=M reach=C links=L contributors=MIN..MAX local_parts=N banned=B
 //! failed_reducers=F` (L: how the link to each member was carried, in member order; MIN..MAX:
@@ -111,6 +115,35 @@ struct Args {
     /// held. Repeatable.
     #[arg(long = "hold-after", value_name = "R")]
     hold_after: Vec<usize>,
+    /// Sender and reducer timeouts from the part sizes, the members' measured rates and the
+    /// gaps observed between parts, within MIN and MAX seconds and FACTOR expected gaps (e.g.
+    /// `1,60,3`); without it, the fixed timeouts.
+    #[arg(long = "adaptive-timeouts", value_name = "MIN,MAX,FACTOR", value_parser = adaptive_timeouts)]
+    adaptive_timeouts: Option<hivemesh::allreduce::AdaptiveTimeouts>,
+}
+
+/// `MIN,MAX,FACTOR` (seconds, seconds, gaps) as adaptive timeout bounds the core accepts.
+fn adaptive_timeouts(s: &str) -> Result<hivemesh::allreduce::AdaptiveTimeouts, String> {
+    let numbers: Vec<f64> = s
+        .split(',')
+        .map(|x| x.trim().parse::<f64>().map_err(|e| format!("{x:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    let [min, max, factor] = numbers[..] else {
+        return Err(format!("expected MIN,MAX,FACTOR, got {s:?}"));
+    };
+    let secs = |v: f64| Duration::try_from_secs_f64(v).map_err(|e| format!("{v}: {e}"));
+    let bounds = hivemesh::allreduce::AdaptiveTimeouts {
+        min: secs(min)?,
+        max: secs(max)?,
+        factor,
+    };
+    if bounds.is_valid() {
+        Ok(bounds)
+    } else {
+        Err(format!(
+            "need 0 < MIN <= MAX and a finite FACTOR >= 1, got {s:?}"
+        ))
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -225,6 +258,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     });
     let mut config = AveragerConfig::new(args.prefix.clone());
+    config.adaptive_timeouts = args.adaptive_timeouts;
     config.allow_relayed_data = args.allow_relayed_data;
     config.target_group_size = Some(args.group_size);
     config.min_group_size = args.min_group_size;

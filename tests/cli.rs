@@ -1179,6 +1179,23 @@ mod examples {
         }
     }
 
+    /// `--adaptive-timeouts` bounds are checked as the core checks them, before anything
+    /// starts.
+    #[test]
+    fn join_example_refuses_adaptive_timeouts_the_core_would_not_take() {
+        let join = example("join");
+        for bad in ["5,1,3", "1,60,0.5", "0,60,3", "1,60", "fast"] {
+            let out = Command::new(&join)
+                .args(["--initial-peer", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAAA"])
+                .args(["--adaptive-timeouts", bad])
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{bad}: {stderr}");
+            assert!(stderr.contains("--adaptive-timeouts"), "{bad}: {stderr}");
+        }
+    }
+
     /// The two-terminal example: a `hivemesh dht` node and three `join` processes that find
     /// each other through it and average their vectors to the mean of all three.
     #[test]
@@ -1197,7 +1214,14 @@ mod examples {
                             "--rounds",
                             "2",
                         ])
-                        .args(["--seed", &i.to_string(), "--timeout", "60"]),
+                        .args(["--seed", &i.to_string(), "--timeout", "60"])
+                        // One peer derives its timeouts from rates and gaps: it averages with
+                        // the others all the same.
+                        .args(if i == 0 {
+                            &["--adaptive-timeouts", "1,60,3"][..]
+                        } else {
+                            &[][..]
+                        }),
                 )
             })
             .collect();
