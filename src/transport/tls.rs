@@ -971,6 +971,30 @@ mod tests {
         )
     }
 
+    /// Fresh identities, our server, and one attempt of a client like ours that offers only
+    /// `alpn`, with or without a certificate: the identities and both ends' results.
+    async fn attempt_custom(
+        alpn: &[u8],
+        with_cert: bool,
+    ) -> (
+        DataIdentity,
+        DataIdentity,
+        Result<(PeerId, DataStream), TlsError>,
+        Result<DataStream, TlsError>,
+    ) {
+        let (server_id, client_id) = (identity(), identity());
+        let server = listener(&server_id).await;
+        let config = custom_client(
+            &client_id,
+            server_id.peer_id(),
+            provider(),
+            vec![alpn.to_vec()],
+            with_cert,
+        );
+        let (accepted, client) = attempt(&server, config, server_id.peer_id()).await;
+        (server_id, client_id, accepted, client)
+    }
+
     /// Completes a connection as the client saw it: a server that rejected our certificate
     /// only shows up when we read.
     async fn client_fails(client: Result<DataStream, TlsError>) -> bool {
@@ -1335,16 +1359,7 @@ mod tests {
     /// that says why.
     #[tokio::test]
     async fn an_older_peer_never_receives_a_key_update() {
-        let (server_id, client_id) = (identity(), identity());
-        let server = listener(&server_id).await;
-        let old_client = custom_client(
-            &client_id,
-            server_id.peer_id(),
-            provider(),
-            vec![ALPN.to_vec()],
-            true,
-        );
-        let (accepted, client) = attempt(&server, old_client, server_id.peer_id()).await;
+        let (server_id, client_id, accepted, client) = attempt_custom(ALPN, true).await;
         let (_, mut served) = accepted.expect("accepted");
         let mut client = client.expect("connected");
         assert!(!served.key_updates_agreed() && !client.key_updates_agreed());
@@ -1468,16 +1483,7 @@ mod tests {
 
     #[tokio::test]
     async fn client_without_certificate_is_refused() {
-        let (server_id, client_id) = (identity(), identity());
-        let server = listener(&server_id).await;
-        let config = custom_client(
-            &client_id,
-            server_id.peer_id(),
-            provider(),
-            vec![ALPN.to_vec()],
-            false,
-        );
-        let (accepted, client) = attempt(&server, config, server_id.peer_id()).await;
+        let (_, _, accepted, client) = attempt_custom(ALPN, false).await;
         assert!(
             matches!(accepted, Err(TlsError::Handshake { .. })),
             "{accepted:?}"
