@@ -535,26 +535,30 @@ def summarize(run: Dict[str, Any], target: Optional[float]) -> Dict[str, Any]:
     return out
 
 
-def table(runs: List[Dict[str, Any]], slack: float) -> str:
+def table(runs: List[Dict[str, Any]], slack: float, target_steps: Optional[int] = None) -> str:
     """The markdown table of ``runs`` (the reference: ``dp`` on the unlimited link, else the
-    ``dp`` run of the fastest link)."""
+    ``dp`` run of the fastest link; the target: its loss after ``target_steps`` steps, default
+    the fixed steps, times ``1 + slack``)."""
     refs = sorted((r for r in runs if r["config"] == "dp"),
                   key=lambda r: (r["rate"] != 0, -r["rate"]))
-    ref = summarize(refs[0], None) if refs else None
-    target = ref["loss_fixed"] * (1 + slack) if ref and ref.get("loss_fixed") else None
-    ref_bytes = None
-    if target is not None:
+    target, ref_bytes, at = None, None, None
+    if refs:
+        steps = target_steps or refs[0]["settings"].get("fixed_steps") or \
+            refs[0]["settings"]["steps"]
+        at = next((e for e in refs[0]["peers"][0]["evals"] if e["step"] == steps), None)
+    if at is not None:
+        target = at["loss"] * (1 + slack)
         ref_bytes = summarize(refs[0], target).get("bytes_target")
     lines = [f"target loss: {target:.4f} (dp at rate {refs[0]['rate'] or 'unlimited'} after "
-             f"{ref['fixed_samples']} samples x {1 + slack:g}); reference bytes/peer to target: "
-             f"{_mb(ref_bytes)} MB" if target else "no reference (dp) run: no target",
+             f"{at['samples']} samples x {1 + slack:g}); reference bytes/peer to target: "
+             f"{_mb(ref_bytes)} MB" if target else "no reference (dp) loss: no target",
              "",
              "| config | link | loss at fixed samples | time to target (s) | samples to target | "
              "MB/peer to target | vs dp | MB/peer (run) | samples (run) | wall (s) | "
              "load (1/5/15 min) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {c: i for i, c in enumerate(CONFIGS)}
-    for run in sorted(runs, key=lambda r: (r["rate"] == 0, -r["rate"], order.get(r["config"]))):
+    for run in sorted(runs, key=lambda r: (r["rate"] != 0, -r["rate"], order.get(r["config"]))):
         s = summarize(run, target)
         link = f"{run['rate']} Mbit/s" if run["rate"] else "unlimited"
         fixed = f"{s['loss_fixed']:.4f}" if s.get("loss_fixed") is not None else \
@@ -602,6 +606,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--max-wall", type=float, default=300.0, help="seconds per run at most")
     p.add_argument("--target-slack", type=float, default=0.02)
+    p.add_argument("--target-steps", type=int, default=None,
+                   help="the target is dp's loss after this many steps per peer (default "
+                        "--fixed-steps) times 1 + --target-slack")
     p.add_argument("--stdlib", default=None, help="another stdlib root (default: this Python's)")
     p.add_argument("--out", default=None, help="results folder (default: a new temp folder)")
     p.add_argument("--id", default=str(os.getpid() % 10000), help="namespace id: b30<id>-...")
@@ -624,7 +631,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for path in args.report:
             with open(path) as fh:
                 runs.extend(json.loads(line) for line in fh if line.strip())
-        print(table(runs, args.target_slack))
+        print(table(runs, args.target_slack, args.target_steps))
         return 0
     if args.quick:
         args.peers, args.steps, args.inner_steps, args.dim, args.layers = 2, 20, 5, 32, 1

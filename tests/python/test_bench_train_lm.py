@@ -85,6 +85,10 @@ def test_target_time_and_bytes_come_from_the_first_evaluation_at_the_target(benc
     assert s["loss_fixed"] == 2.01 and s["samples_target"] == 80
     text = bench.table([dp, other], 0.02)
     assert "target loss: 2.0400" in text and "| 200x less |" in text, text
+    # A target from the reference's loss earlier in its run (10 steps: 2.1 x 1.02).
+    text = bench.table([dp, other], 0.02, target_steps=10)
+    assert "target loss: 2.1420" in text and "reference bytes/peer to target: 0.001 MB" in text
+    assert "| 100x less |" in text, text
 
 
 def test_diloco_with_error_feedback_in_process(bench, tmp_path):
