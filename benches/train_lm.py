@@ -8,7 +8,8 @@ Usage (root: it makes network namespaces)::
                                [--peers 4] [--steps 600] [--fixed-steps 300] [--out DIR]
     python benches/train_lm.py --report DIR/results.jsonl [more.jsonl ...]   # the table again
 
-``--quick``: a smoke run (tiny model, 2 peers, 20 steps, every config, unlimited link only).
+``--quick``: a smoke run (tiny model, 2 peers, 20 steps, every config, unlimited link only;
+the ``hivemind`` config needs ``pip install hivemind``, leave it out of ``--configs`` without).
 The measured runs (README, docs/architecture.md) used ``--configs dp --steps 300`` for the
 reference and ``--steps 600`` for the others, every other setting at its default.
 
