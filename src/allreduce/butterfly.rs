@@ -11,6 +11,7 @@
 
 mod reduce;
 mod send;
+mod stand_in;
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -30,7 +31,9 @@ use crate::compression::{Codec, CompressionType};
 use crate::tensor::{DType, Tensor};
 
 use reduce::{InLink, own_input};
-use send::OutLink;
+use send::{OutLink, StandInOut};
+use stand_in::StandIn;
+pub use stand_in::{MAX_HANDOVERS, MAX_STAND_IN_SPANS};
 
 /// Where one link of a round stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,6 +150,14 @@ pub struct Butterfly {
     /// Per reducer: the gap expected between its replies to us, and whether one of its
     /// senders has no expectation (then its fixed `sender_timeout` applies there).
     expected_reply: Vec<ReplyExpectation>,
+    /// Per failed reducer: where our values of its span were re-sent ([`stand_in`]).
+    stand_in_out: Vec<Option<StandInOut>>,
+    /// Per failed reducer: our reduction of its span as its stand-in ([`stand_in`]).
+    stand_ins: Vec<Option<StandIn>>,
+    /// Per failed reducer: how many stand-ins we tried for its span.
+    handovers: Vec<u8>,
+    /// Stand-ins that failed us while their own span did not (not asked again).
+    failed_stand_ins: PeerSet,
 }
 
 impl Butterfly {
@@ -299,6 +310,10 @@ impl Butterfly {
             scratch: Vec::new(),
             pool,
             round_deadline: cfg.round_timeout.and_then(|t| now.checked_add(t)),
+            stand_in_out: (0..n).map(|_| None).collect(),
+            stand_ins: (0..n).map(|_| None).collect(),
+            handovers: vec![0; n],
+            failed_stand_ins: PeerSet::new(),
             cfg,
         };
         machine.contribute_local();
@@ -379,8 +394,12 @@ impl Butterfly {
         if self.state != State::Running {
             return None;
         }
-        let ins = (0..self.in_links.len()).filter_map(|s| self.in_deadline(s));
-        let outs = (0..self.out_links.len()).filter_map(|r| self.out_deadline(r));
+        let n = self.modes.len();
+        let ins = self
+            .lanes()
+            .into_iter()
+            .flat_map(|lane| (0..n).filter_map(move |s| self.in_deadline(lane, s)));
+        let outs = (0..n).filter_map(|r| self.out_deadline(r));
         ins.chain(outs).chain(self.round_deadline).min()
     }
 
@@ -402,11 +421,8 @@ impl Butterfly {
             }
             self.cursor = (to + 1) % n;
             if let Some(message) = self.outbox[to].pop_front() {
-                if matches!(message, Message::Averaged(_))
-                    && let Some(link) = self.in_links[to].as_mut()
-                {
-                    link.transmitted += 1;
-                    link.last_activity = now;
+                if let Message::Averaged(a) = &message {
+                    self.reply_sent(now, to, a.part as usize);
                 }
                 self.check_finished();
                 return Some(Transmit { to, message });
@@ -435,12 +451,12 @@ impl Butterfly {
             Message::Averaged(avg) => self.on_averaged(now, from, avg),
             Message::Abort { role, reason } => match role {
                 Role::Sender => self.ban(from, Violation::Aborted(reason), false),
-                Role::Reducer => self.fail_reducer(from, Violation::Aborted(reason), false),
+                Role::Reducer => self.fail_reducer(now, from, Violation::Aborted(reason), false),
             },
             // Another protocol's message: the peer is out of step in both roles.
             Message::Notice { .. } => {
                 self.ban(from, Violation::UnexpectedNotice, true);
-                self.fail_reducer(from, Violation::UnexpectedNotice, true);
+                self.fail_reducer(now, from, Violation::UnexpectedNotice, true);
             }
         }
         self.drain_completed();
@@ -468,18 +484,30 @@ impl Butterfly {
                     self.ban(s, Violation::RoundTimeout, true);
                 }
             }
+            for d in 0..self.stand_ins.len() {
+                for s in 0..self.modes.len() {
+                    self.exclude_from_stand_in(d, s);
+                }
+            }
             for r in 0..self.out_links.len() {
-                self.fail_reducer(r, Violation::RoundTimeout, true);
+                self.fail_reducer(now, r, Violation::RoundTimeout, true);
             }
         }
         for s in 0..self.in_links.len() {
-            if self.in_deadline(s).is_some_and(|d| d <= now) {
+            if self.in_deadline(None, s).is_some_and(|d| d <= now) {
                 self.ban(s, Violation::SenderTimeout, true);
+            }
+        }
+        for d in 0..self.stand_ins.len() {
+            for s in 0..self.modes.len() {
+                if self.in_deadline(Some(d), s).is_some_and(|t| t <= now) {
+                    self.exclude_from_stand_in(d, s);
+                }
             }
         }
         for r in 0..self.out_links.len() {
             if self.out_deadline(r).is_some_and(|d| d <= now) {
-                self.fail_reducer(r, Violation::ReducerTimeout, true);
+                self.fail_reducer(now, r, Violation::ReducerTimeout, true);
             }
         }
         self.drain_completed();
@@ -488,7 +516,6 @@ impl Butterfly {
 
     /// The transport lost the link to `peer` in `role` (or both roles with `None`).
     pub fn handle_link_failed(&mut self, now: Instant, peer: usize, role: Option<Role>) {
-        let _ = now;
         if self.state != State::Running || peer >= self.modes.len() {
             return;
         }
@@ -496,7 +523,7 @@ impl Butterfly {
             self.ban(peer, Violation::LinkFailed, false);
         }
         if role != Some(Role::Sender) {
-            self.fail_reducer(peer, Violation::LinkFailed, false);
+            self.fail_reducer(now, peer, Violation::LinkFailed, false);
         }
         if role.is_none() {
             // Nothing more can reach that peer.
@@ -554,7 +581,14 @@ impl Butterfly {
         if self.state != State::Running || !self.modes[self.cfg.me].is_sender() {
             return;
         }
-        if let Some(reducer) = self.reducer.as_mut() {
+        // Our own span and those we stand in for.
+        let reducers = self.reducer.iter_mut().chain(
+            self.stand_ins
+                .iter_mut()
+                .flatten()
+                .map(|si| &mut si.reducer),
+        );
+        for reducer in reducers {
             for g in reducer.span() {
                 let spec = *self.partition.part(g);
                 if spec.tensor != tensor {
@@ -583,11 +617,13 @@ impl Butterfly {
             .out_links
             .iter()
             .flatten()
+            .chain(self.stand_in_out.iter().flatten().map(|s| &s.link))
             .all(|l| l.status != LinkStatus::Active);
         let reducing_done = self
             .reducer
-            .as_ref()
-            .is_none_or(|r| r.is_finished() && !r.has_completed());
+            .iter()
+            .chain(self.stand_ins.iter().flatten().map(|si| &si.reducer))
+            .all(|r| r.is_finished() && !r.has_completed());
         // Finished means every message was handed out too: a driver may stop at `Finished`.
         let drained = self.outbox.iter().all(VecDeque::is_empty);
         // Nor does a round end while a tensor of ours is pending: whoever takes the tensors

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use super::super::deadline::{GapMean, longer};
 use super::super::{
     AbortReason, AveragedMessage, Input, LocalValues, Message, Mode, PartMessage, PartResult,
-    PeerSet, ReduceError, Reducer, Role, RoundEvent, Violation,
+    ReduceError, Reducer, Role, RoundEvent, Violation,
 };
 use super::{Butterfly, LinkStatus, check_encoding};
 use crate::buffers::BufferPool;
@@ -71,14 +71,70 @@ impl InLink {
 }
 
 impl Butterfly {
+    /// The reductions this peer runs: its own span (`None`) and the spans it stands in for
+    /// (`Some(d)`, failed reducer `d`'s).
+    pub(super) fn lanes(&self) -> Vec<Option<usize>> {
+        std::iter::once(None)
+            .chain(
+                self.stand_ins
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, si)| si.is_some())
+                    .map(|(d, _)| Some(d)),
+            )
+            .collect()
+    }
+
+    /// The lane of part `g`, if this peer reduces it: `Some(None)` for its own span,
+    /// `Some(Some(d))` for failed reducer `d`'s span it stands in for.
+    fn lane_of(&self, g: usize) -> Option<Option<usize>> {
+        match self.partition.owner(g)? {
+            d if d == self.cfg.me => Some(None),
+            d => self.stand_ins[d].is_some().then_some(Some(d)),
+        }
+    }
+
+    pub(super) fn in_link(&self, lane: Option<usize>, s: usize) -> Option<&InLink> {
+        match lane {
+            None => self.in_links[s].as_ref(),
+            Some(d) => self.stand_ins[d].as_ref()?.links[s].as_ref(),
+        }
+    }
+
+    fn in_link_mut(&mut self, lane: Option<usize>, s: usize) -> Option<&mut InLink> {
+        match lane {
+            None => self.in_links[s].as_mut(),
+            Some(d) => self.stand_ins[d].as_mut()?.links[s].as_mut(),
+        }
+    }
+
+    pub(super) fn lane_reducer(&self, lane: Option<usize>) -> Option<&Reducer> {
+        match lane {
+            None => self.reducer.as_ref(),
+            Some(d) => self.stand_ins[d].as_ref().map(|si| &si.reducer),
+        }
+    }
+
+    fn lane_reducer_mut(&mut self, lane: Option<usize>) -> Option<&mut Reducer> {
+        match lane {
+            None => self.reducer.as_mut(),
+            Some(d) => self.stand_ins[d].as_mut().map(|si| &mut si.reducer),
+        }
+    }
+
     pub(super) fn contribute_local(&mut self) {
+        if let Some(reducer) = self.reducer.take() {
+            self.reducer = Some(self.with_own_values(reducer));
+        }
+    }
+
+    /// `reducer` with this peer's own values accumulated for every part of its span, if this
+    /// peer is a sender (parts of a pending tensor come with `mark_ready`).
+    pub(super) fn with_own_values(&self, mut reducer: Reducer) -> Reducer {
         let me = self.cfg.me;
         if !self.modes[me].is_sender() {
-            return;
+            return reducer;
         }
-        let Some(reducer) = self.reducer.as_mut() else {
-            return;
-        };
         for g in reducer.span() {
             let spec = *self.partition.part(g);
             if self.pending[spec.tensor] {
@@ -89,11 +145,13 @@ impl Butterfly {
                 .accumulate(me, g, input, self.cfg.weight)
                 .expect("own contribution is well-formed: checked weight, own partition");
         }
+        reducer
     }
 
-    pub(super) fn in_deadline(&self, s: usize) -> Option<Instant> {
-        let l = self.in_links[s].as_ref()?;
-        let reducer = self.reducer.as_ref()?;
+    /// When we stop waiting for sender `s`'s next part in `lane`.
+    pub(super) fn in_deadline(&self, lane: Option<usize>, s: usize) -> Option<Instant> {
+        let l = self.in_link(lane, s)?;
+        let reducer = self.lane_reducer(lane)?;
         if l.status != LinkStatus::Active || l.received >= reducer.span().len() {
             return None;
         }
@@ -101,24 +159,41 @@ impl Butterfly {
         if self.modes[s] != Mode::Client && owes {
             return None;
         }
-        l.last_activity.checked_add(self.sender_timeout(s))
+        l.last_activity.checked_add(self.sender_timeout(s, l))
     }
 
-    /// How long we wait for sender `s`'s next part (see [`super::deadline`]).
-    fn sender_timeout(&self, s: usize) -> Duration {
+    /// How long we wait for sender `s`'s next part on `link` (see [`super::deadline`]).
+    fn sender_timeout(&self, s: usize, link: &InLink) -> Duration {
         let fixed = self.cfg.sender_timeout;
         let Some(bounds) = self.cfg.adaptive_timeouts else {
             return fixed;
         };
-        let observed = self.in_links[s].as_ref().and_then(|l| l.gaps.mean());
+        let observed = link.gaps.mean();
         longer(self.expected_in[s], observed).map_or(fixed, |g| bounds.timeout(g))
     }
 
     pub(super) fn on_part(&mut self, now: Instant, from: usize, msg: PartMessage) {
-        let link_state = self.in_links[from]
-            .as_ref()
+        let lane = self.stand_in_lane(msg.part as usize, from);
+        if let Some(d) = lane {
+            let g = msg.part as usize;
+            if !self.open_stand_in(now, d) {
+                // Standing in for as many spans as we may: no average, keep local.
+                self.answer_empty(from, g);
+                return;
+            }
+            let excluded = self
+                .in_link(lane, from)
+                .is_some_and(|l| l.status == LinkStatus::Failed);
+            if excluded && !self.banned.contains(from) {
+                // Its deadline here passed: it keeps its own values for the rest.
+                self.answer_empty(from, g);
+                return;
+            }
+        }
+        let link_state = self
+            .in_link(lane, from)
             .map(|l| (l.status, l.received, l.transmitted, l.weight));
-        let span = self.reducer.as_ref().map(Reducer::span);
+        let span = self.lane_reducer(lane).map(Reducer::span);
         let (Some((status, received, transmitted, weight)), Some(span)) = (link_state, span) else {
             self.events.push_back(RoundEvent::Rejected {
                 peer: from,
@@ -170,8 +245,7 @@ impl Butterfly {
             return;
         }
         let reducer = self
-            .reducer
-            .as_mut()
+            .lane_reducer_mut(lane)
             .expect("span exists, so the reducer does");
         let input = if codec.kind() == CompressionType::None
             && msg.dtype == DType::F32
@@ -192,8 +266,9 @@ impl Butterfly {
             self.ban(from, e.into(), true);
             return;
         }
-        let link = self.in_links[from].as_mut().expect("checked above");
-        if self.modes[from] == Mode::Client || link.received == link.transmitted {
+        let client = self.modes[from] == Mode::Client;
+        let link = self.in_link_mut(lane, from).expect("checked above");
+        if client || link.received == link.transmitted {
             // Its deadline was running: the time since is a gap between its parts.
             link.gaps
                 .add(now.saturating_duration_since(link.last_activity));
@@ -206,8 +281,22 @@ impl Butterfly {
         }
     }
 
-    /// Bans sender `s` from our span.
+    /// A reply to sender `to` for part `part` went out: the link it answers owes one less.
+    pub(super) fn reply_sent(&mut self, now: Instant, to: usize, part: usize) {
+        let Some(lane) = self.lane_of(part) else {
+            return; // a refused stand-in's "no average": no link owes it
+        };
+        if let Some(link) = self.in_link_mut(lane, to) {
+            link.transmitted += 1;
+            link.last_activity = now;
+        }
+    }
+
+    /// Bans sender `s` from our span (and leaves it out of the spans we stand in for).
     pub(super) fn ban(&mut self, s: usize, reason: Violation, notify: bool) {
+        for d in 0..self.stand_ins.len() {
+            self.exclude_from_stand_in(d, s);
+        }
         let Some(link) = self.in_links[s].as_mut() else {
             if s != self.cfg.me && self.reducer.is_some() && !self.modes[s].is_sender() {
                 // An aux peer posing as a sender: nothing to exclude, but say so.
@@ -243,7 +332,10 @@ impl Butterfly {
     /// stays unanswered when the round may finish.
     pub(super) fn drain_completed(&mut self) {
         loop {
-            let non_finite = self.answer_completed();
+            let mut non_finite = Vec::new();
+            for lane in self.lanes() {
+                non_finite.extend(self.answer_completed(lane));
+            }
             if non_finite.is_empty() {
                 return;
             }
@@ -259,26 +351,20 @@ impl Butterfly {
             return; // our own values: that part stays local for us (see answer_completed)
         }
         let reason: Violation = ReduceError::NonFinite(g).into();
-        let Some(link) = self.in_links[s].as_mut() else {
+        let Some(lane) = self.lane_of(g) else {
+            return;
+        };
+        let Some(link) = self.in_link(lane, s) else {
             return;
         };
         match link.status {
             LinkStatus::Active => self.ban(s, reason, true),
             LinkStatus::Done => {
                 // It delivered everything already, so there is nothing left to exclude it
-                // from; it is still named, and told that this part has no average for it
-                // (it would otherwise wait out its reducer timeout for the reply).
-                let spec = *self.partition.part(g);
-                let codec = self.codecs[spec.tensor];
-                self.outbox[s].push_back(Message::Averaged(AveragedMessage {
-                    part: g as u32,
-                    codec: codec.kind(),
-                    dtype: codec.wire_dtype(DType::F32),
-                    contributors: PeerSet::new(),
-                    payload: Bytes::new(),
-                    finite: None,
-                }));
-                if self.banned.insert(s) {
+                // from; it is told that this part has no average for it (it would otherwise
+                // wait out its reducer timeout for the reply), and named, in our own span.
+                self.answer_empty(s, g);
+                if lane.is_none() && self.banned.insert(s) {
                     self.events
                         .push_back(RoundEvent::Banned { peer: s, reason });
                 }
@@ -287,13 +373,20 @@ impl Butterfly {
         }
     }
 
-    /// Answers every part the reducer has completed; returns the `(sender, part)` pairs whose
-    /// contributions were not finite.
-    fn answer_completed(&mut self) -> Vec<(usize, usize)> {
+    /// Answers every part `lane`'s reducer has completed; returns the `(sender, part)` pairs
+    /// whose contributions were not finite.
+    fn answer_completed(&mut self, lane: Option<usize>) -> Vec<(usize, usize)> {
         let me = self.cfg.me;
         let mut non_finite = Vec::new();
-        let Some(reducer) = self.reducer.as_mut() else {
-            return non_finite;
+        let (reducer, links) = match lane {
+            None => match self.reducer.as_mut() {
+                Some(r) => (r, &mut self.in_links),
+                None => return non_finite,
+            },
+            Some(d) => match self.stand_ins[d].as_mut() {
+                Some(si) => (&mut si.reducer, &mut si.links),
+                None => return non_finite,
+            },
         };
         while let Some(done) = reducer.poll_completed() {
             let g = done.part;
@@ -301,8 +394,19 @@ impl Butterfly {
             let codec = self.codecs[spec.tensor];
             let own_left_out = done.non_finite.contains(&me);
             non_finite.extend(done.non_finite.iter().map(|&s| (s, g)));
-            self.results[g] =
-                (done.average.is_some() && !own_left_out).then(|| done.contributors.clone());
+            // Standing in, we take our own answer where we gave up on the failed reducer
+            // ourselves (it replaces what that reducer answered before, as at the senders that
+            // re-sent) or have no answer yet; one that still answers us keeps its answers.
+            let take_own = match lane {
+                None => true,
+                Some(d) => self.failed_reducers.contains(d) || self.results[g].is_none(),
+            };
+            let own_average = done.average.is_some() && !own_left_out;
+            if lane.is_none() {
+                self.results[g] = own_average.then(|| done.contributors.clone());
+            } else if own_average && take_own && self.outputs.is_some() {
+                self.results[g] = Some(done.contributors.clone());
+            }
             // Lossless codec: every sender gets the same bytes, the average itself, shared
             // without a copy (a sender's delta `average − input` is computed when it applies
             // the result). Lossy codecs reply with the delta against the input as the reducer
@@ -325,7 +429,7 @@ impl Butterfly {
                     .map(|avg| self.pool.freeze_f32(avg))
             };
             for (s, input) in done.inputs {
-                let Some(link) = self.in_links[s].as_mut() else {
+                let Some(link) = links[s].as_mut() else {
                     reducer.recycle_input(input);
                     continue;
                 };
@@ -367,6 +471,7 @@ impl Butterfly {
             };
             if let (Some(own), Some(outputs)) = (own, self.outputs.as_mut())
                 && !own_left_out
+                && take_own
             {
                 outputs[g] = PartResult::Average(own);
             }

@@ -53,25 +53,79 @@ impl OutLink {
     }
 }
 
+/// Our parts of failed reducer `dead`'s span, re-sent to a stand-in (see
+/// [`super::stand_in`]).
+#[derive(Debug)]
+pub(super) struct StandInOut {
+    /// The stand-in.
+    pub(super) to: usize,
+    /// The whole span of `dead`, from its start.
+    pub(super) link: OutLink,
+}
+
 impl Butterfly {
-    pub(super) fn can_send_part(&self, to: usize) -> bool {
-        if self.state != State::Running {
-            return false;
+    /// The out-link to `to` carrying reducer `owner`'s span: our own link to `to` when
+    /// `owner == to`, else the stand-in link for `owner`'s span if it goes to `to`.
+    pub(super) fn out_link(&self, to: usize, owner: usize) -> Option<&OutLink> {
+        if owner == to {
+            self.out_links[to].as_ref()
+        } else {
+            self.stand_in_out[owner]
+                .as_ref()
+                .filter(|s| s.to == to)
+                .map(|s| &s.link)
         }
-        let Some(l) = &self.out_links[to] else {
-            return false;
-        };
+    }
+
+    fn out_link_mut(&mut self, to: usize, owner: usize) -> Option<&mut OutLink> {
+        if owner == to {
+            self.out_links[to].as_mut()
+        } else {
+            self.stand_in_out[owner]
+                .as_mut()
+                .filter(|s| s.to == to)
+                .map(|s| &mut s.link)
+        }
+    }
+
+    /// The spans whose parts go to `to` (by owner): its own first, then those it stands in
+    /// for.
+    fn out_owners(&self, to: usize) -> impl Iterator<Item = usize> + '_ {
+        std::iter::once(to).chain(
+            self.stand_in_out
+                .iter()
+                .enumerate()
+                .filter(move |(_, s)| s.as_ref().is_some_and(|s| s.to == to))
+                .map(|(d, _)| d),
+        )
+    }
+
+    fn link_can_send(&self, l: &OutLink) -> bool {
         l.status == LinkStatus::Active
             && l.next < l.span.end
             && !self.pending[self.partition.part(l.next).tensor]
             && (self.modes[self.cfg.me] == Mode::Client || l.in_flight < l.window.window())
     }
 
+    /// The span (by owner) whose next part may go to `to` now, if any.
+    fn sendable(&self, to: usize) -> Option<usize> {
+        if self.state != State::Running {
+            return None;
+        }
+        self.out_owners(to).find(|&owner| {
+            self.out_link(to, owner)
+                .is_some_and(|l| self.link_can_send(l))
+        })
+    }
+
+    pub(super) fn can_send_part(&self, to: usize) -> bool {
+        self.sendable(to).is_some()
+    }
+
     pub(super) fn make_part(&mut self, to: usize, now: Instant) -> Message {
         let client = self.modes[self.cfg.me] == Mode::Client;
-        let link = self.out_links[to]
-            .as_mut()
-            .expect("can_send_part checked the link");
+        let owner = self.sendable(to).expect("can_send_part checked a link");
+        let link = self.out_link_mut(to, owner).expect("sendable names a link");
         let g = link.next;
         link.next += 1;
         if link.in_flight == 0 && !client {
@@ -84,6 +138,7 @@ impl Butterfly {
         let spec = *self.partition.part(g);
         let codec = self.codecs[spec.tensor];
         let (dtype, payload) = encode_part(&self.tensors, spec, codec, &self.pool);
+        let link = self.out_link_mut(to, owner).expect("sendable names a link");
         link.window.on_send(g - link.span.start, now, payload.len());
         Message::Part(PartMessage {
             part: g as u32,
@@ -94,26 +149,31 @@ impl Butterfly {
         })
     }
 
-    pub(super) fn out_deadline(&self, r: usize) -> Option<std::time::Instant> {
-        let l = self.out_links[r].as_ref()?;
-        if l.status != LinkStatus::Active || l.in_flight == 0 {
-            return None;
-        }
-        if self.modes[self.cfg.me] == Mode::Client && l.next < l.span.end {
-            return None;
-        }
-        // Overflow (an effectively infinite timeout) means no deadline.
-        l.last_progress.checked_add(self.reducer_timeout(r))
+    /// When we stop waiting for reducer `r`'s next reply, over every span it carries for us.
+    pub(super) fn out_deadline(&self, r: usize) -> Option<Instant> {
+        self.out_owners(r)
+            .filter_map(|owner| {
+                let l = self.out_link(r, owner)?;
+                if l.status != LinkStatus::Active || l.in_flight == 0 {
+                    return None;
+                }
+                if self.modes[self.cfg.me] == Mode::Client && l.next < l.span.end {
+                    return None;
+                }
+                // Overflow (an effectively infinite timeout) means no deadline.
+                l.last_progress.checked_add(self.reducer_timeout(r, l))
+            })
+            .min()
     }
 
-    /// How long we wait for reducer `r`'s next reply (see [`super::deadline`]).
-    fn reducer_timeout(&self, r: usize) -> Duration {
+    /// How long we wait for reducer `r`'s next reply on `link` (see [`super::deadline`]).
+    fn reducer_timeout(&self, r: usize, link: &OutLink) -> Duration {
         let fixed = self.cfg.reducer_timeout;
         let Some(bounds) = self.cfg.adaptive_timeouts else {
             return fixed;
         };
         let (expected, unknown_sender) = self.expected_reply[r];
-        let observed = self.out_links[r].as_ref().and_then(|l| l.reply_gaps.mean());
+        let observed = link.reply_gaps.mean();
         let slack = fixed.saturating_sub(self.cfg.sender_timeout);
         let adaptive = longer(expected, observed).map(|g| bounds.timeout(g).saturating_add(slack));
         match (adaptive, unknown_sender) {
@@ -125,7 +185,15 @@ impl Butterfly {
 
     pub(super) fn on_averaged(&mut self, now: Instant, from: usize, msg: AveragedMessage) {
         let me = self.cfg.me;
-        let Some(link) = self.out_links[from].as_ref() else {
+        let g = msg.part as usize;
+        // A stand-in's answer for the span of the failed reducer it stands in for; anything
+        // else is checked against `from`'s own span.
+        let owner = self
+            .partition
+            .owner(g)
+            .filter(|&d| d != from && self.out_link(from, d).is_some())
+            .unwrap_or(from);
+        let Some(link) = self.out_link(from, owner) else {
             // Not a reducer of ours (or ourselves): nothing of ours to fail, just report it.
             self.events.push_back(RoundEvent::Rejected {
                 peer: from,
@@ -136,15 +204,14 @@ impl Butterfly {
         if link.status != LinkStatus::Active {
             return; // stale reply after a failure
         }
-        let g = msg.part as usize;
         if !(link.span.start <= g && g < link.next) || link.replied[g - link.span.start] {
-            self.fail_reducer(from, Violation::UnexpectedReply(msg.part), true);
+            self.fail_reducer(now, from, Violation::UnexpectedReply(msg.part), true);
             return;
         }
         let spec = *self.partition.part(g);
         let codec = self.codecs[spec.tensor];
         if let Err(v) = check_encoding(codec, DType::F32, msg.part, msg.codec, msg.dtype) {
-            self.fail_reducer(from, v, true);
+            self.fail_reducer(now, from, v, true);
             return;
         }
         let contributors_ok = if msg.contributors.is_empty() {
@@ -153,9 +220,11 @@ impl Butterfly {
             msg.contributors.contains(me)
                 && msg.contributors.bound() <= self.modes.len()
                 && msg.contributors.iter().all(|s| self.modes[s].is_sender())
+                // A failed reducer never sent its own span to anyone.
+                && (owner == from || !msg.contributors.contains(owner))
         };
         if !contributors_ok {
-            self.fail_reducer(from, Violation::BadContributors(msg.part), true);
+            self.fail_reducer(now, from, Violation::BadContributors(msg.part), true);
             return;
         }
         if !msg.contributors.is_empty() {
@@ -170,14 +239,14 @@ impl Butterfly {
                         actual: msg.payload.len(),
                         elements: spec.len,
                     };
-                    self.fail_reducer(from, e.into(), true);
+                    self.fail_reducer(now, from, e.into(), true);
                     return;
                 }
                 if !msg
                     .finite
                     .unwrap_or_else(|| ops::all_finite_le(&msg.payload))
                 {
-                    self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
+                    self.fail_reducer(now, from, Violation::NonFiniteDelta(msg.part), true);
                     return;
                 }
                 PartResult::Average(msg.payload)
@@ -190,7 +259,7 @@ impl Butterfly {
                 };
                 if let Some(reason) = failure {
                     self.pool.put_f32(out);
-                    self.fail_reducer(from, reason, true);
+                    self.fail_reducer(now, from, reason, true);
                     return;
                 }
                 if codec.kind() == CompressionType::SparseTopK {
@@ -200,12 +269,14 @@ impl Butterfly {
                     PartResult::Delta(out)
                 }
             };
+            // A stand-in's answer replaces what the failed reducer may have answered before
+            // it failed: every survivor that re-sent ends with the same average.
             let outputs = self.outputs.as_mut().expect("senders have outputs");
             outputs[g] = output;
             self.results[g] = Some(msg.contributors);
         }
         let client = self.modes[me] == Mode::Client;
-        let link = self.out_links[from].as_mut().expect("checked above");
+        let link = self.out_link_mut(from, owner).expect("checked above");
         if !client || link.next == link.span.end {
             // Its deadline was running: the time since is a gap between its replies.
             link.reply_gaps
@@ -221,15 +292,41 @@ impl Butterfly {
         }
     }
 
-    /// Marks reducer `r` as failed for us: its remaining parts keep local values.
-    pub(super) fn fail_reducer(&mut self, r: usize, reason: Violation, notify: bool) {
-        let Some(link) = self.out_links[r].as_mut() else {
-            return;
+    /// Marks reducer `r` as failed for us, on its own span and on every span it stands in
+    /// for. Each of those spans is handed to a stand-in where the round allows
+    /// ([`Butterfly::hand_over`]); else its remaining parts keep local values.
+    pub(super) fn fail_reducer(&mut self, now: Instant, r: usize, reason: Violation, notify: bool) {
+        let mut spans = Vec::new();
+        let own = if let Some(link) = self.out_links[r].as_mut()
+            && link.status == LinkStatus::Active
+        {
+            link.status = LinkStatus::Failed;
+            spans.push(r);
+            true
+        } else {
+            false
         };
-        if link.status != LinkStatus::Active {
+        for (d, s) in self.stand_in_out.iter_mut().enumerate() {
+            if let Some(s) = s.as_mut()
+                && s.to == r
+                && s.link.status == LinkStatus::Active
+            {
+                s.link.status = LinkStatus::Failed;
+                spans.push(d);
+            }
+        }
+        if spans.is_empty() {
             return;
         }
-        link.status = LinkStatus::Failed;
+        if !own {
+            // Only as a stand-in: it answered its own span, and may simply have finished its
+            // round before our parts came. Not a failed reducer; just not asked again.
+            self.failed_stand_ins.insert(r);
+            for d in spans {
+                self.hand_over(now, d);
+            }
+            return;
+        }
         self.failed_reducers.insert(r);
         self.outbox[r].retain(|m| !matches!(m, Message::Part(_)));
         if notify {
@@ -240,5 +337,8 @@ impl Butterfly {
         }
         self.events
             .push_back(RoundEvent::ReducerFailed { peer: r, reason });
+        for d in spans {
+            self.hand_over(now, d);
+        }
     }
 }
