@@ -37,11 +37,17 @@
 //!   A sender that misses it is **banned**: excluded from every part it has not contributed;
 //!   parts it already contributed keep it.
 //! * `reducer_timeout`: the longest a sender waits for the next reply of a reducer while it
-//!   has parts outstanding there. A reducer that misses it has **failed**: its remaining parts
-//!   keep the local values. It is validated to be larger than `sender_timeout`, but an honest
+//!   has parts outstanding there. A reducer that misses it has **failed**. It is validated to
+//!   be larger than `sender_timeout`, but an honest
 //!   reducer that waits out a silent sender replies up to `sender_timeout` plus one-way latency
 //!   and queueing after the sender's last reply, so `reducer_timeout − sender_timeout` must
 //!   exceed that network slack; the defaults (and hivemind's) use `2 × sender_timeout`.
+//! * A failed reducer's span (whatever failed it: a deadline, a broken link, an abort, a
+//!   malformed reply) is **re-reduced by a stand-in**, the next member in order, where
+//!   [`RoundConfig::stand_ins`] is on and the round's deadline leaves time: every sender that
+//!   gave up on it re-sends its values of the span there, and the stand-in answers each part
+//!   over exactly whoever sent it. Otherwise (or if the stand-ins fail too) the span keeps the
+//!   local values (`butterfly/stand_in.rs` has the protocol).
 //! * `round_timeout` (optional): a bound on the whole round; a sender that trickles parts just
 //!   under `sender_timeout` cannot stretch the round past it.
 //! * Malformed or inconsistent messages (wrong part, size, codec, weight, non-finite values,
@@ -71,8 +77,8 @@ use bytes::Bytes;
 use crate::compression::{CodecError, Compression, CompressionType};
 use crate::tensor::{DType, Tensor, TensorError, ops};
 
-pub use butterfly::Butterfly;
 pub(crate) use butterfly::encode_part;
+pub use butterfly::{Butterfly, MAX_HANDOVERS, MAX_STAND_IN_SPANS};
 pub use deadline::{AdaptiveTimeouts, LinkRates};
 pub use partition::{
     DEFAULT_PART_SIZE_BYTES, PartSpec, Partition, PartitionError, TensorDescriptor,
@@ -186,6 +192,13 @@ pub struct RoundConfig {
     /// How this peer's reducer combines the contributions to its parts: the weighted mean
     /// (default) or the robust [`CenteredClip`] ([`Aggregator`]).
     pub aggregator: Aggregator,
+    /// Whether a failed reducer's span is re-reduced by a stand-in (the next member in order)
+    /// where the round's deadline allows, instead of keeping local values (see the module
+    /// docs). Every member must understand stand-ins (a member that predates them bans the
+    /// sender of a part outside its span). Off by default: the simulator and `bench-worker`
+    /// turn it on; the averager turns it on only where every member declared it, which this
+    /// version does not yet do (`MemberInfo::stand_ins`).
+    pub stand_ins: bool,
 }
 
 impl RoundConfig {
@@ -205,6 +218,7 @@ impl RoundConfig {
             adaptive_timeouts: None,
             round_timeout: None,
             aggregator: Aggregator::Mean,
+            stand_ins: false,
         }
     }
 

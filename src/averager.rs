@@ -1485,6 +1485,8 @@ impl Actor {
             .iter()
             .map(|m| m.info.measured.unwrap_or_default())
             .collect();
+        // A member that predates stand-ins would ban a sender whose part lies outside its span.
+        cfg.stand_ins = group.members.iter().all(|m| m.info.stand_ins);
         let carriers = established.carriers.clone();
         let links = established.kinds.clone();
         let summary: Vec<String> = links

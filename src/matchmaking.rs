@@ -191,6 +191,11 @@ pub struct MemberInfo {
     /// Its upload and download rates measured in past rounds (bytes per second, finite and
     /// positive where known; `None`: nothing measured, or an older peer).
     pub measured: Option<crate::allreduce::LinkRates>,
+    /// It understands stand-ins for failed reducers ([`crate::allreduce::RoundConfig::stand_ins`]);
+    /// `false` for an older peer. A group uses them only if every member does. This version
+    /// declares `false`: over the averager's links a stand-in was seen to stall (the
+    /// `member_dying_mid_round` test, not diagnosed yet), so the averager keeps them off.
+    pub stand_ins: bool,
 }
 
 impl MemberInfo {
@@ -205,6 +210,7 @@ impl MemberInfo {
             relay_data: false,
             unlinkable: Vec::new(),
             measured: None,
+            stand_ins: false,
         }
     }
 

@@ -19,6 +19,8 @@
 //! | `cancel` | the peer cancels its round at the start |
 //! | `corrupt-sending` | after its first part to `R`, its parts to `R` arrive truncated |
 //! | `corrupt-reducing` | after 3 replies to a sender, its replies arrive truncated |
+//! | `crash` | at its 4th reply to any sender it dies (as a killed process): it sends nothing more, what it had queued is lost, and every peer's links to it fail one latency later |
+//! | `crash-standing-in` | dies as `crash` does, at its 2nd reply for a part outside its own span (as the stand-in of a failed reducer) |
 //!
 //! [`SimResult::check`] compares every finished sender's values with the weighted mean over
 //! exactly the contributors that its round report names, part by part.
@@ -54,11 +56,17 @@ pub enum Fault {
     CorruptSending,
     /// After 3 replies to a sender, sends it replies with truncated payloads.
     CorruptReducing,
+    /// Dies at its 4th reply to any sender: nothing more leaves it, and every peer's links
+    /// to it fail (a killed process's connections reset).
+    Crash,
+    /// Dies as [`Fault::Crash`] does, at its 2nd reply for a part outside its own span (while
+    /// standing in for a failed reducer).
+    CrashStandingIn,
 }
 
 impl Fault {
     /// All faults.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 10] = [
         Self::FailBefore,
         Self::FailSending,
         Self::SlowSending,
@@ -67,6 +75,8 @@ impl Fault {
         Self::Cancel,
         Self::CorruptSending,
         Self::CorruptReducing,
+        Self::Crash,
+        Self::CrashStandingIn,
     ];
 
     /// The CLI name.
@@ -80,6 +90,8 @@ impl Fault {
             Self::Cancel => "cancel",
             Self::CorruptSending => "corrupt-sending",
             Self::CorruptReducing => "corrupt-reducing",
+            Self::Crash => "crash",
+            Self::CrashStandingIn => "crash-standing-in",
         }
     }
 }
@@ -154,7 +166,8 @@ pub struct SimConfig {
 
 impl SimConfig {
     /// `peers` healthy nodes with defaults: 5 ms latency, 1 ms jitter, 1 GB/s uplinks,
-    /// 0.5 s sender and 1 s reducer timeouts, slow faults stalling 10 s, a 10-minute limit.
+    /// 0.5 s sender and 1 s reducer timeouts, stand-ins on, slow faults stalling 10 s, a
+    /// 10-minute limit.
     pub fn new(peers: Vec<SimPeer>, seed: u64) -> Self {
         let members = peers
             .iter()
@@ -164,6 +177,7 @@ impl SimConfig {
             })
             .collect();
         let mut round = RoundConfig::new(members, 0);
+        round.stand_ins = true;
         round.sender_timeout = Duration::from_millis(500);
         round.reducer_timeout = Duration::from_millis(1000);
         Self {
@@ -194,6 +208,8 @@ pub enum PeerStatus {
     Unfinished,
     /// Its round could not start.
     Rejected(RoundError),
+    /// Died mid-round (fault `crash`), at this virtual time after the start.
+    Crashed(Duration),
 }
 
 /// One peer after the run.
@@ -472,7 +488,8 @@ enum Ev {
     LinkFailed {
         at: usize,
         peer: usize,
-        role: Role,
+        /// `None`: both roles (the peer is gone).
+        role: Option<Role>,
     },
     Timer {
         peer: usize,
@@ -499,6 +516,8 @@ struct FaultState {
     replies_to: Vec<usize>,
     aborted: Vec<bool>,
     stalled: Vec<bool>,
+    /// Replies sent to anyone (fault `crash`).
+    replies: usize,
 }
 
 /// Message overhead on the wire beyond the payload (framing, headers), for bandwidth.
@@ -516,6 +535,10 @@ struct World<'a> {
     status: Vec<PeerStatus>,
     faults: Vec<FaultState>,
     target: Vec<Option<usize>>,
+    /// Per peer, its own span.
+    spans: Vec<std::ops::Range<usize>>,
+    /// Per crashed peer, the values it started with (the reports of others may name it).
+    remains: Vec<Option<Vec<Tensor>>>,
     rng: StdRng,
     payload_bytes_sent: Vec<u64>,
     events: Vec<Vec<(Duration, RoundEvent)>>,
@@ -600,7 +623,7 @@ impl World<'_> {
                             Ev::LinkFailed {
                                 at: to,
                                 peer: p,
-                                role: Role::Sender,
+                                role: Some(Role::Sender),
                             },
                         );
                         let now = self.now;
@@ -651,12 +674,56 @@ impl World<'_> {
                 self.faults[p].parts_to_target += 1;
                 self.send(p, if n == 0 { t } else { truncated(t) });
             }
+            (Some(Fault::Crash), Message::Averaged(_)) => {
+                self.faults[p].replies += 1;
+                if self.faults[p].replies > 3 {
+                    self.crash(p);
+                } else {
+                    self.send(p, t);
+                }
+            }
+            (Some(Fault::CrashStandingIn), Message::Averaged(a))
+                if !self.spans[p].contains(&(a.part as usize)) =>
+            {
+                self.faults[p].replies += 1;
+                if self.faults[p].replies > 1 {
+                    self.crash(p);
+                } else {
+                    self.send(p, t);
+                }
+            }
             (Some(Fault::CorruptReducing), Message::Averaged(_)) => {
                 let n = self.faults[p].replies_to[t.to];
                 self.faults[p].replies_to[t.to] += 1;
                 self.send(p, if n < 3 { t } else { truncated(t) });
             }
             _ => self.send(p, t),
+        }
+    }
+
+    /// Peer `p` dies now: its machine is gone, the messages still on its uplink are lost, and
+    /// every other peer sees its link to `p` fail one latency later.
+    fn crash(&mut self, p: usize) {
+        if let Some(m) = self.machines[p].take() {
+            self.remains[p] = Some(m.tensors().to_vec());
+        }
+        self.timers[p] = None;
+        self.status[p] = PeerStatus::Crashed(self.now - self.start);
+        let gone = self.now;
+        self.queue.retain(|(at, _), ev| {
+            !matches!(ev, Ev::Deliver { from, .. } if *from == p && *at > gone)
+                && !matches!(ev, Ev::Release { from, .. } if *from == p)
+        });
+        let at = self.now + self.cfg.latency;
+        for q in (0..self.machines.len()).filter(|&q| q != p) {
+            self.push(
+                at,
+                Ev::LinkFailed {
+                    at: q,
+                    peer: p,
+                    role: None,
+                },
+            );
         }
     }
 
@@ -810,6 +877,7 @@ pub fn run_with_tensors(
                 replies_to: vec![0; n],
                 aborted: vec![false; n],
                 stalled: vec![false; n],
+                replies: 0,
             })
             .collect(),
         target: (0..n)
@@ -819,6 +887,8 @@ pub fn run_with_tensors(
                     .find(|&r| r != p && !partition.span(r).is_empty())
             })
             .collect(),
+        spans: (0..n).map(|p| partition.span(p)).collect(),
+        remains: vec![None; n],
         rng: StdRng::seed_from_u64(cfg.seed ^ 0x5EED),
         payload_bytes_sent: vec![0; n],
         events: vec![Vec::new(); n],
@@ -870,7 +940,7 @@ pub fn run_with_tensors(
             }
             Ev::LinkFailed { at: p, peer, role } => {
                 if let Some(m) = world.machines[p].as_mut() {
-                    m.handle_link_failed(world.now, peer, Some(role));
+                    m.handle_link_failed(world.now, peer, role);
                 }
                 p
             }
@@ -897,12 +967,13 @@ pub fn run_with_tensors(
     let elapsed = world.now - start;
     let payload_bytes_sent = std::mem::take(&mut world.payload_bytes_sent);
     let events = std::mem::take(&mut world.events);
+    let remains = std::mem::take(&mut world.remains);
     tracing::info!(wall = ?t1.elapsed(), virtual_time = ?elapsed, "sim: round done");
     let peers = world
         .machines
         .into_iter()
         .zip(world.status)
-        .zip(initial)
+        .zip(initial.into_iter().zip(remains).map(|(i, r)| i.or(r)))
         .zip(events)
         .map(|(((m, status), init), events)| match m {
             Some(m) if matches!(status, PeerStatus::Finished(_)) => {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use hivemesh::allreduce::{Mode, RoundError, TensorDescriptor};
+use hivemesh::allreduce::{Mode, PeerSet, RoundError, TensorDescriptor};
 use hivemesh::compression::{Compression, CompressionType};
 use hivemesh::sim::{self, Fault, PeerStatus, SimConfig, SimPeer};
 use hivemesh::tensor::DType;
@@ -180,6 +180,11 @@ fn fault_tolerance_pairs() {
         ps[1].fault = f1;
         let mut cfg = SimConfig::new(ps, 40 + i as u64);
         cfg.round.part_size_bytes = 1 << 16;
+        // hivemind's checks (below: every element the reference mean or the peer's own) hold
+        // where a failed reducer's span keeps local values, as in hivemind; with stand-ins a
+        // fail-reducing peer's span is averaged over the others, which those checks do not
+        // know (the stand-in tests and the property test cover it).
+        cfg.round.stand_ins = false;
         let res = sim::run(&cfg, &tensors).unwrap();
         let checks = res.check();
         // Reference: mean over peers without FAIL_BEFORE / CANCEL.
@@ -316,6 +321,9 @@ proptest! {
                 }
                 PeerStatus::NotStarted => prop_assert_eq!(cfg.peers[p].fault, Some(Fault::FailBefore)),
                 PeerStatus::Cancelled => prop_assert_eq!(cfg.peers[p].fault, Some(Fault::Cancel)),
+                PeerStatus::Crashed(_) => prop_assert!(
+                    matches!(cfg.peers[p].fault, Some(Fault::Crash | Fault::CrashStandingIn)),
+                    "peer {} crashed", p),
                 PeerStatus::Unfinished => prop_assert!(false, "peer {} never finished", p),
             }
         }
@@ -558,4 +566,128 @@ fn a_bad_centered_clip_radius_is_refused() {
             );
         }
     }
+}
+
+/// The survivors' reports on the parts of `reducer`'s span: every finished peer among
+/// `survivors` must name exactly `survivors` as the contributors of every part (the exact
+/// values are checked against each report by [`sim::SimResult::check`]).
+fn assert_span_averaged_over(res: &sim::SimResult, reducer: usize, survivors: &[usize]) {
+    let want = PeerSet::from_indices(survivors.iter().copied());
+    let checks = res.check();
+    for &p in survivors {
+        let PeerStatus::Finished(_) = res.peers[p].status else {
+            panic!("peer {p} did not finish: {:?}", res.peers[p].status);
+        };
+        let c = checks[p].as_ref().unwrap();
+        assert!(c.max_abs_err < 1e-5, "peer {p}: {c:?}");
+        let report = &res.peers[p].outcome.as_ref().unwrap().report;
+        for g in res.partition.span(reducer) {
+            assert_eq!(
+                report.contributors(g),
+                Some(&want),
+                "peer {p}, part {g} of reducer {reducer}'s span: {report:?}"
+            );
+        }
+    }
+}
+
+/// Whether some survivor kept local values in a part of `reducer`'s span.
+fn some_part_local(res: &sim::SimResult, reducer: usize, survivors: &[usize]) -> bool {
+    survivors.iter().any(|&p| {
+        let report = &res.peers[p].outcome.as_ref().unwrap().report;
+        res.partition
+            .span(reducer)
+            .any(|g| report.contributors(g).is_none())
+    })
+}
+
+/// Four nodes and a client, 16 parts per reducer; peer 1 dies (fault `crash`) at its 4th
+/// reply, so mid-way through its span.
+fn crash_scenario(seed: u64) -> SimConfig {
+    let mut ps = vec![SimPeer::node(); 5];
+    ps[4].mode = Mode::Client;
+    ps[4].fraction = 0.0;
+    ps[1].fault = Some(Fault::Crash);
+    let mut cfg = SimConfig::new(ps, seed);
+    cfg.round.part_size_bytes = 4 << 10;
+    cfg.round.compression = Compression::Fixed(CompressionType::None);
+    cfg
+}
+
+/// Issue 32, item 4: a reducer that dies mid-round. Every survivor (the client too) re-sends
+/// its values of the dead reducer's span to the stand-in (peer 2, the next member), which
+/// reduces it over everyone who sent: every part of that span ends the exact mean over
+/// exactly the survivors, at every survivor, including the parts the dead reducer had
+/// answered before it died. With stand-ins off the span keeps local values (today's
+/// behaviour, and what an older peer in the group gets).
+#[test]
+fn a_crashed_reducers_span_is_re_reduced_over_the_survivors() {
+    let tensors = [desc(&[64, 1024])];
+    let survivors = [0, 2, 3, 4];
+    let cfg = crash_scenario(71);
+    let res = sim::run(&cfg, &tensors).unwrap();
+    assert!(matches!(res.peers[1].status, PeerStatus::Crashed(_)));
+    assert!(res.partition.span(1).len() >= 8, "the crash is mid-span");
+    assert_span_averaged_over(&res, 1, &survivors);
+    for &p in &survivors {
+        let report = &res.peers[p].outcome.as_ref().unwrap().report;
+        assert!(report.failed_reducers.contains(1), "peer {p}: {report:?}");
+    }
+
+    let mut off = crash_scenario(71);
+    off.round.stand_ins = false;
+    let res = sim::run(&off, &tensors).unwrap();
+    assert!(res.check().iter().flatten().all(|c| c.max_abs_err < 1e-5));
+    assert!(some_part_local(&res, 1, &survivors), "stand-ins off");
+}
+
+/// A stand-in that dies too: peer 1 dies mid-round, peer 2 (its stand-in) dies at its second
+/// answer as a stand-in. The survivors hand both spans to peer 3, which stands in for the
+/// two at once: every part of both ends the exact mean over exactly the survivors.
+#[test]
+fn a_stand_in_that_dies_hands_the_spans_on() {
+    let tensors = [desc(&[64, 1024])];
+    let mut cfg = crash_scenario(72);
+    cfg.peers[4] = SimPeer::node();
+    cfg.peers[2].fault = Some(Fault::CrashStandingIn);
+    let res = sim::run(&cfg, &tensors).unwrap();
+    assert!(matches!(res.peers[1].status, PeerStatus::Crashed(_)));
+    assert!(
+        matches!(res.peers[2].status, PeerStatus::Crashed(_)),
+        "the stand-in died standing in: {:?}",
+        res.peers[2].status
+    );
+    let survivors = [0, 3, 4];
+    assert_span_averaged_over(&res, 1, &survivors);
+    assert_span_averaged_over(&res, 2, &survivors);
+}
+
+/// A round whose deadline is closer than a reducer timeout when the reducer dies keeps
+/// today's behaviour (the span's unanswered parts stay local, nothing goes to a stand-in);
+/// the same round with time left re-reduces the span.
+#[test]
+fn no_stand_in_without_time_left_in_the_round() {
+    let tensors = [desc(&[64, 1024])];
+    let survivors = [0, 2, 3, 4];
+    let mut cfg = crash_scenario(73);
+    cfg.round.round_timeout = Some(cfg.round.reducer_timeout * 9 / 10);
+    let res = sim::run(&cfg, &tensors).unwrap();
+    let checks = res.check();
+    for &p in &survivors {
+        assert!(matches!(res.peers[p].status, PeerStatus::Finished(_)));
+        assert!(checks[p].as_ref().unwrap().max_abs_err < 1e-5, "peer {p}");
+        let report = &res.peers[p].outcome.as_ref().unwrap().report;
+        for g in res.partition.span(1) {
+            // Only the dead reducer's own answers: every named set includes it.
+            assert!(
+                report.contributors(g).is_none_or(|c| c.contains(1)),
+                "peer {p}, part {g}: {report:?}"
+            );
+        }
+    }
+    assert!(some_part_local(&res, 1, &survivors));
+
+    cfg.round.round_timeout = Some(cfg.round.reducer_timeout * 2);
+    let res = sim::run(&cfg, &tensors).unwrap();
+    assert_span_averaged_over(&res, 1, &survivors);
 }

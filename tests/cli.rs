@@ -862,7 +862,9 @@ mod bench {
 
     /// 4 worker processes; one is SIGKILLed as soon as its first round starts. The others
     /// finish that round (within their timeouts) with values equal to the weighted mean over
-    /// exactly the peers their reports name.
+    /// exactly the peers their reports name, and no part left local: the dead reducer's span
+    /// was re-reduced by a stand-in, every part of it over exactly the three survivors (a part
+    /// of its span can never name it, so three contributors are the survivors).
     #[test]
     fn sigkill_mid_round_leaves_correct_partial_averages() {
         let n = 4;
@@ -915,6 +917,8 @@ mod bench {
             assert_eq!(f[0], "CHECKED", "worker {i}: {checked}");
             let err_report: f32 = f[2].parse().unwrap();
             assert!(err_report < 1e-5, "worker {i}: {checked}");
+            assert_eq!(f[4], "0", "worker {i}: parts left local: {checked}");
+            assert_eq!(f[5], "3", "worker {i}: fewest contributors: {checked}");
         }
     }
 }

@@ -9,6 +9,10 @@
 //! Encoding, decoding and reduction happen inside these calls: the driver runs the machine on
 //! a compute task and keeps network tasks for moving bytes.
 
+mod reduce;
+mod send;
+mod stand_in;
+
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -16,50 +20,27 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::deadline::{GapMean, expected_gap, longer};
-use super::window::LinkWindow;
+use super::deadline::{expected_gap, longer};
 use super::{
-    AbortReason, AveragedMessage, Input, LocalValues, Message, Mode, Outcome, PartMessage,
-    PartResult, Partition, PeerSet, ReduceError, Reducer, Role, RoundConfig, RoundError,
-    RoundEvent, RoundReport, Segment, SpanReport, TensorDescriptor, Transmit, Violation,
+    AbortReason, Message, Mode, Outcome, PartResult, Partition, PeerSet, Reducer, Role,
+    RoundConfig, RoundError, RoundEvent, RoundReport, Segment, SpanReport, TensorDescriptor,
+    Transmit, Violation,
 };
 use crate::buffers::BufferPool;
-use crate::compression::{Codec, CodecError, CompressionType, sparse};
-use crate::tensor::{DType, PartView, Tensor, ops};
+use crate::compression::{Codec, CompressionType};
+use crate::tensor::{DType, Tensor};
 
+use reduce::{InLink, own_input};
+use send::{OutLink, StandInOut};
+use stand_in::StandIn;
+pub use stand_in::{MAX_HANDOVERS, MAX_STAND_IN_SPANS};
+
+/// Where one link of a round stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum LinkStatus {
     Active,
     Done,
     Failed,
-}
-
-/// This peer as a sender to one reducer.
-#[derive(Debug)]
-struct OutLink {
-    span: Range<usize>,
-    next: usize,
-    in_flight: usize,
-    replied: Vec<bool>,
-    replies: usize,
-    status: LinkStatus,
-    last_progress: Instant,
-    /// The in-flight window, sized to the link's measured bandwidth-delay product.
-    window: LinkWindow,
-    /// Observed gaps between this reducer's replies (while its deadline runs).
-    reply_gaps: GapMean,
-}
-
-/// One sender to this peer as a reducer.
-#[derive(Debug)]
-struct InLink {
-    weight: Option<f64>,
-    received: usize,
-    transmitted: usize,
-    status: LinkStatus,
-    last_activity: Instant,
-    /// Observed gaps between this sender's parts (while its deadline runs).
-    gaps: GapMean,
 }
 
 /// The gap expected between a reducer's replies, and whether one of its senders has no
@@ -137,32 +118,6 @@ pub(crate) fn encode_part(
     (dtype, payload)
 }
 
-/// This peer's own contribution to a part it reduces. Read where it is, when the part is
-/// averaged, except under the sparse codec: there it is what the others would receive from
-/// it, `decode(encode(values))` (the codec drops most values, and every contribution to a
-/// part must count the same way). Values that do not encode finitely come back as NaN, which
-/// leaves them out of the average as any non-finite contribution.
-fn own_input(
-    tensors: &Arc<Vec<Tensor>>,
-    spec: super::PartSpec,
-    codec: &dyn Codec,
-    pool: &BufferPool,
-) -> Input {
-    let local = LocalValues::new(tensors.clone(), spec.tensor, spec.range())
-        .expect("the partition covers the tensors");
-    if codec.kind() != CompressionType::SparseTopK {
-        return Input::Local(local);
-    }
-    let mut payload = pool.take_bytes(64);
-    codec.encode(local.view(), &mut payload);
-    let mut values = pool.take_f32(spec.len);
-    if codec.decode(&payload, DType::F32, &mut values).is_err() {
-        values.fill(f32::NAN);
-    }
-    pool.put_bytes(payload);
-    Input::Values(values)
-}
-
 /// One peer's side of one butterfly all-reduce round (see the [module docs](super)).
 #[derive(Debug)]
 pub struct Butterfly {
@@ -195,6 +150,14 @@ pub struct Butterfly {
     /// Per reducer: the gap expected between its replies to us, and whether one of its
     /// senders has no expectation (then its fixed `sender_timeout` applies there).
     expected_reply: Vec<ReplyExpectation>,
+    /// Per failed reducer: where our values of its span were re-sent ([`stand_in`]).
+    stand_in_out: Vec<Option<StandInOut>>,
+    /// Per failed reducer: our reduction of its span as its stand-in ([`stand_in`]).
+    stand_ins: Vec<Option<StandIn>>,
+    /// Per failed reducer: how many stand-ins we tried for its span.
+    handovers: Vec<u8>,
+    /// Stand-ins that failed us while their own span did not (not asked again).
+    failed_stand_ins: PeerSet,
 }
 
 impl Butterfly {
@@ -289,21 +252,8 @@ impl Butterfly {
         let out_links = (0..n)
             .map(|r| {
                 let span = partition.span(r);
-                (my_mode.is_sender() && r != me && !span.is_empty()).then(|| OutLink {
-                    next: span.start,
-                    in_flight: 0,
-                    replied: vec![false; span.len()],
-                    replies: 0,
-                    status: LinkStatus::Active,
-                    last_progress: now,
-                    window: LinkWindow::new(
-                        span.len(),
-                        cfg.initial_in_flight_parts,
-                        cfg.max_in_flight_parts,
-                    ),
-                    reply_gaps: GapMean::default(),
-                    span,
-                })
+                (my_mode.is_sender() && r != me && !span.is_empty())
+                    .then(|| OutLink::new(span, now, &cfg))
             })
             .collect();
 
@@ -316,16 +266,7 @@ impl Butterfly {
             let reducer = Reducer::with_pool(my_span.clone(), lens, senders.clone(), pool.clone())
                 .with_aggregator(cfg.aggregator);
             let links = (0..n)
-                .map(|s| {
-                    (s != me && senders.contains(s)).then(|| InLink {
-                        weight: None,
-                        received: 0,
-                        transmitted: 0,
-                        status: LinkStatus::Active,
-                        last_activity: now,
-                        gaps: GapMean::default(),
-                    })
-                })
+                .map(|s| (s != me && senders.contains(s)).then(|| InLink::new(now)))
                 .collect();
             (Some(reducer), links)
         } else {
@@ -369,6 +310,10 @@ impl Butterfly {
             scratch: Vec::new(),
             pool,
             round_deadline: cfg.round_timeout.and_then(|t| now.checked_add(t)),
+            stand_in_out: (0..n).map(|_| None).collect(),
+            stand_ins: (0..n).map(|_| None).collect(),
+            handovers: vec![0; n],
+            failed_stand_ins: PeerSet::new(),
             cfg,
         };
         machine.contribute_local();
@@ -449,8 +394,12 @@ impl Butterfly {
         if self.state != State::Running {
             return None;
         }
-        let ins = (0..self.in_links.len()).filter_map(|s| self.in_deadline(s));
-        let outs = (0..self.out_links.len()).filter_map(|r| self.out_deadline(r));
+        let n = self.modes.len();
+        let ins = self
+            .lanes()
+            .into_iter()
+            .flat_map(|lane| (0..n).filter_map(move |s| self.in_deadline(lane, s)));
+        let outs = (0..n).filter_map(|r| self.out_deadline(r));
         ins.chain(outs).chain(self.round_deadline).min()
     }
 
@@ -472,11 +421,8 @@ impl Butterfly {
             }
             self.cursor = (to + 1) % n;
             if let Some(message) = self.outbox[to].pop_front() {
-                if matches!(message, Message::Averaged(_))
-                    && let Some(link) = self.in_links[to].as_mut()
-                {
-                    link.transmitted += 1;
-                    link.last_activity = now;
+                if let Message::Averaged(a) = &message {
+                    self.reply_sent(now, to, a.part as usize);
                 }
                 self.check_finished();
                 return Some(Transmit { to, message });
@@ -505,12 +451,12 @@ impl Butterfly {
             Message::Averaged(avg) => self.on_averaged(now, from, avg),
             Message::Abort { role, reason } => match role {
                 Role::Sender => self.ban(from, Violation::Aborted(reason), false),
-                Role::Reducer => self.fail_reducer(from, Violation::Aborted(reason), false),
+                Role::Reducer => self.fail_reducer(now, from, Violation::Aborted(reason), false),
             },
             // Another protocol's message: the peer is out of step in both roles.
             Message::Notice { .. } => {
                 self.ban(from, Violation::UnexpectedNotice, true);
-                self.fail_reducer(from, Violation::UnexpectedNotice, true);
+                self.fail_reducer(now, from, Violation::UnexpectedNotice, true);
             }
         }
         self.drain_completed();
@@ -538,18 +484,30 @@ impl Butterfly {
                     self.ban(s, Violation::RoundTimeout, true);
                 }
             }
+            for d in 0..self.stand_ins.len() {
+                for s in 0..self.modes.len() {
+                    self.exclude_from_stand_in(d, s);
+                }
+            }
             for r in 0..self.out_links.len() {
-                self.fail_reducer(r, Violation::RoundTimeout, true);
+                self.fail_reducer(now, r, Violation::RoundTimeout, true);
             }
         }
         for s in 0..self.in_links.len() {
-            if self.in_deadline(s).is_some_and(|d| d <= now) {
+            if self.in_deadline(None, s).is_some_and(|d| d <= now) {
                 self.ban(s, Violation::SenderTimeout, true);
+            }
+        }
+        for d in 0..self.stand_ins.len() {
+            for s in 0..self.modes.len() {
+                if self.in_deadline(Some(d), s).is_some_and(|t| t <= now) {
+                    self.exclude_from_stand_in(d, s);
+                }
             }
         }
         for r in 0..self.out_links.len() {
             if self.out_deadline(r).is_some_and(|d| d <= now) {
-                self.fail_reducer(r, Violation::ReducerTimeout, true);
+                self.fail_reducer(now, r, Violation::ReducerTimeout, true);
             }
         }
         self.drain_completed();
@@ -558,7 +516,6 @@ impl Butterfly {
 
     /// The transport lost the link to `peer` in `role` (or both roles with `None`).
     pub fn handle_link_failed(&mut self, now: Instant, peer: usize, role: Option<Role>) {
-        let _ = now;
         if self.state != State::Running || peer >= self.modes.len() {
             return;
         }
@@ -566,7 +523,7 @@ impl Butterfly {
             self.ban(peer, Violation::LinkFailed, false);
         }
         if role != Some(Role::Sender) {
-            self.fail_reducer(peer, Violation::LinkFailed, false);
+            self.fail_reducer(now, peer, Violation::LinkFailed, false);
         }
         if role.is_none() {
             // Nothing more can reach that peer.
@@ -624,7 +581,14 @@ impl Butterfly {
         if self.state != State::Running || !self.modes[self.cfg.me].is_sender() {
             return;
         }
-        if let Some(reducer) = self.reducer.as_mut() {
+        // Our own span and those we stand in for.
+        let reducers = self.reducer.iter_mut().chain(
+            self.stand_ins
+                .iter_mut()
+                .flatten()
+                .map(|si| &mut si.reducer),
+        );
+        for reducer in reducers {
             for g in reducer.span() {
                 let spec = *self.partition.part(g);
                 if spec.tensor != tensor {
@@ -645,501 +609,6 @@ impl Butterfly {
         self.pending.iter().any(|&p| p)
     }
 
-    // ---- sender side ----
-
-    fn can_send_part(&self, to: usize) -> bool {
-        if self.state != State::Running {
-            return false;
-        }
-        let Some(l) = &self.out_links[to] else {
-            return false;
-        };
-        l.status == LinkStatus::Active
-            && l.next < l.span.end
-            && !self.pending[self.partition.part(l.next).tensor]
-            && (self.modes[self.cfg.me] == Mode::Client || l.in_flight < l.window.window())
-    }
-
-    fn make_part(&mut self, to: usize, now: Instant) -> Message {
-        let client = self.modes[self.cfg.me] == Mode::Client;
-        let link = self.out_links[to]
-            .as_mut()
-            .expect("can_send_part checked the link");
-        let g = link.next;
-        link.next += 1;
-        if link.in_flight == 0 && !client {
-            link.last_progress = now;
-        }
-        link.in_flight += 1;
-        if client && link.next == link.span.end {
-            link.last_progress = now;
-        }
-        let spec = *self.partition.part(g);
-        let codec = self.codecs[spec.tensor];
-        let (dtype, payload) = encode_part(&self.tensors, spec, codec, &self.pool);
-        link.window.on_send(g - link.span.start, now, payload.len());
-        Message::Part(PartMessage {
-            part: g as u32,
-            weight: self.cfg.weight,
-            codec: codec.kind(),
-            dtype,
-            payload,
-        })
-    }
-
-    fn out_deadline(&self, r: usize) -> Option<std::time::Instant> {
-        let l = self.out_links[r].as_ref()?;
-        if l.status != LinkStatus::Active || l.in_flight == 0 {
-            return None;
-        }
-        if self.modes[self.cfg.me] == Mode::Client && l.next < l.span.end {
-            return None;
-        }
-        // Overflow (an effectively infinite timeout) means no deadline.
-        l.last_progress.checked_add(self.reducer_timeout(r))
-    }
-
-    /// How long we wait for reducer `r`'s next reply (see [`super::deadline`]).
-    fn reducer_timeout(&self, r: usize) -> Duration {
-        let fixed = self.cfg.reducer_timeout;
-        let Some(bounds) = self.cfg.adaptive_timeouts else {
-            return fixed;
-        };
-        let (expected, unknown_sender) = self.expected_reply[r];
-        let observed = self.out_links[r].as_ref().and_then(|l| l.reply_gaps.mean());
-        let slack = fixed.saturating_sub(self.cfg.sender_timeout);
-        let adaptive = longer(expected, observed).map(|g| bounds.timeout(g).saturating_add(slack));
-        match (adaptive, unknown_sender) {
-            (Some(t), false) => t,
-            (Some(t), true) => t.max(fixed),
-            (None, _) => fixed,
-        }
-    }
-
-    fn on_averaged(&mut self, now: Instant, from: usize, msg: AveragedMessage) {
-        let me = self.cfg.me;
-        let Some(link) = self.out_links[from].as_ref() else {
-            // Not a reducer of ours (or ourselves): nothing of ours to fail, just report it.
-            self.events.push_back(RoundEvent::Rejected {
-                peer: from,
-                reason: Violation::UnexpectedReply(msg.part),
-            });
-            return;
-        };
-        if link.status != LinkStatus::Active {
-            return; // stale reply after a failure
-        }
-        let g = msg.part as usize;
-        if !(link.span.start <= g && g < link.next) || link.replied[g - link.span.start] {
-            self.fail_reducer(from, Violation::UnexpectedReply(msg.part), true);
-            return;
-        }
-        let spec = *self.partition.part(g);
-        let codec = self.codecs[spec.tensor];
-        if let Err(v) = check_encoding(codec, DType::F32, msg.part, msg.codec, msg.dtype) {
-            self.fail_reducer(from, v, true);
-            return;
-        }
-        let contributors_ok = if msg.contributors.is_empty() {
-            msg.payload.is_empty()
-        } else {
-            msg.contributors.contains(me)
-                && msg.contributors.bound() <= self.modes.len()
-                && msg.contributors.iter().all(|s| self.modes[s].is_sender())
-        };
-        if !contributors_ok {
-            self.fail_reducer(from, Violation::BadContributors(msg.part), true);
-            return;
-        }
-        if !msg.contributors.is_empty() {
-            let output = if codec.kind() == CompressionType::None {
-                // The average itself (f32: `check_encoding` above), kept in the frame it
-                // arrived in; checked (by the runner already, where it read the frame), not
-                // copied.
-                if msg.payload.len() != spec.len * 4 {
-                    let e = CodecError::Length {
-                        codec: CompressionType::None,
-                        expected: spec.len * 4,
-                        actual: msg.payload.len(),
-                        elements: spec.len,
-                    };
-                    self.fail_reducer(from, e.into(), true);
-                    return;
-                }
-                if !msg
-                    .finite
-                    .unwrap_or_else(|| ops::all_finite_le(&msg.payload))
-                {
-                    self.fail_reducer(from, Violation::NonFiniteDelta(msg.part), true);
-                    return;
-                }
-                PartResult::Average(msg.payload)
-            } else {
-                let mut out = self.pool.take_f32(spec.len);
-                let failure = match codec.decode(&msg.payload, msg.dtype, &mut out) {
-                    Err(e) => Some(e.into()),
-                    Ok(()) if !ops::all_finite(&out) => Some(Violation::NonFiniteDelta(msg.part)),
-                    Ok(()) => None,
-                };
-                if let Some(reason) = failure {
-                    self.pool.put_f32(out);
-                    self.fail_reducer(from, reason, true);
-                    return;
-                }
-                if codec.kind() == CompressionType::SparseTopK {
-                    // The average itself, the same for every sender.
-                    PartResult::Average(self.pool.freeze_f32(out))
-                } else {
-                    PartResult::Delta(out)
-                }
-            };
-            let outputs = self.outputs.as_mut().expect("senders have outputs");
-            outputs[g] = output;
-            self.results[g] = Some(msg.contributors);
-        }
-        let client = self.modes[me] == Mode::Client;
-        let link = self.out_links[from].as_mut().expect("checked above");
-        if !client || link.next == link.span.end {
-            // Its deadline was running: the time since is a gap between its replies.
-            link.reply_gaps
-                .add(now.saturating_duration_since(link.last_progress));
-        }
-        link.window.on_ack(g - link.span.start, now);
-        link.replied[g - link.span.start] = true;
-        link.replies += 1;
-        link.in_flight -= 1;
-        link.last_progress = now;
-        if link.replies == link.span.len() {
-            link.status = LinkStatus::Done;
-        }
-    }
-
-    /// Marks reducer `r` as failed for us: its remaining parts keep local values.
-    fn fail_reducer(&mut self, r: usize, reason: Violation, notify: bool) {
-        let Some(link) = self.out_links[r].as_mut() else {
-            return;
-        };
-        if link.status != LinkStatus::Active {
-            return;
-        }
-        link.status = LinkStatus::Failed;
-        self.failed_reducers.insert(r);
-        self.outbox[r].retain(|m| !matches!(m, Message::Part(_)));
-        if notify {
-            self.outbox[r].push_back(Message::Abort {
-                role: Role::Sender,
-                reason: AbortReason::Banned,
-            });
-        }
-        self.events
-            .push_back(RoundEvent::ReducerFailed { peer: r, reason });
-    }
-
-    // ---- reducer side ----
-
-    fn contribute_local(&mut self) {
-        let me = self.cfg.me;
-        if !self.modes[me].is_sender() {
-            return;
-        }
-        let Some(reducer) = self.reducer.as_mut() else {
-            return;
-        };
-        for g in reducer.span() {
-            let spec = *self.partition.part(g);
-            if self.pending[spec.tensor] {
-                continue; // contributed by `mark_ready`
-            }
-            let input = own_input(&self.tensors, spec, self.codecs[spec.tensor], &self.pool);
-            reducer
-                .accumulate(me, g, input, self.cfg.weight)
-                .expect("own contribution is well-formed: checked weight, own partition");
-        }
-    }
-
-    fn in_deadline(&self, s: usize) -> Option<Instant> {
-        let l = self.in_links[s].as_ref()?;
-        let reducer = self.reducer.as_ref()?;
-        if l.status != LinkStatus::Active || l.received >= reducer.span().len() {
-            return None;
-        }
-        let owes = l.received > l.transmitted;
-        if self.modes[s] != Mode::Client && owes {
-            return None;
-        }
-        l.last_activity.checked_add(self.sender_timeout(s))
-    }
-
-    /// How long we wait for sender `s`'s next part (see [`super::deadline`]).
-    fn sender_timeout(&self, s: usize) -> Duration {
-        let fixed = self.cfg.sender_timeout;
-        let Some(bounds) = self.cfg.adaptive_timeouts else {
-            return fixed;
-        };
-        let observed = self.in_links[s].as_ref().and_then(|l| l.gaps.mean());
-        longer(self.expected_in[s], observed).map_or(fixed, |g| bounds.timeout(g))
-    }
-
-    fn on_part(&mut self, now: Instant, from: usize, msg: PartMessage) {
-        let link_state = self.in_links[from]
-            .as_ref()
-            .map(|l| (l.status, l.received, l.transmitted, l.weight));
-        let span = self.reducer.as_ref().map(Reducer::span);
-        let (Some((status, received, transmitted, weight)), Some(span)) = (link_state, span) else {
-            self.events.push_back(RoundEvent::Rejected {
-                peer: from,
-                reason: Violation::UnexpectedPart {
-                    part: msg.part,
-                    expected: None,
-                },
-            });
-            return;
-        };
-        if status != LinkStatus::Active {
-            return; // stale part from a banned (or finished) sender
-        }
-        let window = self.cfg.max_in_flight_parts;
-        if self.modes[from] != Mode::Client && received - transmitted >= window {
-            self.ban(from, Violation::WindowExceeded(window), true);
-            return;
-        }
-        if let Some(first) = weight
-            && first != msg.weight
-        {
-            self.ban(
-                from,
-                Violation::WeightChanged {
-                    first,
-                    now: msg.weight,
-                },
-                true,
-            );
-            return;
-        }
-        let g = span.start + received;
-        if msg.part as usize != g {
-            self.ban(
-                from,
-                Violation::UnexpectedPart {
-                    part: msg.part,
-                    expected: Some(g),
-                },
-                true,
-            );
-            return;
-        }
-        let spec = *self.partition.part(g);
-        let codec = self.codecs[spec.tensor];
-        let source = self.tensors[spec.tensor].dtype();
-        if let Err(v) = check_encoding(codec, source, msg.part, msg.codec, msg.dtype) {
-            self.ban(from, v, true);
-            return;
-        }
-        let reducer = self
-            .reducer
-            .as_mut()
-            .expect("span exists, so the reducer does");
-        let input = if codec.kind() == CompressionType::None
-            && msg.dtype == DType::F32
-            && msg.payload.len() == spec.len * 4
-        {
-            // Raw little-endian f32: summed straight from the received bytes.
-            Input::RawF32(msg.payload)
-        } else {
-            let mut buf = reducer.take_buffer(spec.len);
-            if let Err(e) = codec.decode(&msg.payload, msg.dtype, &mut buf) {
-                reducer.recycle(buf);
-                self.ban(from, e.into(), true);
-                return;
-            }
-            Input::Values(buf)
-        };
-        if let Err(e) = reducer.accumulate(from, g, input, msg.weight) {
-            self.ban(from, e.into(), true);
-            return;
-        }
-        let link = self.in_links[from].as_mut().expect("checked above");
-        if self.modes[from] == Mode::Client || link.received == link.transmitted {
-            // Its deadline was running: the time since is a gap between its parts.
-            link.gaps
-                .add(now.saturating_duration_since(link.last_activity));
-        }
-        link.weight = Some(msg.weight);
-        link.received += 1;
-        link.last_activity = now;
-        if link.received == span.len() {
-            link.status = LinkStatus::Done;
-        }
-    }
-
-    /// Bans sender `s` from our span.
-    fn ban(&mut self, s: usize, reason: Violation, notify: bool) {
-        let Some(link) = self.in_links[s].as_mut() else {
-            if s != self.cfg.me && self.reducer.is_some() && !self.modes[s].is_sender() {
-                // An aux peer posing as a sender: nothing to exclude, but say so.
-                self.events
-                    .push_back(RoundEvent::Rejected { peer: s, reason });
-            }
-            return;
-        };
-        // A sender that already delivered everything has nothing left to be excluded from (its
-        // link closing after a clean finish is not misbehaviour).
-        if link.status != LinkStatus::Active {
-            return;
-        }
-        link.status = LinkStatus::Failed;
-        self.banned.insert(s);
-        self.outbox[s].retain(|m| !matches!(m, Message::Averaged(_)));
-        if notify {
-            self.outbox[s].push_back(Message::Abort {
-                role: Role::Reducer,
-                reason: AbortReason::Banned,
-            });
-        }
-        if let Some(r) = self.reducer.as_mut() {
-            r.exclude(s);
-        }
-        self.events
-            .push_back(RoundEvent::Banned { peer: s, reason });
-    }
-
-    /// Answers every completed part, then deals with the senders whose contributions were not
-    /// finite. Banning one excludes it from the parts it has not sent, which may complete
-    /// more parts: those are answered in the next turn of the loop, so that nothing completed
-    /// stays unanswered when the round may finish.
-    fn drain_completed(&mut self) {
-        loop {
-            let non_finite = self.answer_completed();
-            if non_finite.is_empty() {
-                return;
-            }
-            for (s, g) in non_finite {
-                self.reject_non_finite(s, g);
-            }
-        }
-    }
-
-    /// A contribution of `s` to part `g` was not finite (found when the part completed).
-    fn reject_non_finite(&mut self, s: usize, g: usize) {
-        if s == self.cfg.me {
-            return; // our own values: that part stays local for us (see answer_completed)
-        }
-        let reason: Violation = ReduceError::NonFinite(g).into();
-        let Some(link) = self.in_links[s].as_mut() else {
-            return;
-        };
-        match link.status {
-            LinkStatus::Active => self.ban(s, reason, true),
-            LinkStatus::Done => {
-                // It delivered everything already, so there is nothing left to exclude it
-                // from; it is still named, and told that this part has no average for it
-                // (it would otherwise wait out its reducer timeout for the reply).
-                let spec = *self.partition.part(g);
-                let codec = self.codecs[spec.tensor];
-                self.outbox[s].push_back(Message::Averaged(AveragedMessage {
-                    part: g as u32,
-                    codec: codec.kind(),
-                    dtype: codec.wire_dtype(DType::F32),
-                    contributors: PeerSet::new(),
-                    payload: Bytes::new(),
-                    finite: None,
-                }));
-                if self.banned.insert(s) {
-                    self.events
-                        .push_back(RoundEvent::Banned { peer: s, reason });
-                }
-            }
-            LinkStatus::Failed => {}
-        }
-    }
-
-    /// Answers every part the reducer has completed; returns the `(sender, part)` pairs whose
-    /// contributions were not finite.
-    fn answer_completed(&mut self) -> Vec<(usize, usize)> {
-        let me = self.cfg.me;
-        let mut non_finite = Vec::new();
-        let Some(reducer) = self.reducer.as_mut() else {
-            return non_finite;
-        };
-        while let Some(done) = reducer.poll_completed() {
-            let g = done.part;
-            let spec = *self.partition.part(g);
-            let codec = self.codecs[spec.tensor];
-            let own_left_out = done.non_finite.contains(&me);
-            non_finite.extend(done.non_finite.iter().map(|&s| (s, g)));
-            self.results[g] =
-                (done.average.is_some() && !own_left_out).then(|| done.contributors.clone());
-            // Lossless codec: every sender gets the same bytes, the average itself, shared
-            // without a copy (a sender's delta `average − input` is computed when it applies
-            // the result). Lossy codecs reply with the delta against the input as the reducer
-            // decoded it, so that compression error does not accumulate; they need the
-            // average as values first.
-            let lossless = codec.kind() == CompressionType::None;
-            // Sparse: every sender gets the same bytes too, the average over the union of the
-            // positions received (its non-zero values, exact), never densified.
-            let sparse = codec.kind() == CompressionType::SparseTopK;
-            let mut average = done.average;
-            let shared = if sparse {
-                average.as_ref().map(|avg| {
-                    let mut payload = self.pool.take_bytes(64);
-                    sparse::encode_nonzeros_f32(avg, sparse::REPLY_CHUNK_LOG2, &mut payload);
-                    self.pool.freeze(payload)
-                })
-            } else {
-                average
-                    .take_if(|_| lossless)
-                    .map(|avg| self.pool.freeze_f32(avg))
-            };
-            for (s, input) in done.inputs {
-                let Some(link) = self.in_links[s].as_mut() else {
-                    reducer.recycle_input(input);
-                    continue;
-                };
-                if link.status == LinkStatus::Failed {
-                    reducer.recycle_input(input);
-                    continue;
-                }
-                let payload = match (&shared, &average) {
-                    (Some(shared), _) => shared.clone(),
-                    (None, Some(avg)) => {
-                        self.scratch.resize(spec.len, 0.0);
-                        let mut raw = Vec::new();
-                        ops::scaled_sub(&mut self.scratch, avg, 1.0, input.values(&mut raw));
-                        let mut payload = self.pool.take_bytes(spec.len * 4);
-                        codec.encode(PartView::F32(&self.scratch), &mut payload);
-                        self.pool.freeze(payload)
-                    }
-                    (None, None) => Bytes::new(),
-                };
-                reducer.recycle_input(input);
-                let reply = Message::Averaged(AveragedMessage {
-                    part: g as u32,
-                    codec: codec.kind(),
-                    dtype: codec.wire_dtype(DType::F32),
-                    contributors: done.contributors.clone(),
-                    payload,
-                    finite: None,
-                });
-                // Clients too get each average at once (issue 32: never held behind their
-                // own sends).
-                self.outbox[s].push_back(reply);
-            }
-            // Our own result: the exact average (never compressed). Values of ours that are
-            // not finite were left out of it: that part stays local for us, as it does in the
-            // other reducers' spans, which ban us for them.
-            let own = match average {
-                Some(avg) => Some(self.pool.freeze_f32(avg)),
-                None => shared,
-            };
-            if let (Some(own), Some(outputs)) = (own, self.outputs.as_mut())
-                && !own_left_out
-            {
-                outputs[g] = PartResult::Average(own);
-            }
-        }
-        non_finite
-    }
-
     fn check_finished(&mut self) {
         if self.state != State::Running {
             return;
@@ -1148,11 +617,13 @@ impl Butterfly {
             .out_links
             .iter()
             .flatten()
+            .chain(self.stand_in_out.iter().flatten().map(|s| &s.link))
             .all(|l| l.status != LinkStatus::Active);
         let reducing_done = self
             .reducer
-            .as_ref()
-            .is_none_or(|r| r.is_finished() && !r.has_completed());
+            .iter()
+            .chain(self.stand_ins.iter().flatten().map(|si| &si.reducer))
+            .all(|r| r.is_finished() && !r.has_completed());
         // Finished means every message was handed out too: a driver may stop at `Finished`.
         let drained = self.outbox.iter().all(VecDeque::is_empty);
         // Nor does a round end while a tensor of ours is pending: whoever takes the tensors

@@ -93,6 +93,7 @@ fn member_data(info: &MemberInfo) -> proto::MemberData {
             .collect(),
         measured_up: info.measured.map(|r| r.up),
         measured_down: info.measured.map(|r| r.down),
+        stand_ins: info.stand_ins,
     }
 }
 
@@ -167,6 +168,7 @@ fn parse_member_data(d: Option<proto::MemberData>) -> Result<MemberInfo, WireErr
         relay_data: d.relay_data,
         unlinkable,
         measured,
+        stand_ins: d.stand_ins,
     })
 }
 
@@ -458,6 +460,7 @@ mod tests {
                 up: 2.5e6,
                 down: 12.5e6,
             }),
+            stand_ins: true,
         }
     }
 
@@ -581,6 +584,30 @@ mod tests {
             panic!("round trip");
         };
         assert_eq!(new.info.measured, info().measured);
+    }
+
+    /// A declaration from a peer that predates stand-ins (field 10 absent) decodes as not
+    /// understanding them, which turns them off for its group; a member that declares them
+    /// round-trips the flag (this version does not declare them yet).
+    #[test]
+    fn stand_ins_are_off_for_an_older_peer() {
+        let mut frame = proto::MatchmakingFrame::from(&samples()[0]);
+        let Some(proto::matchmaking_frame::Body::JoinRequest(j)) = frame.body.as_mut() else {
+            panic!("sample 0 is a join request");
+        };
+        let member = j.member.as_mut().unwrap();
+        assert!(member.stand_ins);
+        member.stand_ins = false; // proto3: absent and false are the same bytes
+        let Ok(Message::Join(old)) = Message::try_from(frame) else {
+            panic!("an old declaration decodes");
+        };
+        assert!(!old.info.stand_ins);
+        let Ok(Message::Join(new)) = decode(&encode(&samples()[0])) else {
+            panic!("round trip");
+        };
+        assert!(new.info.stand_ins);
+        // Not declared by this version yet (see `MemberInfo::stand_ins`).
+        assert!(!MemberInfo::new(Mode::Node).stand_ins);
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //! worker then prints `START <r>`, runs the round, prints `ROUND <r> <seconds> <cpu seconds>`
 //! and, once the parent says `CHECK`, checks its result against the exact mean (computed from
 //! the generator, without holding the other peers' data) and against the weighted mean over
-//! the contributors its report names: `CHECKED <r> <err_vs_report> <err_vs_mean> <local_parts>`.
+//! the contributors its report names: `CHECKED <r> <err_vs_report> <err_vs_mean> <local_parts>
+//! <fewest>`, the last the fewest contributors any part was averaged over (0 if one is local).
 //! The parent prints each round's slowest time and the workers' total CPU time on stderr.
 //! Round 0 is a warm-up. A round's time is the slowest worker's; the parent prints the median.
 //!
@@ -149,6 +150,8 @@ impl BenchArgs {
         cfg.sender_timeout = Duration::from_secs(10);
         cfg.reducer_timeout = Duration::from_secs(20);
         cfg.round_timeout = Some(Duration::from_secs(300));
+        // A killed worker's span is re-reduced by a stand-in (every worker runs this code).
+        cfg.stand_ins = true;
         cfg
     }
 
@@ -269,7 +272,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
                     workers.broadcast("CHECK")?;
                 }
             }
-            ["CHECKED", r, err_report, err_mean, local] => {
+            ["CHECKED", r, err_report, err_mean, local, _fewest] => {
                 let (err_report, err_mean): (f32, f32) = (err_report.parse()?, err_mean.parse()?);
                 ensure!(
                     err_report <= tolerance && err_mean <= tolerance && *local == "0",
@@ -463,7 +466,7 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
         }
         let go = lines.recv().await.context("parent closed stdin")?;
         ensure!(go == "CHECK", "expected CHECK, got '{go}'");
-        let (err_report, mut err_mean, local) = check(&bench, &partition, &start, &outcome);
+        let (err_report, mut err_mean, local, fewest) = check(&bench, &partition, &start, &outcome);
         if let Some(gpu) = &gpu {
             // The device tensor itself now holds the mean (every round averages equal means
             // after the first, so the generator's mean stays the reference).
@@ -475,7 +478,7 @@ async fn worker(bench: BenchArgs, me: usize) -> anyhow::Result<()> {
                 err_mean = err_mean.max((v - mean as f32).abs());
             }
         }
-        println!("CHECKED {round} {err_report:e} {err_mean:e} {local}");
+        println!("CHECKED {round} {err_report:e} {err_mean:e} {local} {fewest}");
         outcome.recycle(&runner_cfg.pool);
         if gpu.is_none() {
             tensors = start;
@@ -589,9 +592,9 @@ fn check(
     partition: &Partition,
     start: &[hivemesh::tensor::Tensor],
     outcome: &hivemesh::allreduce::Outcome,
-) -> (f32, f32, usize) {
+) -> (f32, f32, usize, usize) {
     if outcome.results.is_none() {
-        return (0.0, 0.0, 0);
+        return (0.0, 0.0, 0, 0);
     }
     // (A device snapshot under a 16-bit codec is 16-bit.)
     let own = start[0].to_f32_vec();
@@ -603,6 +606,7 @@ fn check(
         (sum / count as f64) as f32
     };
     let (mut err_report, mut err_mean, mut local) = (0.0f32, 0.0f32, 0);
+    let mut fewest = n;
     let mut result = Vec::new();
     for span in &outcome.report.spans {
         for seg in &span.segments {
@@ -612,9 +616,10 @@ fn check(
                 if seg.contributors.is_none() {
                     local += 1;
                 }
+                fewest = fewest.min(seg.contributors.as_ref().map_or(0, |c| c.len()));
                 result.resize(spec.len, 0.0);
                 if outcome.result_into(g, start, &mut result).is_none() {
-                    return (f32::INFINITY, f32::INFINITY, local);
+                    return (f32::INFINITY, f32::INFINITY, local, 0);
                 }
                 for (e, &result) in spec.range().zip(&result) {
                     let mean = mean_of(&mut (0..n), e);
@@ -629,5 +634,5 @@ fn check(
             }
         }
     }
-    (err_report, err_mean, local)
+    (err_report, err_mean, local, fewest)
 }

@@ -169,7 +169,8 @@ struct SimArgs {
     #[arg(long, default_value = "none")]
     compression: Compression,
     /// Inject a fault, KIND@PEER (repeatable). Kinds: fail-before, fail-sending, slow-sending,
-    /// fail-reducing, slow-reducing, cancel, corrupt-sending, corrupt-reducing.
+    /// fail-reducing, slow-reducing, cancel, corrupt-sending, corrupt-reducing, crash,
+    /// crash-standing-in.
     #[arg(long = "fault", value_name = "KIND@PEER")]
     faults: Vec<FaultSpec>,
     /// Number of client-mode peers (taken from the end of the group).
@@ -500,6 +501,7 @@ fn run_sim(args: SimArgs) -> anyhow::Result<()> {
             PeerStatus::NotStarted => "not-started".to_owned(),
             PeerStatus::Unfinished => "unfinished".to_owned(),
             PeerStatus::Rejected(e) => format!("rejected ({e})"),
+            PeerStatus::Crashed(at) => format!("crashed at={:.3}s", at.as_secs_f64()),
         };
         let mut line = format!("peer {p} mode={} {status}", cfg.peers[p].mode);
         if let Some(f) = cfg.peers[p].fault {
