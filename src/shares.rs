@@ -127,7 +127,9 @@ impl<K: Hash + Eq> Drop for Share<K> {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Locks `m`, taking the data of a poisoned lock as it is (the crate's shared helper: a panic
+/// elsewhere must not turn every later lock into a second panic).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 

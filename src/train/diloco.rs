@@ -61,6 +61,7 @@ use crate::averager::state::{ProvidedState, StateError};
 use crate::averager::{Averager, AveragerConfig, AveragerError, StepOptions};
 use crate::dht::Dht;
 use crate::links::LinkHub;
+use crate::shares::lock;
 use crate::tensor::{PartViewMut, Tensor};
 
 /// The first bytes of the metadata a DiLoCo donor serves (then the epoch, u64 little-endian).
@@ -302,10 +303,6 @@ impl Failed {
             again: false,
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A peer of a DiLoCo run (see the [module docs](self)).
