@@ -31,7 +31,7 @@
 //! to members that some sender of the group cannot connect to ([`crate::reach::reducers`]:
 //! e.g. a member behind a NAT that another member's NAT keeps it from hole punching to).
 
-use super::rate_shares::{RatedPeer, rate_shares};
+use super::rate_shares::{RatedPeer, planned_shares};
 use super::{Group, Mode};
 use crate::allreduce::Member;
 
@@ -260,7 +260,8 @@ pub fn group_fractions_cut(
     if may_reduce.iter().any(|&m| m) && !reachable.iter().any(|&r| r) {
         return Err(LoadBalanceError::Unreachable);
     }
-    // Every member declared measured rates: shares from those (issue 32), as element counts.
+    // Every member declared measured rates: shares from those (issue 32; equal unless the
+    // rates differ by more than their noise, `planned_shares`), as element counts.
     let rated: Option<Vec<RatedPeer>> = group
         .members
         .iter()
@@ -277,7 +278,7 @@ pub fn group_fractions_cut(
     if let Some(rated) = rated
         && vector_size > 0
     {
-        let shares = rate_shares(&rated)?.shares;
+        let shares = planned_shares(&rated)?.shares;
         return Ok(shares.iter().map(|s| s * vector_size as f64).collect());
     }
     let bandwidths: Vec<Option<f64>> = group
