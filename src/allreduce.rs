@@ -33,7 +33,8 @@
 //!   user-set bounds.
 //! * `sender_timeout`: the longest a reducer waits for the next part of a sender that it is
 //!   not itself holding up (the reducer owes it no reply, or it is a client still sending),
-//!   counted from the round start, the sender's last part, or the reducer's last reply to it.
+//!   counted from the round start (after `start_grace`, for members still linking), the
+//!   sender's last part, or the reducer's last reply to it.
 //!   A sender that misses it is **banned**: excluded from every part it has not contributed;
 //!   parts it already contributed keep it.
 //! * `reducer_timeout`: the longest a sender waits for the next reply of a reducer while it
@@ -196,9 +197,20 @@ pub struct RoundConfig {
     /// where the round's deadline allows, instead of keeping local values (see the module
     /// docs). Every member must understand stand-ins (a member that predates them bans the
     /// sender of a part outside its span). Off by default: the simulator and `bench-worker`
-    /// turn it on; the averager turns it on only where every member declared it, which this
-    /// version does not yet do (`MemberInfo::stand_ins`).
+    /// turn it on; the averager turns it on where every member declared it
+    /// (`MemberInfo::stand_ins`).
     pub stand_ins: bool,
+    /// How much later than this peer the other members may begin the round: they may still be
+    /// linking (a member that waits for a link gives up on it only after its link timeout, while
+    /// one that dials a dead member learns at once). The first part from each sender and the
+    /// first reply from each reducer (on every span, stand-in spans included) are awaited from
+    /// the end of this grace at the earliest, with the usual timeout on top; later ones as
+    /// usual. Zero (the default) starts every deadline with the round. The averager sets it to
+    /// what is left of its link timeout (so a member silent from the start is dropped within
+    /// the link timeout plus its usual timeout); without it, the member that began first
+    /// banned the others, healthy but still linking (`tests/averager.rs`,
+    /// `member_dying_mid_round_does_not_hang_the_others`).
+    pub start_grace: Duration,
 }
 
 impl RoundConfig {
@@ -219,6 +231,7 @@ impl RoundConfig {
             round_timeout: None,
             aggregator: Aggregator::Mean,
             stand_ins: false,
+            start_grace: Duration::ZERO,
         }
     }
 

@@ -111,7 +111,10 @@ pub struct AveragerConfig {
     /// declared measured rates and the round's observed arrivals, within these bounds
     /// ([`crate::allreduce::deadline`]); `None` (the default) keeps the fixed ones.
     pub adaptive_timeouts: Option<crate::allreduce::AdaptiveTimeouts>,
-    /// Bound on linking to a group's members.
+    /// Bound on linking to a group's members. Also how much later than this peer the others
+    /// may begin the all-reduce (they may still be linking): their first parts and replies
+    /// are awaited that long after linking began (twice that where a census runs), plus the
+    /// usual timeout ([`crate::allreduce::RoundConfig::start_grace`]).
     pub link_timeout: Duration,
     /// Target part size in bytes.
     pub part_size_bytes: usize,
@@ -1467,7 +1470,18 @@ impl Actor {
         } = prepared;
         // Device snapshots copy to the host while the links are made.
         self.shared.devices.begin()?;
+        let linking = std::time::Instant::now();
         let mut established = self.link(expectation, options, step_deadline).await?;
+        // Each phase that waits for members (linking; the census where it runs) may keep a
+        // member up to a link timeout longer than us: a member that died since matchmaking
+        // fails at once for whoever dials it, while those it was to dial wait for it until
+        // their link timeout. The round's first deadlines allow for that (`start_grace`).
+        let phases = if crate::links::census::needs_census(&link_peers) {
+            2
+        } else {
+            1
+        };
+        let others_begin_by = linking + self.config.link_timeout * phases;
         let round_members = self
             .census(&group, &link_peers, &mut established, round_members)
             .await?;
@@ -1480,6 +1494,8 @@ impl Actor {
         cfg.round_timeout = Some(self.config.round_timeout);
         cfg.aggregator = self.config.aggregator;
         cfg.adaptive_timeouts = self.config.adaptive_timeouts;
+        // The others may begin the round as late as their link phases allow.
+        cfg.start_grace = others_begin_by.saturating_duration_since(std::time::Instant::now());
         cfg.rates = group
             .members
             .iter()

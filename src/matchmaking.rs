@@ -193,8 +193,7 @@ pub struct MemberInfo {
     pub measured: Option<crate::allreduce::LinkRates>,
     /// It understands stand-ins for failed reducers ([`crate::allreduce::RoundConfig::stand_ins`]);
     /// `false` for an older peer. A group uses them only if every member does. This version
-    /// declares `false`: over the averager's links a stand-in was seen to stall (the
-    /// `member_dying_mid_round` test, not diagnosed yet), so the averager keeps them off.
+    /// declares `true` ([`MemberInfo::new`]).
     pub stand_ins: bool,
 }
 
@@ -210,7 +209,7 @@ impl MemberInfo {
             relay_data: false,
             unlinkable: Vec::new(),
             measured: None,
-            stand_ins: false,
+            stand_ins: true,
         }
     }
 

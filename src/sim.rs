@@ -22,6 +22,9 @@
 //! | `crash` | at its 4th reply to any sender it dies (as a killed process): it sends nothing more, what it had queued is lost, and every peer's links to it fail one latency later |
 //! | `crash-standing-in` | dies as `crash` does, at its 2nd reply for a part outside its own span (as the stand-in of a failed reducer) |
 //!
+//! A peer may also begin its round late ([`SimConfig::start_delay`], as a member still linking
+//! does): what reaches it before waits on its links, in order.
+//!
 //! [`SimResult::check`] compares every finished sender's values with the weighted mean over
 //! exactly the contributors that its round report names, part by part.
 
@@ -162,6 +165,11 @@ pub struct SimConfig {
     pub time_limit: Duration,
     /// Seed for data and jitter.
     pub seed: u64,
+    /// Per peer, how long after the others it begins its round (entry `i` for peer `i`; none:
+    /// at once), as a member still linking does: what reaches it before waits on its links,
+    /// and its `start_grace` is what is left of `round.start_grace` (as the averager's is
+    /// what is left of its link timeout).
+    pub start_delay: Vec<Duration>,
 }
 
 impl SimConfig {
@@ -191,6 +199,7 @@ impl SimConfig {
             slow_pause: Duration::from_secs(10),
             time_limit: Duration::from_secs(600),
             seed,
+            start_delay: Vec::new(),
         }
     }
 }
@@ -542,6 +551,8 @@ struct World<'a> {
     rng: StdRng,
     payload_bytes_sent: Vec<u64>,
     events: Vec<Vec<(Duration, RoundEvent)>>,
+    /// Per peer, when its round begins ([`SimConfig::start_delay`]).
+    started_at: Vec<Instant>,
 }
 
 impl World<'_> {
@@ -729,6 +740,9 @@ impl World<'_> {
 
     /// Lets peer `p` transmit while its uplink has room, then records events and timers.
     fn pump(&mut self, p: usize) {
+        if self.now < self.started_at[p] {
+            return; // not begun yet: woken when it does
+        }
         let limit = self.backlog_limit(p);
         loop {
             let now = self.now;
@@ -892,6 +906,9 @@ pub fn run_with_tensors(
         rng: StdRng::seed_from_u64(cfg.seed ^ 0x5EED),
         payload_bytes_sent: vec![0; n],
         events: vec![Vec::new(); n],
+        started_at: (0..n)
+            .map(|p| start + cfg.start_delay.get(p).copied().unwrap_or_default())
+            .collect(),
     };
     let mut initial = Vec::with_capacity(n);
     for ((p, peer), tensors) in cfg.peers.iter().enumerate().zip(tensors) {
@@ -904,10 +921,12 @@ pub fn run_with_tensors(
         let mut rc = round.clone();
         rc.me = p;
         rc.weight = weights[p];
-        match Butterfly::new(rc, tensors, start) {
+        let begins = world.started_at[p];
+        rc.start_grace = round.start_grace.saturating_sub(begins - start);
+        match Butterfly::new(rc, tensors, begins) {
             Ok(mut m) => {
                 if peer.fault == Some(Fault::Cancel) {
-                    m.cancel(start);
+                    m.cancel(begins);
                     world.status[p] = PeerStatus::Cancelled;
                 }
                 world.machines.push(Some(m));
@@ -922,14 +941,28 @@ pub fn run_with_tensors(
     }
     let t1 = std::time::Instant::now();
     for p in 0..n {
+        if world.started_at[p] > start {
+            let at = world.started_at[p];
+            world.push(at, Ev::Wake { peer: p });
+        }
         world.pump(p);
     }
     let limit = start + cfg.time_limit;
-    while let Some(((at, _), ev)) = world.queue.pop_first() {
+    while let Some(((at, seq), ev)) = world.queue.pop_first() {
         if at > limit {
             break;
         }
         world.now = at;
+        let begins = match &ev {
+            Ev::Deliver { to: p, .. } | Ev::LinkFailed { at: p, .. } => world.started_at[*p],
+            _ => start,
+        };
+        if at < begins {
+            // Waits on the link until the peer begins (a socket's buffer); its sequence number
+            // keeps each link in order.
+            world.queue.insert((begins, seq), ev);
+            continue;
+        }
         let touched = match ev {
             Ev::Deliver { to, from, message } => {
                 if let Some(m) = world.machines[to].as_mut() {

@@ -691,3 +691,45 @@ fn no_stand_in_without_time_left_in_the_round() {
     let res = sim::run(&cfg, &tensors).unwrap();
     assert_span_averaged_over(&res, 1, &survivors);
 }
+
+/// Four nodes; peer 1 is dead before the round (fault `fail-before`), and peers 2 and 3 begin
+/// their rounds `link_timeout` after peer 0, as over the averager's links: peer 0 dials peer 1
+/// and learns at once that it is gone, while 2 and 3 wait for peer 1 to dial them until their
+/// link timeout. Meanwhile peer 0's parts wait on their links. With `start_grace` (the
+/// averager sets it to what is left of its link timeout) peer 0 awaits the first part and the
+/// first reply of each member from the end of its grace: every span, the dead peer's
+/// included (re-reduced by its stand-in), ends the exact mean over exactly the survivors, at
+/// every survivor. Without it peer 0 bans 2 and 3 (healthy, still linking) on its sender
+/// timeout and averages over itself alone.
+#[test]
+fn members_still_linking_are_awaited_within_the_start_grace() {
+    let tensors = [desc(&[32, 1024])];
+    let survivors = [0, 2, 3];
+    let link_timeout = Duration::from_secs(10);
+    let scenario = |grace: Duration| {
+        let mut ps = vec![SimPeer::node(); 4];
+        ps[1].fault = Some(Fault::FailBefore);
+        let mut cfg = SimConfig::new(ps, 74);
+        cfg.round.part_size_bytes = 4 << 10;
+        cfg.round.compression = Compression::Fixed(CompressionType::None);
+        cfg.start_delay = vec![Duration::ZERO, Duration::ZERO, link_timeout, link_timeout];
+        cfg.round.start_grace = grace;
+        sim::run(&cfg, &tensors).unwrap()
+    };
+    let res = scenario(link_timeout);
+    for reducer in 0..4 {
+        assert_span_averaged_over(&res, reducer, &survivors);
+    }
+    for &p in &survivors {
+        let report = &res.peers[p].outcome.as_ref().unwrap().report;
+        assert_eq!(report.banned, PeerSet::from_indices([1]), "peer {p}");
+    }
+
+    let res = scenario(Duration::ZERO);
+    let report = &res.peers[0].outcome.as_ref().unwrap().report;
+    assert!(
+        report.banned.contains(2) && report.banned.contains(3),
+        "no grace: peer 0 bans the members still linking: {report:?}"
+    );
+    assert!(res.check().iter().flatten().all(|c| c.max_abs_err < 1e-5));
+}

@@ -158,6 +158,9 @@ pub struct Butterfly {
     handovers: Vec<u8>,
     /// Stand-ins that failed us while their own span did not (not asked again).
     failed_stand_ins: PeerSet,
+    /// Until when other members may still be beginning the round (`RoundConfig::start_grace`;
+    /// `None`: overflow, never): no first part or first reply is awaited from before it.
+    start_by: Option<Instant>,
 }
 
 impl Butterfly {
@@ -314,6 +317,7 @@ impl Butterfly {
             stand_ins: (0..n).map(|_| None).collect(),
             handovers: vec![0; n],
             failed_stand_ins: PeerSet::new(),
+            start_by: now.checked_add(cfg.start_grace),
             cfg,
         };
         machine.contribute_local();
@@ -607,6 +611,17 @@ impl Butterfly {
     /// Whether some tensor is still pending ([`Butterfly::with_pending`]).
     pub fn has_pending(&self) -> bool {
         self.pending.iter().any(|&p| p)
+    }
+
+    /// Where the wait for a link's next message counts from: its last activity `last`, or, for
+    /// its first message (`first`), the end of the start grace if that is later (`None`: the
+    /// grace never ends, no deadline).
+    fn wait_anchor(&self, last: Instant, first: bool) -> Option<Instant> {
+        if first {
+            self.start_by.map(|by| by.max(last))
+        } else {
+            Some(last)
+        }
     }
 
     fn check_finished(&mut self) {

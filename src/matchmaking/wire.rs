@@ -588,7 +588,7 @@ mod tests {
 
     /// A declaration from a peer that predates stand-ins (field 10 absent) decodes as not
     /// understanding them, which turns them off for its group; a member that declares them
-    /// round-trips the flag (this version does not declare them yet).
+    /// round-trips the flag, and this version declares it.
     #[test]
     fn stand_ins_are_off_for_an_older_peer() {
         let mut frame = proto::MatchmakingFrame::from(&samples()[0]);
@@ -606,8 +606,8 @@ mod tests {
             panic!("round trip");
         };
         assert!(new.info.stand_ins);
-        // Not declared by this version yet (see `MemberInfo::stand_ins`).
-        assert!(!MemberInfo::new(Mode::Node).stand_ins);
+        // Declared by this version (see `MemberInfo::stand_ins`).
+        assert!(MemberInfo::new(Mode::Node).stand_ins);
     }
 
     #[test]

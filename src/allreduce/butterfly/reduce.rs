@@ -159,7 +159,8 @@ impl Butterfly {
         if self.modes[s] != Mode::Client && owes {
             return None;
         }
-        l.last_activity.checked_add(self.sender_timeout(s, l))
+        self.wait_anchor(l.last_activity, l.received == 0)?
+            .checked_add(self.sender_timeout(s, l))
     }
 
     /// How long we wait for sender `s`'s next part on `link` (see [`super::deadline`]).
@@ -267,11 +268,17 @@ impl Butterfly {
             return;
         }
         let client = self.modes[from] == Mode::Client;
+        let link = self.in_link(lane, from).expect("checked above");
+        let running = client || link.received == link.transmitted;
+        // Its deadline was running: the time since it started is a gap between its parts (not
+        // a first part that came within the start grace: that is the start's skew).
+        let gap = self
+            .wait_anchor(link.last_activity, link.received == 0)
+            .and_then(|anchor| now.checked_duration_since(anchor))
+            .filter(|_| running);
         let link = self.in_link_mut(lane, from).expect("checked above");
-        if client || link.received == link.transmitted {
-            // Its deadline was running: the time since is a gap between its parts.
-            link.gaps
-                .add(now.saturating_duration_since(link.last_activity));
+        if let Some(gap) = gap {
+            link.gaps.add(gap);
         }
         link.weight = Some(msg.weight);
         link.received += 1;

@@ -161,7 +161,8 @@ impl Butterfly {
                     return None;
                 }
                 // Overflow (an effectively infinite timeout) means no deadline.
-                l.last_progress.checked_add(self.reducer_timeout(r, l))
+                self.wait_anchor(l.last_progress, l.replies == 0)?
+                    .checked_add(self.reducer_timeout(r, l))
             })
             .min()
     }
@@ -276,11 +277,17 @@ impl Butterfly {
             self.results[g] = Some(msg.contributors);
         }
         let client = self.modes[me] == Mode::Client;
+        let link = self.out_link(from, owner).expect("checked above");
+        let running = !client || link.next == link.span.end;
+        // Its deadline was running: the time since it started is a gap between its replies
+        // (not a first reply that came within the start grace: that is the start's skew).
+        let gap = self
+            .wait_anchor(link.last_progress, link.replies == 0)
+            .and_then(|anchor| now.checked_duration_since(anchor))
+            .filter(|_| running);
         let link = self.out_link_mut(from, owner).expect("checked above");
-        if !client || link.next == link.span.end {
-            // Its deadline was running: the time since is a gap between its replies.
-            link.reply_gaps
-                .add(now.saturating_duration_since(link.last_progress));
+        if let Some(gap) = gap {
+            link.reply_gaps.add(gap);
         }
         link.window.on_ack(g - link.span.start, now);
         link.replied[g - link.span.start] = true;

@@ -39,9 +39,9 @@
 //! replies, but a peer that predates stand-ins bans a sender whose part lies outside its span.
 //! So members declare that they understand stand-ins (`MemberData.stand_ins`, absent = no), and
 //! the averager turns [`RoundConfig::stand_ins`](crate::allreduce::RoundConfig::stand_ins) on
-//! only in a group where every member declared it (this version does not declare it yet: see
-//! `crate::matchmaking::MemberInfo::stand_ins`). It is off by default; the simulator and
-//! `bench-worker` turn it on.
+//! only in a group where every member declared it (this version does:
+//! `crate::matchmaking::MemberInfo::stand_ins`). It is off by default in `RoundConfig`; the
+//! simulator and `bench-worker` turn it on.
 
 use std::time::Instant;
 
