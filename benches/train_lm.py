@@ -40,7 +40,8 @@ peers`` at the end):
   samples, ``matchmaking_time=--matchmaking-time``, ``averaging_timeout=60``.
 * ``hivemesh``: ``hivemesh.Optimizer`` with the same arguments.
 * ``diloco``: ``hivemesh.DiLoCoOptimizer``, ``num_inner_steps=--inner-steps``, inner Adam,
-  outer SGD (lr 0.7, Nesterov momentum 0.9), fp32 pseudo-gradients.
+  outer SGD (lr ``--outer-lr`` 0.7, Nesterov momentum ``--outer-momentum`` 0.9), fp32
+  pseudo-gradients.
 * ``diloco_ef``: the same with ``grad_compression=ErrorFeedbackTopK(--density, --bits,
   --chunk)``.
 
@@ -289,8 +290,9 @@ class Trainer:
             self.opt = backend.DiLoCoOptimizer(
                 **common, batch_size=args.batch, num_inner_steps=args.inner_steps,
                 params=self.params, inner_optimizer=adam,
-                outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
-                                                          nesterov=True),
+                outer_optimizer=lambda p: torch.optim.SGD(
+                    p, lr=args.outer_lr, momentum=args.outer_momentum,
+                    nesterov=args.outer_momentum > 0),
                 grad_compression=codec, matchmaking_time=args.matchmaking_time,
                 averaging_timeout=60.0, timeout_waiting_for_peers=max(30.0,
                                                                       args.matchmaking_time))
@@ -496,7 +498,8 @@ def run_config(bed: Bed, args: argparse.Namespace, config: str, rate: int,
 
 
 SETTINGS = ("peers", "steps", "fixed_steps", "batch", "ctx", "dim", "layers", "heads", "lr",
-            "inner_steps", "density", "bits", "chunk", "matchmaking_time", "val_windows", "max_wall")
+            "inner_steps", "outer_lr", "outer_momentum", "density", "bits", "chunk",
+            "matchmaking_time", "val_windows", "max_wall")
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -600,6 +603,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--inner-steps", type=int, default=25,
                    help="DiLoCo's inner steps; the Optimizers' epoch; the evaluation interval")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD lr")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="DiLoCo's outer Nesterov momentum (0: plain SGD)")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--chunk", type=int, default=2048)
