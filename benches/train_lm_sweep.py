@@ -47,7 +47,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -266,9 +266,15 @@ def label(s: Dict[str, Any]) -> str:
 
 # --- the report ---------------------------------------------------------------------------
 
+#: Bytes per peer per step of per-step fp32 data parallel on the bed (``train_lm.py``'s
+#: ``dp``, measured ``tx_bytes``: docs/architecture.md).
+DP_BYTES_PER_STEP = 6.46e6
+
+
 def report(runs: List[Dict[str, Any]], at: Sequence[int]) -> str:
     """Loss at each of ``at`` steps; ratio to fp32 with the same H and outer settings (else
-    the fp32 run with the same H and 0.7/0.9); payload kB per peer per round (mean)."""
+    the fp32 run with the same H and 0.7/0.9); payload kB per peer per round (mean) and dp's
+    bytes per step over the payload per step. Rows sorted by H, fp32 first, density."""
     def loss_at(run: Dict[str, Any], step: int) -> Optional[float]:
         return next((e["loss"] for e in run["evals"] if e["step"] == step), None)
 
@@ -281,10 +287,17 @@ def report(runs: List[Dict[str, Any]], at: Sequence[int]) -> str:
                    == (0.7, 0.9)]
         return (same or default or [None])[0]
 
+    def order(run: Dict[str, Any]) -> Tuple[Any, ...]:
+        s = run["setting"]
+        topk = s["codec"] == "topk"
+        return (s["inner_steps"], topk, s.get("restart") == "unsent", s["density"] if topk
+                else 0, -s["outer_lr"], -s["outer_momentum"], s["bits"])
+
     head = "| setting | " + " | ".join(f"loss at {a} (vs fp32)" for a in at) + \
-        " | payload kB/peer/round | of it replies | values in the mean/round |"
-    lines = [head, "|" + "---|" * (4 + len(at))]
-    for run in runs:
+        " | payload kB/peer/round | of it replies | values in the mean/round | " \
+        "dp's bytes per step over this |"
+    lines = [head, "|" + "---|" * (5 + len(at))]
+    for run in sorted(runs, key=order):
         s = run["setting"]
         ref = ref_of(s)
         cells = []
@@ -296,8 +309,9 @@ def report(runs: List[Dict[str, Any]], at: Sequence[int]) -> str:
         kb = np.mean([e["bytes"] for e in rounds]) / 1e3 if rounds else float("nan")
         rep = np.mean([e["reply_bytes"] for e in rounds]) / 1e3 if rounds else float("nan")
         nz = np.mean([e["nonzero"] for e in rounds]) if rounds else float("nan")
+        vs_dp = DP_BYTES_PER_STEP * s["inner_steps"] / (kb * 1e3) if rounds else float("nan")
         lines.append(f"| {label(s)} | " + " | ".join(cells) +
-                     f" | {kb:.1f} | {rep:.1f} | {nz:.0f} |")
+                     f" | {kb:.1f} | {rep:.1f} | {nz:.0f} | {vs_dp:.0f}x |")
     return "\n".join(lines)
 
 

@@ -2,7 +2,6 @@
 codec must be the averager's (checked against a real ``DecentralizedAverager`` with
 ``ErrorFeedbackTopK``), its outer round DiLoCo's, and its byte count the codec's layout."""
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -138,4 +137,3 @@ def test_a_tiny_simulation_learns(sweep):
     assert all(e["bytes"] > 0 for e in run["evals"][1:])
     text = sweep.report([run, dict(run, setting=dict(run["setting"], codec="none"))], [6])
     assert "(+0.0%)" in text, text
-    assert isinstance(argparse.Namespace(**run["setting"]), argparse.Namespace)
