@@ -22,11 +22,15 @@ itself, as hivemesh's averager does it with ``ErrorFeedbackTopK``:
   ``r <- z - y``;
 * every peer gets the mean of the ``y`` (all weights are 1), the outer optimizer (SGD, lr
   ``--outer-lr``, Nesterov momentum ``--outer-momentum``; plain SGD at momentum 0) steps the
-  outer parameters with it as their gradient, and every model restarts from them.
+  outer parameters with it as their gradient, and every model restarts from them
+  (``--restart unsent``, a variant: from the outer parameters minus its residual, with no
+  residual added to its next pseudo-gradient).
 
 ``--codec none`` is fp32 DiLoCo (``y = x``, no residual). There is no network, DHT, or failure:
-this is the loss the bed would reach with every round succeeding (the bed's runs are
-deterministic too, and agree to the summation order of the mean). The payload bytes of a round
+this is the loss the bed would reach with every round succeeding (the bed's error-feedback runs
+gave the same losses at every evaluation; its fp32 runs differ from run to run in the third
+digit). Defaults: ``train_lm.py``'s (density 0.1, 2 bits, chunk 2048, ...), the outer SGD at
+DiLoCo's 0.7 / 0.9, H 25, 300 steps. The payload bytes of a round
 are counted from the actual encodings (:func:`part_bits`, the bit layout of
 ``src/compression/sparse.rs``: headers, counts, the cheaper of Rice code and bitmap for the
 positions, exponents, values; the reducer's reply: the mean's non-zero values as raw f32 in
