@@ -11,7 +11,9 @@ Usage (root: it makes network namespaces)::
 ``--quick``: a smoke run (tiny model, 2 peers, 20 steps, every config, unlimited link only;
 the ``hivemind`` config needs ``pip install hivemind``, leave it out of ``--configs`` without).
 The measured runs (README, docs/architecture.md) used ``--configs dp --steps 300`` for the
-reference and ``--steps 600`` for the others, every other setting at its default.
+reference and ``--steps 600`` for the others, every other setting at its default (the first
+``diloco_ef`` rows with the defaults before the sweep: ``--density 0.01 --outer-lr 0.7
+--outer-momentum 0.9``).
 
 **Data.** Every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` (the Python running the
 bench), skipping ``site-packages``, ``test``/``tests``/``idle_test`` and ``__pycache__``
@@ -40,9 +42,11 @@ peers`` at the end):
   samples, ``matchmaking_time=--matchmaking-time``, ``averaging_timeout=60``.
 * ``hivemesh``: ``hivemesh.Optimizer`` with the same arguments.
 * ``diloco``: ``hivemesh.DiLoCoOptimizer``, ``num_inner_steps=--inner-steps``, inner Adam,
-  outer SGD (lr 0.7, Nesterov momentum 0.9), fp32 pseudo-gradients.
+  outer SGD (lr ``--outer-lr``, default 0.7, Nesterov momentum ``--outer-momentum``, default
+  0.9), fp32 pseudo-gradients.
 * ``diloco_ef``: the same with ``grad_compression=ErrorFeedbackTopK(--density, --bits,
-  --chunk)``.
+  --chunk)`` (defaults 0.1, 2, 2048) and by default plain outer SGD at lr 1.0 (momentum 0):
+  tuned by ``benches/train_lm_sweep.py`` (docs/architecture.md, "Training over home links").
 
 **Bed.** Namespace ``b30<id>-hub`` holds a bridge; peer ``i`` lives in ``b30<id>-p<i>`` with
 ``eth0`` (10.30.0.<i+1>/24) on it. For a link rate ``R`` Mbit/s (``0``: unlimited) both ends
@@ -243,6 +247,21 @@ def write_file(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+#: DiLoCo's outer SGD (lr, Nesterov momentum) per configuration when ``--outer-lr`` /
+#: ``--outer-momentum`` are not given: DiLoCo's 0.7 / 0.9 in fp32; plain SGD at lr 1 (the
+#: peers' mean, applied as is) with error feedback, where momentum overshoots (the sweep in
+#: docs/architecture.md, "Training over home links").
+OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "diloco_ef": (1.0, 0.0)}
+
+
+def outer_settings(args: argparse.Namespace, config: str) -> Tuple[float, float]:
+    """(outer lr, outer momentum) of ``config``: the flags where given, else its default."""
+    lr, momentum = OUTER_DEFAULTS.get(config, (None, None))
+    lr = args.outer_lr if args.outer_lr is not None else lr
+    momentum = args.outer_momentum if args.outer_momentum is not None else momentum
+    return lr, momentum
+
+
 class Trainer:
     """One config's optimizer and its per-step exchange; ``step()`` after ``backward()``."""
 
@@ -286,11 +305,12 @@ class Trainer:
 
             codec = ErrorFeedbackTopK(args.density, args.bits, args.chunk) \
                 if cfg == "diloco_ef" else NoCompression()
+            outer_lr, outer_momentum = outer_settings(args, cfg)
             self.opt = backend.DiLoCoOptimizer(
                 **common, batch_size=args.batch, num_inner_steps=args.inner_steps,
                 params=self.params, inner_optimizer=adam,
-                outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
-                                                          nesterov=True),
+                outer_optimizer=lambda p: torch.optim.SGD(
+                    p, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0),
                 grad_compression=codec, matchmaking_time=args.matchmaking_time,
                 averaging_timeout=60.0, timeout_waiting_for_peers=max(30.0,
                                                                       args.matchmaking_time))
@@ -457,7 +477,9 @@ def run_config(bed: Bed, args: argparse.Namespace, config: str, rate: int,
     os.makedirs(rundir, exist_ok=True)
     for f in os.listdir(rundir):
         os.remove(os.path.join(rundir, f))
-    peer_args = dict(vars(args), config=config, master=bed.ips[0], port=29530)
+    outer_lr, outer_momentum = outer_settings(args, config)
+    peer_args = dict(vars(args), config=config, master=bed.ips[0], port=29530,
+                     outer_lr=outer_lr, outer_momentum=outer_momentum)
     procs = []
     load = os.getloadavg()
     try:
@@ -496,7 +518,8 @@ def run_config(bed: Bed, args: argparse.Namespace, config: str, rate: int,
 
 
 SETTINGS = ("peers", "steps", "fixed_steps", "batch", "ctx", "dim", "layers", "heads", "lr",
-            "inner_steps", "density", "bits", "chunk", "matchmaking_time", "val_windows", "max_wall")
+            "inner_steps", "outer_lr", "outer_momentum", "density", "bits", "chunk",
+            "matchmaking_time", "val_windows", "max_wall")
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -600,7 +623,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--inner-steps", type=int, default=25,
                    help="DiLoCo's inner steps; the Optimizers' epoch; the evaluation interval")
-    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="DiLoCo's outer SGD lr (default: 0.7 diloco, 1.0 diloco_ef)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="DiLoCo's outer Nesterov momentum, 0: plain SGD (default: 0.9 diloco, "
+                        "0 diloco_ef)")
+    p.add_argument("--density", type=float, default=0.1, help="diloco_ef's top-k density")
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--matchmaking-time", type=float, default=2.0)

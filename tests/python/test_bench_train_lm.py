@@ -62,6 +62,15 @@ def test_model_size_and_causality(bench):
     assert torch.equal(a[:, :10], b[:, :10]) and not torch.equal(a[:, 10:], b[:, 10:])
 
 
+def test_outer_settings_default_per_config(bench):
+    args = bench.parser().parse_args([])
+    assert bench.outer_settings(args, "diloco") == (0.7, 0.9)
+    assert bench.outer_settings(args, "diloco_ef") == (1.0, 0.0)
+    args = bench.parser().parse_args(["--outer-lr", "0.4", "--outer-momentum", "0.5"])
+    assert bench.outer_settings(args, "diloco_ef") == (0.4, 0.5)
+    assert bench.outer_settings(args, "diloco") == (0.4, 0.5)
+
+
 def _run(evals, steps, rank=0, tx0=100, tx_end=None):
     return {"rank": rank, "steps": steps, "tx0": tx0, "evals": evals, "error": None,
             "t_end": evals[-1]["t"], "tx_end": tx_end or evals[-1]["tx"]}
