@@ -76,6 +76,7 @@ mod inbound;
 mod nat;
 mod private;
 mod relay_shares;
+mod replicas;
 mod store;
 mod swarm;
 
