@@ -121,9 +121,8 @@ async fn reporter(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     loop {
         let (due, next) = {
             let mut core = shared.core();
-            let now = now();
-            let due = core.publish_due(now);
-            (due, core.next_publish_time(now))
+            let due = core.publish_due(now());
+            (due, core.next_publish_time())
         };
         if let Some((value, expiration)) = due {
             tokio::select! {
