@@ -174,7 +174,7 @@ fn inputs(round: u64, peer: usize, descriptors: &[TensorDescriptor]) -> Vec<Tens
     sim::make_tensors(descriptors, 1000 + round, peer).unwrap()
 }
 
-/// Four peers, three rounds (8-bit replies); in the second, peer 1 reduces for three replies
+/// Four peers, three rounds (3-bit replies); in the second, peer 1 reduces for three replies
 /// per sender and then aborts them (a reducer that dies). After every round, for every peer:
 /// `Σ applied + residual = Σ inputs + Σ reply feedback` (f32 rounding only), where `applied`
 /// is what its report says a reducer averaged of it and the reply feedback what its own
@@ -182,7 +182,10 @@ fn inputs(round: u64, peer: usize, descriptors: &[TensorDescriptor]) -> Vec<Tens
 /// residual; averages are the means of what peers sent, within the replies' bound.
 #[test]
 fn residuals_stay_exact_when_a_reducer_dies() {
-    let codec = quantized(0.03, 512, 8);
+    // 3-bit replies, coarse (at this density the union's values mostly come from one peer and
+    // are exact on the reply's grid: `quantized_replies_lose_nothing_over_rounds` is where the
+    // feedback is large).
+    let codec = quantized(0.03, 512, 3);
     let descriptors = [desc(&[24_000]), desc(&[100])];
     // 1024 elements per part: about 6 parts per span.
     let part_size = 4096;
@@ -199,14 +202,14 @@ fn residuals_stay_exact_when_a_reducer_dies() {
         cfg.round.stand_ins = false;
         let (xs, sent, res) = Peer::round(&peers, &cfg, round, &descriptors);
         // What every peer holds is the mean of what its contributors sent (`sent`), within
-        // the 8-bit replies' bound (max / 2^7; the largest value sent bounds every chunk's).
+        // the 3-bit replies' bound (max / 2^2; the largest value sent bounds every chunk's).
         let largest = sent
             .iter()
             .flatten()
             .flat_map(|t| t.to_f32_vec())
             .fold(0.0f32, |m, v| m.max(v.abs()));
         assert!(
-            res.max_abs_err() <= largest / 128.0 + 1e-5,
+            res.max_abs_err() <= largest / 4.0 + 1e-5,
             "round {round}: {} (largest {largest})",
             res.max_abs_err()
         );
