@@ -45,8 +45,9 @@ peers`` at the end):
   outer SGD (lr ``--outer-lr``, default 0.7, Nesterov momentum ``--outer-momentum``, default
   0.9), fp32 pseudo-gradients.
 * ``diloco_ef``: the same with ``grad_compression=ErrorFeedbackTopK(--density, --bits,
-  --chunk)`` (defaults 0.1, 2, 2048) and by default plain outer SGD at lr 1.0 (momentum 0):
-  tuned by ``benches/train_lm_sweep.py`` (docs/architecture.md, "Training over home links").
+  --chunk, reply_bits=--reply-bits)`` (defaults 0.1, 2, 2048, 2) and by default plain outer
+  SGD at lr 1.0 (momentum 0): tuned by ``benches/train_lm_sweep.py`` (docs/architecture.md,
+  "Training over home links"; the 2-bit replies were tuned there, not run on this bed).
 
 **Bed.** Namespace ``b30<id>-hub`` holds a bridge; peer ``i`` lives in ``b30<id>-p<i>`` with
 ``eth0`` (10.30.0.<i+1>/24) on it. For a link rate ``R`` Mbit/s (``0``: unlimited) both ends
@@ -303,7 +304,8 @@ class Trainer:
         else:
             from hivemesh.compression import ErrorFeedbackTopK, NoCompression
 
-            codec = ErrorFeedbackTopK(args.density, args.bits, args.chunk) \
+            codec = ErrorFeedbackTopK(args.density, args.bits, args.chunk,
+                                      reply_bits=args.reply_bits) \
                 if cfg == "diloco_ef" else NoCompression()
             outer_lr, outer_momentum = outer_settings(args, cfg)
             self.opt = backend.DiLoCoOptimizer(
@@ -519,7 +521,7 @@ def run_config(bed: Bed, args: argparse.Namespace, config: str, rate: int,
 
 SETTINGS = ("peers", "steps", "fixed_steps", "batch", "ctx", "dim", "layers", "heads", "lr",
             "inner_steps", "outer_lr", "outer_momentum", "density", "bits", "chunk",
-            "matchmaking_time", "val_windows", "max_wall")
+            "reply_bits", "matchmaking_time", "val_windows", "max_wall")
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -631,6 +633,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--density", type=float, default=0.1, help="diloco_ef's top-k density")
     p.add_argument("--bits", type=int, default=2)
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--reply-bits", type=int, default=2,
+                   help="diloco_ef's reducer replies: 2-8 bits (quantized, the reducer keeps "
+                        "their error in its residual) or 32 (raw f32)")
     p.add_argument("--matchmaking-time", type=float, default=2.0)
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--max-wall", type=float, default=300.0, help="seconds per run at most")

@@ -20,7 +20,11 @@ itself, as hivemesh's averager does it with ``ErrorFeedbackTopK``:
   of largest magnitude, quantized to ``--bits`` against the smallest power-of-two step ``2^e``
   with ``max <= 2^(bits-1) * 2^e``, rounded half away from zero, zeros dropped) and
   ``r <- z - y``;
-* every peer gets the mean of the ``y`` (all weights are 1), the outer optimizer (SGD, lr
+* every peer gets the reducers' replies of the mean of the ``y`` (all weights are 1): the mean
+  itself at ``--reply-bits 32``; else per part its ``topk_roundtrip`` at density 1 with
+  ``--reply-bits`` bits in chunks of 2048 (``SparseTopK::encode_reply``), and the part's reducer
+  adds ``N`` times the reply's error to its residual (reducer-side error feedback); the outer
+  optimizer (SGD, lr
   ``--outer-lr``, Nesterov momentum ``--outer-momentum``; plain SGD at momentum 0) steps the
   outer parameters with it as their gradient, and every model restarts from them
   (``--restart unsent``, a variant: from the outer parameters minus its residual, with no
@@ -29,12 +33,12 @@ itself, as hivemesh's averager does it with ``ErrorFeedbackTopK``:
 ``--codec none`` is fp32 DiLoCo (``y = x``, no residual). There is no network, DHT, or failure:
 this is the loss the bed would reach with every round succeeding (the bed's error-feedback runs
 gave the same losses at every evaluation; its fp32 runs differ from run to run in the third
-digit). Defaults: ``train_lm.py``'s (density 0.1, 2 bits, chunk 2048, ...), the outer SGD at
+digit). Defaults: ``train_lm.py``'s (density 0.1, 2 bits, chunk 2048, 2-bit replies, ...), the outer SGD at
 DiLoCo's 0.7 / 0.9, H 25, 300 steps. The payload bytes of a round
 are counted from the actual encodings (:func:`part_bits`, the bit layout of
 ``src/compression/sparse.rs``: headers, counts, the cheaper of Rice code and bitmap for the
-positions, exponents, values; the reducer's reply: the mean's non-zero values as raw f32 in
-chunks of 2048), per peer ``(N - 1) / N`` of its parts plus ``(N - 1) / N`` of the replies
+positions, exponents, values; the reducer's reply: the applied mean's non-zero values in
+chunks of 2048, quantized or raw f32), per peer ``(N - 1) / N`` of its parts plus ``(N - 1) / N`` of the replies
 (every reducer answers its span to the ``N - 1`` others); fp32: ``2 (N - 1) / N * 4D`` plus
 headers. Frame headers, TCP/IP and the DHT are not in it.
 
@@ -156,8 +160,10 @@ class Outer:
     """The outer state and the round's arithmetic (no model, no data: testable alone)."""
 
     def __init__(self, params: Sequence[torch.Tensor], peers: int, codec: str, density: float,
-                 bits: int, chunk: int, lr: float, momentum: float, keep_unsent: bool = False):
+                 bits: int, chunk: int, lr: float, momentum: float, keep_unsent: bool = False,
+                 reply_bits: int = 32):
         self.params = [p.detach().clone().float() for p in params]
+        self.reply_bits = reply_bits
         self.keep_unsent = keep_unsent
         self.codec, self.density, self.bits, self.chunk = codec, density, bits, chunk
         self.residuals = [[torch.zeros_like(p) for p in self.params] for _ in range(peers)]
@@ -188,8 +194,15 @@ class Outer:
             sent.append(ys)
             part_bytes.append(b)
         mean = [sum(s[j] for s in sent) / n for j in range(len(self.params))]
+        reply_err = 0.0
         if self.codec == "topk":
-            reply = sum(tensor_bytes(m.numpy(), REPLY_CHUNK, 32) for m in mean)
+            exact = mean
+            mean = self.replies(mean, n)
+            # The replies' error relative to the mean (0 with f32 replies).
+            num = sum(float(((e - m) ** 2).sum()) for e, m in zip(exact, mean))
+            den = sum(float((e ** 2).sum()) for e in exact)
+            reply_err = math.sqrt(num / den) if den > 0 else 0.0
+            reply = sum(tensor_bytes(m.numpy(), REPLY_CHUNK, self.reply_bits) for m in mean)
         else:
             reply = float(np.mean(part_bytes))
         for p, g in zip(self.params, mean):
@@ -199,8 +212,35 @@ class Outer:
         return {"bytes": share * float(np.mean(part_bytes)) + share * reply,
                 "parts_bytes": share * float(np.mean(part_bytes)), "reply_bytes": share * reply,
                 "nonzero": int(sum(int(torch.count_nonzero(m)) for m in mean)),
+                "reply_error": reply_err,
                 "residual_norm": float(math.sqrt(sum(float((r ** 2).sum())
                                                      for rs in self.residuals for r in rs) / n))}
+
+    @torch.no_grad()
+    def replies(self, mean: Sequence[torch.Tensor], n: int) -> List[torch.Tensor]:
+        """What every peer applies: each part's reducer's reply. Raw f32 (``reply_bits`` 32):
+        the mean itself. Quantized: per part (``PART_VALUES`` values of a tensor, reducers in
+        contiguous equal spans of the parts in order, as the partition assigns them), the
+        mean's :func:`topk_roundtrip` at density 1 in chunks of ``REPLY_CHUNK``
+        (``SparseTopK::encode_reply``), and the reducer adds ``n`` times the reply's error to
+        its residual (all weights 1: the group's next mean carries the error once)."""
+        if self.reply_bits == 32:
+            return list(mean)
+        spans = [(j, s) for j, m in enumerate(mean)
+                 for s in range(0, max(m.numel(), 1), PART_VALUES)]
+        out = []
+        for j, m in enumerate(mean):
+            flat = m.reshape(-1)
+            q = torch.zeros_like(flat)
+            for s in range(0, max(flat.numel(), 1), PART_VALUES):
+                piece = flat[s:s + PART_VALUES]
+                got = topk_roundtrip(piece, 1.0, self.reply_bits, REPLY_CHUNK)
+                q[s:s + PART_VALUES] = got
+                reducer = spans.index((j, s)) * n // len(spans)
+                res = self.residuals[reducer][j].view(-1)
+                res[s:s + PART_VALUES] += n * (piece - got)
+            out.append(q.view_as(m))
+        return out
 
     @torch.no_grad()
     def restart(self, peer: int, params: Sequence[torch.Tensor]) -> None:
@@ -221,7 +261,7 @@ def simulate(args: argparse.Namespace, log=print) -> Dict[str, Any]:
     gens = [torch.Generator().manual_seed(1000 + r) for r in range(args.peers)]
     outer = Outer(list(models[0].parameters()), args.peers, args.codec, args.density, args.bits,
                   args.chunk, args.outer_lr, args.outer_momentum,
-                  keep_unsent=args.restart == "unsent")
+                  keep_unsent=args.restart == "unsent", reply_bits=args.reply_bits)
 
     def evaluate() -> float:
         models[0].eval()
@@ -252,7 +292,7 @@ def simulate(args: argparse.Namespace, log=print) -> Dict[str, Any]:
             "load": [round(x, 2) for x in os.getloadavg()]}
 
 
-SETTING_KEYS = ("codec", "density", "bits", "chunk", "outer_lr", "outer_momentum", "restart",
+SETTING_KEYS = ("codec", "density", "bits", "reply_bits", "chunk", "outer_lr", "outer_momentum", "restart",
                 "inner_steps", "peers", "steps", "batch", "lr", "ctx", "dim", "layers", "heads",
                 "val_windows")
 
@@ -262,7 +302,10 @@ def setting_of(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def label(s: Dict[str, Any]) -> str:
-    codec = f"top-k {s['density']:g}, {s['bits']} bits" if s["codec"] == "topk" else "fp32"
+    reply = s.get("reply_bits", 32)
+    replies = ", f32 replies" if reply == 32 else f", {reply}-bit replies"
+    codec = (f"top-k {s['density']:g}, {s['bits']} bits{replies}" if s["codec"] == "topk"
+             else "fp32")
     keep = ", keep unsent" if s.get("restart") == "unsent" and s["codec"] == "topk" else ""
     return (f"{codec}, H {s['inner_steps']}, outer lr {s['outer_lr']:g} mom "
             f"{s['outer_momentum']:g}{keep}")
@@ -295,7 +338,8 @@ def report(runs: List[Dict[str, Any]], at: Sequence[int]) -> str:
         s = run["setting"]
         topk = s["codec"] == "topk"
         return (s["inner_steps"], topk, s.get("restart") == "unsent", s["density"] if topk
-                else 0, -s["outer_lr"], -s["outer_momentum"], s["bits"])
+                else 0, -s["outer_lr"], -s["outer_momentum"], s["bits"],
+                -s.get("reply_bits", 32))
 
     head = "| setting | " + " | ".join(f"loss at {a} (vs fp32)" for a in at) + \
         " | payload kB/peer/round | of it replies | values in the mean/round | " \
@@ -323,7 +367,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     base = lm.parser()
     for name in ("peers", "batch", "ctx", "dim", "layers", "heads", "lr", "val_windows",
-                 "density", "bits", "chunk", "stdlib"):
+                 "density", "bits", "chunk", "reply_bits", "stdlib"):
         action = next(a for a in base._actions if a.dest == name)
         p.add_argument(*action.option_strings, type=action.type, default=action.default,
                        help=action.help)

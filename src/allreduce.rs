@@ -600,6 +600,14 @@ pub struct Outcome {
     pub parts: Vec<PartSpec>,
     /// What was averaged.
     pub report: RoundReport,
+    /// Error feedback of this peer's quantized sparse replies ([`crate::compression::
+    /// SparseTopK::reply_bits`] below 32): for each global part whose result is a reply this
+    /// peer encoded (as the part's reducer or its stand-in) and applied itself, the reply's
+    /// error, `average − decoded reply`, times the contributors' total weight over this peer's
+    /// weight (times 1 under [`Aggregator::Sum`]), so that the group's next average carries it
+    /// when it is added to this peer's residual ([`crate::compression::feedback`]). Empty for
+    /// other codecs, raw f32 replies and aggregators other than the mean and the sum.
+    pub reply_feedback: Vec<(usize, Vec<f32>)>,
 }
 
 /// Checks that `tensors` has the layout `parts` were cut from (every part inside its tensor).
@@ -814,6 +822,7 @@ mod tests {
                 banned: PeerSet::new(),
                 failed_reducers: PeerSet::new(),
             },
+            reply_feedback: Vec::new(),
         }
     }
 

@@ -14,7 +14,7 @@
 //! | [`CompressionType::Uniform8Bit`] | f32 codebook\[256\] + u8 index per value, bins of 6σ/256 around the mean | MSE < 8e-4 for N(0,1) |
 //! | [`CompressionType::Quantile8Bit`] | f32 codebook\[256\] + u8 index per value, bins at quantiles | MSE < 8e-4 for N(0,1) (2^20 values) |
 //! | [`CompressionType::Blockwise8Bit`] | per block of 4096: f32 absmax, dynamic signed codebook, u8 index | MSE < 8e-4 for N(0,1) |
-//! | [`CompressionType::SparseTopK`] | per chunk: top-k positions (Rice or bitmap), power-of-two step, 2-8 bit values | kept values within `max_chunk / 2^(bits−1)`; the rest dropped (error feedback carries them) |
+//! | [`CompressionType::SparseTopK`] | per chunk: top-k positions (Rice or bitmap), power-of-two step, 2-8 bit values | kept values within `max_chunk / 2^(bits−1)`; the rest dropped (error feedback carries them); a reducer's reply: every value of the average within `max_chunk / 2^(reply_bits−1)` (quantized, the reducer's residual carries the error) or exact (32 bits) |
 //!
 //! Each codec type documents its exact layout, the checks its decoder makes, and the bounds it
 //! states and tests. The lossy codecs take any input dtype, declare [`DType::F32`] on the wire
@@ -170,6 +170,12 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     /// Decodes `payload`, which declares `dtype` (see [`Codec::wire_dtype`]), into exactly
     /// `out.len()` f32 values.
     fn decode(&self, payload: &[u8], dtype: DType, out: &mut [f32]) -> Result<(), CodecError>;
+
+    /// The sparse codec's parameters, for [`CompressionType::SparseTopK`] (a reducer encodes
+    /// its replies with them); `None` for the others.
+    fn sparse(&self) -> Option<&SparseTopK> {
+        None
+    }
 }
 
 /// Which codec to use for the parts of a tensor.

@@ -356,6 +356,24 @@ pub fn sparse_codec(data: &[u8]) {
         twice.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         "encoding decoded values changed them"
     );
+    // A quantized reply of the values (as a reducer sends its average): it decodes, and every
+    // value is within max_c / 2^(bits−1) of the input (2^−150 at the subnormal floor).
+    let replier = codec.with_reply_bits(bits).expect("valid reply bits");
+    let mut reply = Vec::new();
+    replier.encode_reply(&values, &mut reply);
+    let mut replied = vec![0.0f32; values.len()];
+    decode_sparse(&reply, DType::F32, &mut replied).expect("a quantized reply decodes");
+    let reply_chunk = 1usize << REPLY_CHUNK_LOG2;
+    for (xs, ys) in values.chunks(reply_chunk).zip(replied.chunks(reply_chunk)) {
+        let max = xs.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+        let bound = (max / f64::from(1u32 << (bits - 1))).max(2f64.powi(-150));
+        for (x, y) in xs.iter().zip(ys) {
+            assert!(
+                (f64::from(*x) - f64::from(*y)).abs() <= bound * (1.0 + 1e-9),
+                "reply value {y} for {x}, bound {bound}"
+            );
+        }
+    }
 }
 
 /// The TLS record layer's receiving side ([`crate::transport`]'s record layer) over a stream
@@ -514,6 +532,22 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         6,
         &mut reply,
     );
+    seeds.push(("sparse_codec", reply));
+    // A quantized reply (8 bits, chunks of 2048, a short last chunk).
+    let mut reply = vec![5u8];
+    let average: Vec<f32> = (0..2100)
+        .map(|i| {
+            if i % 3 == 0 {
+                (i as f32 - 1000.0) / 9.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    crate::compression::SparseTopK::DEFAULT
+        .with_reply_bits(8)
+        .expect("valid")
+        .encode_reply(&average, &mut reply);
     seeds.push(("sparse_codec", reply));
 
     // Data, an empty record, data with padding, close_notify; then a corrupted variant.

@@ -114,14 +114,19 @@ class ErrorFeedbackTopK(CompressionBase):
 
     Reducers average the sparse parts over the union of the positions they received and send
     that union back (not densified), the same bytes to every member: all peers end a step with
-    identical values. Tensors hold the averaged compressed contributions afterwards, so use it
+    identical values. ``reply_bits`` (2 to 8, or 32) is how those replies carry the average:
+    quantized like the parts (every value of the union kept, each chunk of 2048 on its own
+    power-of-two step, within ``max / 2**(reply_bits - 1)``), the reducer keeping the rounding
+    error in its own residual, scaled so that the next step's average delivers it; or 32: exact
+    float32 (about 3x the bytes of 8 bits). Tensors hold the averaged compressed contributions afterwards, so use it
     for additive quantities (gradients, DiLoCo's pseudo-gradients), not for parameters. Every
     member of a swarm must use the same parameters; CPU tensors only.
     """
 
     code = 7
 
-    def __init__(self, density: float = 0.02, bits: int = 2, chunk: int = 2048):
+    def __init__(self, density: float = 0.02, bits: int = 2, chunk: int = 2048,
+                 reply_bits: int = 8):
         density = float(density)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], not {density!r}")
@@ -129,12 +134,16 @@ class ErrorFeedbackTopK(CompressionBase):
             raise ValueError(f"bits must be an int from 2 to 8, not {bits!r}")
         if not isinstance(chunk, int) or chunk < 64 or chunk > 65536 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two from 64 to 65536, not {chunk!r}")
+        if not isinstance(reply_bits, int) or not (2 <= reply_bits <= 8 or reply_bits == 32):
+            raise ValueError(f"reply_bits must be an int from 2 to 8, or 32, not {reply_bits!r}")
         self.density = density
         self.bits = bits
         self.chunk = chunk
+        self.reply_bits = reply_bits
 
     def _spec(self) -> Union[Tuple[int, int, int], str]:
-        return f"topk:{self.density!r}:{self.bits}:{self.chunk}"
+        return f"topk:{self.density!r}:{self.bits}:{self.chunk}:{self.reply_bits}"
 
     def __repr__(self) -> str:
-        return f"ErrorFeedbackTopK(density={self.density!r}, bits={self.bits}, chunk={self.chunk})"
+        return (f"ErrorFeedbackTopK(density={self.density!r}, bits={self.bits}, "
+                f"chunk={self.chunk}, reply_bits={self.reply_bits})")

@@ -129,6 +129,10 @@ pub struct Butterfly {
     tensors: Arc<Vec<Tensor>>,
     /// What each part of our tensors became (senders only).
     outputs: Option<Vec<PartResult>>,
+    /// Per part: where `outputs` holds a quantized sparse reply this peer encoded (its own
+    /// span, or one it stood in for), the reply's error scaled for error feedback
+    /// ([`Outcome::reply_feedback`]).
+    reply_feedback: Vec<Option<Vec<f32>>>,
     /// Per tensor: its values are still being written (a device snapshot on its way to the
     /// host), so none of its parts is sent or reduced yet ([`Butterfly::mark_ready`]).
     pending: Vec<bool>,
@@ -297,6 +301,7 @@ impl Butterfly {
             pending: pending_tensors,
             modes,
             results: vec![None; partition.num_parts()],
+            reply_feedback: vec![None; partition.num_parts()],
             partition,
             codecs,
             tensors: Arc::new(tensors),
@@ -360,6 +365,7 @@ impl Butterfly {
                 results: self.outputs.clone(),
                 parts: self.partition.parts().to_vec(),
                 report: self.report(),
+                reply_feedback: self.reply_feedback(),
             }),
         }
     }
@@ -372,6 +378,7 @@ impl Butterfly {
             State::Cancelled => Err(RoundError::Cancelled),
             State::Finished => {
                 let report = self.report();
+                let reply_feedback = self.reply_feedback();
                 // Outgoing parts borrow the tensors; once every message is gone (the runner
                 // joins its writers first) this is a move, else a copy.
                 let tensors =
@@ -382,10 +389,20 @@ impl Butterfly {
                         results: self.outputs,
                         parts: self.partition.parts().to_vec(),
                         report,
+                        reply_feedback,
                     },
                 ))
             }
         }
+    }
+
+    /// The parts whose result is a quantized reply of ours, with their scaled errors.
+    fn reply_feedback(&self) -> Vec<(usize, Vec<f32>)> {
+        self.reply_feedback
+            .iter()
+            .enumerate()
+            .filter_map(|(g, e)| e.as_ref().map(|e| (g, e.clone())))
+            .collect()
     }
 
     /// The next event for the driver.

@@ -226,6 +226,8 @@ pub struct CompletedPart {
     pub average: Option<Vec<f32>>,
     /// Senders whose values are in the average (empty when `average` is `None`).
     pub contributors: PeerSet,
+    /// The total weight of `contributors` (0 when `average` is `None`).
+    pub total_weight: f64,
     /// The inputs of the part's contributors (for replies that depend on them: lossy codecs'
     /// deltas). Non-finite contributions are not among them.
     pub inputs: Vec<(usize, Input)>,
@@ -550,15 +552,19 @@ impl Reducer {
         let mut contributions = std::mem::take(&mut self.parts[i].contributions);
         let mut non_finite = Vec::new();
         let average = self.average(len, &mut contributions, &mut non_finite);
-        let contributors = if average.is_some() {
-            PeerSet::from_indices(contributions.iter().map(|(s, _, _)| *s))
+        let (contributors, total_weight) = if average.is_some() {
+            (
+                PeerSet::from_indices(contributions.iter().map(|(s, _, _)| *s)),
+                contributions.iter().map(|(_, w, _)| w).sum(),
+            )
         } else {
-            PeerSet::new()
+            (PeerSet::new(), 0.0)
         };
         Some(CompletedPart {
             part: self.span.start + i,
             average,
             contributors,
+            total_weight,
             inputs: contributions.into_iter().map(|(s, _, x)| (s, x)).collect(),
             non_finite,
         })

@@ -19,12 +19,21 @@
 //!      delta rule: it holds only what the group averaged, and the input is not applied twice,
 //!      once locally and once from the residual later).
 //!
+//!    * reducer-side feedback: where the part's result is a quantized reply this peer encoded
+//!      itself (its own span, or one it stood in for; [`SparseTopK::reply_bits`] below 32),
+//!      the group applied `avg − e` instead of the average `avg`; the outcome carries
+//!      `s · e` for the part ([`Outcome::reply_feedback`], `s` the contributors' total
+//!      weight over this peer's), and `r ← r + s · e`: the group's next average (same weights)
+//!      carries `e` once.
+//!
 //!    A round that fails (an error, a cancel, a timeout) never reaches `commit`: the residual
 //!    stays what it was and the tensors are untouched, so nothing is lost.
 //!
-//! Hence, over any sequence of rounds, `Σ applied + r = Σ x` exactly up to f32 rounding
-//! (`applied` = `y` where the peer's report names it, 0 elsewhere): the quantizer's and the
-//! sparsifier's errors sit in `r`, not lost. One caveat stays: a reducer that dies after
+//! Hence, over any sequence of rounds, `Σ applied + r = Σ x + Σ s · e` exactly up to f32
+//! rounding (`applied` = `y` where the peer's report names it, 0 elsewhere; `s · e` the reply
+//! feedback it received): the quantizer's and the sparsifier's errors sit in `r`, not lost.
+//! Over the group (equal weights, every part averaged), the applied averages plus the mean
+//! residual equal the mean of the inputs: the replies' quantization error is not lost either. One caveat stays: a reducer that dies after
 //! answering some senders but not this one applied this peer's `y` for them, while this peer
 //! keeps it in its residual and sends it again later (counted twice by the group, never
 //! lost). Error feedback is meant for additive quantities (gradients, pseudo-gradients), not
@@ -180,6 +189,13 @@ impl ErrorFeedback {
         if results.len() != outcome.parts.len() {
             return Err(FeedbackError::Layout("one result per part expected".into()));
         }
+        for (g, e) in &outcome.reply_feedback {
+            if outcome.parts.get(*g).is_none_or(|p| p.len != e.len()) {
+                return Err(FeedbackError::Layout(
+                    "reply feedback that does not fit its part".into(),
+                ));
+            }
+        }
         let mut new_residuals = Vec::with_capacity(inputs.len());
         for t in 0..inputs.len() {
             let z = self.corrected(inputs, t);
@@ -189,6 +205,14 @@ impl ErrorFeedback {
                 if p.tensor == t && weight > 0.0 && !matches!(result, PartResult::Local) {
                     for (ri, yi) in r[p.range()].iter_mut().zip(&y[p.range()]) {
                         *ri -= yi;
+                    }
+                }
+            }
+            for (g, e) in &outcome.reply_feedback {
+                let p = &outcome.parts[*g];
+                if p.tensor == t && weight > 0.0 && !matches!(results[*g], PartResult::Local) {
+                    for (ri, ei) in r[p.range()].iter_mut().zip(e) {
+                        *ri += ei;
                     }
                 }
             }
@@ -293,6 +317,20 @@ mod tests {
             results: Some(results),
             parts,
             report: RoundReport::default(),
+            reply_feedback: Vec::new(),
+        }
+    }
+
+    /// The residual is `inputs + before` (nothing of the round was applied).
+    fn assert_residual_is_input_plus(fb: &ErrorFeedback, inputs: &[Tensor], before: &[Vec<f32>]) {
+        for (t, x) in inputs.iter().enumerate() {
+            let want: Vec<f32> = x
+                .to_f32_vec()
+                .iter()
+                .zip(&before[t])
+                .map(|(a, b)| a + b)
+                .collect();
+            assert_eq!(fb.residuals()[t], want);
         }
     }
 
@@ -359,6 +397,60 @@ mod tests {
         }
     }
 
+    /// Reply feedback (a reducer's quantized replies' scaled error) goes into the residual
+    /// where the part was applied, not where it stayed local or the weight is 0; feedback that
+    /// does not fit its part is a layout error and changes nothing.
+    #[test]
+    fn reply_feedback_goes_into_the_residual() {
+        let codec = SparseTopK::new(0.05, 3, 256).unwrap();
+        let shapes: Vec<TensorDescriptor> = tensors(0).iter().map(TensorDescriptor::of).collect();
+        let mut fb = ErrorFeedback::new(codec, 4096, &shapes);
+        let parts = fb.parts().unwrap();
+        assert!(parts.len() >= 3);
+        let inputs = tensors(7);
+        let sent = fb.prepare(&inputs).unwrap();
+        let feedback = |g: usize| -> Vec<f32> {
+            (0..parts[g].len)
+                .map(|e| (g * 1000 + e) as f32 * 1e-3)
+                .collect()
+        };
+        // Part 0 applied with feedback, part 1 local with feedback (ignored), the rest applied.
+        let mut outcome = outcome_of(&fb, &sent, |i| i != 1);
+        outcome.reply_feedback = vec![(0, feedback(0)), (1, feedback(1))];
+        fb.commit(&inputs, &sent, &mut outcome, 1.0).unwrap();
+        for (g, p) in parts.iter().enumerate() {
+            let x = inputs[p.tensor].to_f32_vec();
+            let y = sent[p.tensor].to_f32_vec();
+            let r = &fb.residuals()[p.tensor][p.range()];
+            for (e, i) in p.range().enumerate() {
+                let want = match g {
+                    0 => x[i] - y[i] + feedback(0)[e],
+                    1 => x[i],
+                    _ => x[i] - y[i],
+                };
+                assert_eq!(r[e], want, "part {g} [{e}]");
+            }
+        }
+        // Weight 0: nothing applied, no feedback either.
+        let before = fb.residuals().to_vec();
+        let sent = fb.prepare(&inputs).unwrap();
+        let mut outcome = outcome_of(&fb, &sent, |_| true);
+        outcome.reply_feedback = vec![(0, feedback(0))];
+        fb.commit(&inputs, &sent, &mut outcome, 0.0).unwrap();
+        assert_residual_is_input_plus(&fb, &inputs, &before);
+        // Feedback of the wrong length, or for a part that does not exist.
+        let before = fb.residuals().to_vec();
+        for bad in [(0, vec![1.0f32; 3]), (parts.len(), vec![])] {
+            let mut outcome = outcome_of(&fb, &sent, |_| true);
+            outcome.reply_feedback = vec![bad];
+            assert!(matches!(
+                fb.commit(&inputs, &sent, &mut outcome, 1.0),
+                Err(FeedbackError::Layout(_))
+            ));
+            assert_eq!(fb.residuals(), &before[..]);
+        }
+    }
+
     /// The ordered delta rule: untouched tensors get the result bit for bit, a change made
     /// during the round stays on top.
     #[test]
@@ -388,6 +480,7 @@ mod tests {
             ),
             parts: parts.clone(),
             report: RoundReport::default(),
+            reply_feedback: Vec::new(),
         };
         fb.commit(&inputs, &sent, &mut outcome, 1.0).unwrap();
         let mut now = inputs.clone();
@@ -438,15 +531,7 @@ mod tests {
         let results = listener.results.clone();
         fb.commit(&next, &sent_next, &mut listener, 0.0).unwrap();
         assert_eq!(listener.results, results, "the others' average stays");
-        for (t, x) in next.iter().enumerate() {
-            let want: Vec<f32> = x
-                .to_f32_vec()
-                .iter()
-                .zip(&before[t])
-                .map(|(a, b)| a + b)
-                .collect();
-            assert_eq!(fb.residuals()[t], want);
-        }
+        assert_residual_is_input_plus(&fb, &next, &before);
         let before = fb.residuals().to_vec();
         let mut bad = tensors(3);
         bad[1] = Tensor::from_f32(&[3], vec![0.0, f32::NAN, 1.0]).unwrap();

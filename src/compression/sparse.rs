@@ -46,10 +46,15 @@
 //! finer power of two, and every decoded value lies on it): an averager can compress its input
 //! once, keep the residual, and the round's encoder sends exactly those values.
 //!
-//! A reducer answers with the average over the union of the positions it received (the
-//! average's non-zero values, as raw f32 with the same position coding,
-//! [`encode_nonzeros_f32`]), the same bytes for every sender: never densified, and every peer
-//! ends with the same values.
+//! A reducer answers with the average over the union of the positions it received, the same
+//! bytes for every sender, never densified ([`SparseTopK::encode_reply`]): its non-zero values
+//! either as raw f32 ([`encode_nonzeros_f32`], `reply_bits` 32) or quantized like a part, to
+//! `reply_bits` bits on each chunk's power-of-two step with every value kept (those that round
+//! to 0 dropped), in chunks of `2^REPLY_CHUNK_LOG2`. Every member, the reducer included,
+//! applies the decoded reply, so every peer ends with the same values. A quantized reply's
+//! values are within the bound above of the average (`max_c` now the average's largest
+//! magnitude in the chunk); the reducer keeps that error in its own residual (see
+//! [`super::feedback`]).
 
 use std::sync::Mutex;
 
@@ -65,8 +70,11 @@ pub const RAW_F32_BITS: u8 = 32;
 pub const MIN_CHUNK_LOG2: u8 = 6;
 /// Largest chunk, as log2.
 pub const MAX_CHUNK_LOG2: u8 = 16;
-/// Chunk (as log2) of a reducer's replies ([`encode_nonzeros_f32`]).
+/// Chunk (as log2) of a reducer's replies ([`SparseTopK::encode_reply`]).
 pub const REPLY_CHUNK_LOG2: u8 = 11;
+/// Bits per value of a reducer's reply unless configured otherwise
+/// ([`SparseTopK::with_reply_bits`]).
+pub const DEFAULT_REPLY_BITS: u8 = 8;
 /// Bias of the 9-bit exponent field: step `2^(field − 149)`.
 const EXP_BIAS: i32 = 149;
 /// Largest valid exponent field (step 2^127).
@@ -75,12 +83,14 @@ const EXP_MAX_FIELD: u32 = 276;
 /// decoder, so the receiver treats the part as it treats any non-finite contribution).
 const EXP_NON_FINITE: u32 = 511;
 
-/// The sparse codec's parameters: chunk size, kept values per chunk, bits per kept value.
+/// The sparse codec's parameters: chunk size, kept values per chunk, bits per kept value, and
+/// bits per value of a reducer's reply.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SparseTopK {
     chunk_log2: u8,
     k: u32,
     bits: u8,
+    reply_bits: u8,
 }
 
 /// Parameters a [`SparseTopK`] cannot have.
@@ -95,38 +105,60 @@ impl Default for SparseTopK {
 }
 
 impl SparseTopK {
-    /// 2 % density (41 of 2048 values per chunk), 2 bits per kept value.
+    /// 2 % density (41 of 2048 values per chunk), 2 bits per kept value, replies of
+    /// [`DEFAULT_REPLY_BITS`].
     pub const DEFAULT: Self = Self {
         chunk_log2: 11,
         k: 41,
         bits: 2,
+        reply_bits: DEFAULT_REPLY_BITS,
     };
 
-    /// Parses `""` (the default) or `":<density>:<bits>:<chunk>"` (what follows `topk` in
-    /// [`super::Compression`]'s string form).
+    /// Parses `""` (the default), `":<density>:<bits>:<chunk>"` (replies of
+    /// [`DEFAULT_REPLY_BITS`]) or `":<density>:<bits>:<chunk>:<reply_bits>"` (what follows
+    /// `topk` in [`super::Compression`]'s string form).
     pub fn parse(s: &str) -> Result<Self, String> {
         if s.is_empty() {
             return Ok(Self::DEFAULT);
         }
         let fields: Vec<&str> = s.strip_prefix(':').unwrap_or("").split(':').collect();
-        let [density, bits, chunk] = fields[..] else {
-            return Err(format!(
-                "expected topk:<density>:<bits>:<chunk>, not topk{s}"
-            ));
+        let (density, bits, chunk, reply_bits) = match fields[..] {
+            [density, bits, chunk] => (density, bits, chunk, None),
+            [density, bits, chunk, reply_bits] => (density, bits, chunk, Some(reply_bits)),
+            _ => {
+                return Err(format!(
+                    "expected topk:<density>:<bits>:<chunk>[:<reply_bits>], not topk{s}"
+                ));
+            }
         };
         let bad = |what: &str, v: &str| format!("topk {what} {v:?} is not a number");
         let density: f64 = density.parse().map_err(|_| bad("density", density))?;
         let bits: u8 = bits.parse().map_err(|_| bad("bits", bits))?;
         let chunk: usize = chunk.parse().map_err(|_| bad("chunk", chunk))?;
-        Self::new(density, bits, chunk).map_err(|e| e.to_string())
+        let codec = Self::new(density, bits, chunk).map_err(|e| e.to_string())?;
+        match reply_bits {
+            None => Ok(codec),
+            Some(r) => {
+                let r: u8 = r.parse().map_err(|_| bad("reply bits", r))?;
+                codec.with_reply_bits(r).map_err(|e| e.to_string())
+            }
+        }
     }
 
     /// The string form [`SparseTopK::parse`] reads back (after `topk`).
     pub fn spec(&self) -> String {
-        format!(":{}:{}:{}", self.density(), self.bits, self.chunk())
+        format!(
+            ":{}:{}:{}:{}",
+            self.density(),
+            self.bits,
+            self.chunk(),
+            self.reply_bits
+        )
     }
+
     /// Keeps `round(density · chunk)` (at least 1) values per chunk of `chunk` (a power of two,
-    /// 64..=65536) values, each quantized to `bits` (2..=8) bits.
+    /// 64..=65536) values, each quantized to `bits` (2..=8) bits; replies of
+    /// [`DEFAULT_REPLY_BITS`].
     pub fn new(density: f64, bits: u8, chunk: usize) -> Result<Self, SparseConfigError> {
         if !(density > 0.0 && density <= 1.0) {
             return Err(SparseConfigError(format!(
@@ -149,7 +181,43 @@ impl SparseTopK {
             chunk_log2: log2 as u8,
             k,
             bits,
+            reply_bits: DEFAULT_REPLY_BITS,
         })
+    }
+
+    /// The same codec with reducers' replies of `reply_bits`: 2..=8 (quantized, see
+    /// [`SparseTopK::encode_reply`]) or 32 (raw f32, exact).
+    pub fn with_reply_bits(self, reply_bits: u8) -> Result<Self, SparseConfigError> {
+        if !((2..=8).contains(&reply_bits) || reply_bits == RAW_F32_BITS) {
+            return Err(SparseConfigError(format!(
+                "reply bits must be 2..=8 or 32, not {reply_bits}"
+            )));
+        }
+        Ok(Self { reply_bits, ..self })
+    }
+
+    /// Bits per value of a reducer's reply (32: raw f32).
+    pub fn reply_bits(&self) -> u8 {
+        self.reply_bits
+    }
+
+    /// Appends a reducer's reply: the non-zero values of `average` (the mean over the union of
+    /// the positions it received) in chunks of `2^REPLY_CHUNK_LOG2`, as raw f32 (reply bits
+    /// 32: exact) or quantized to the reply bits on each chunk's power-of-two step with every
+    /// value kept, those that round to 0 dropped (each value within `max_c / 2^(bits−1)` of
+    /// the average, as for a part; see the module docs).
+    pub fn encode_reply(&self, average: &[f32], out: &mut Vec<u8>) {
+        if self.reply_bits == RAW_F32_BITS {
+            encode_nonzeros_f32(average, REPLY_CHUNK_LOG2, out);
+        } else {
+            Self {
+                chunk_log2: REPLY_CHUNK_LOG2,
+                k: 1 << REPLY_CHUNK_LOG2,
+                bits: self.reply_bits,
+                reply_bits: self.reply_bits,
+            }
+            .encode_f32(average, out);
+        }
     }
 
     /// Values per chunk.
@@ -478,6 +546,10 @@ impl Codec for SparseTopK {
         CompressionType::SparseTopK
     }
 
+    fn sparse(&self) -> Option<&SparseTopK> {
+        Some(self)
+    }
+
     /// As if the values went as raw f32, on purpose: parts are sized as for raw f32 values
     /// (128K elements at the default 512 KiB) whatever the density and the input dtype, so
     /// that spans stay balanced over small models and an averager can cut its parts before
@@ -748,7 +820,49 @@ mod tests {
             // The reply format carries the non-zero values exactly.
             let mut reply = Vec::new();
             encode_nonzeros_f32(&y, REPLY_CHUNK_LOG2, &mut reply);
+            let mut raw = Vec::new();
+            c.with_reply_bits(RAW_F32_BITS).unwrap().encode_reply(&y, &mut raw);
+            prop_assert_eq!(&raw, &reply);
             prop_assert_eq!(decode(&reply, n).unwrap(), y);
+        }
+
+        /// A quantized reply of any values (an average: dense or sparse) keeps every value
+        /// within `max_c / 2^(reply_bits−1)` per chunk of 2048 (or 2^−150), sends no more
+        /// entries than the non-zero values, and the decoder reads it like a part.
+        #[test]
+        fn quantized_replies_are_within_the_bound(
+            reply_bits in 2u8..=8,
+            n in 0usize..9000,
+            scale in -30i32..30,
+            sparsity in 0u32..4,
+            seed in any::<u64>(),
+        ) {
+            let mut x: Vec<f32> = randn(n, seed).iter().map(|v| v * 2f32.powi(scale)).collect();
+            // Keep about 1 in 2^sparsity values (an average over a union of positions).
+            for (i, v) in x.iter_mut().enumerate() {
+                if (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(seed) >> 61
+                    >= 8 >> sparsity
+                {
+                    *v = 0.0;
+                }
+            }
+            let c = SparseTopK::DEFAULT.with_reply_bits(reply_bits).unwrap();
+            let mut reply = Vec::new();
+            c.encode_reply(&x, &mut reply);
+            prop_assert_eq!(reply[0], reply_bits);
+            prop_assert_eq!(reply[1], REPLY_CHUNK_LOG2);
+            let y = decode(&reply, n).unwrap();
+            // As a part of a codec that keeps every value of its chunks.
+            let every = SparseTopK {
+                chunk_log2: REPLY_CHUNK_LOG2,
+                k: 1 << REPLY_CHUNK_LOG2,
+                bits: reply_bits,
+                reply_bits,
+            };
+            check_bounds(&every, &x, &y)?;
+            let nonzero = |v: &[f32]| v.iter().filter(|v| **v != 0.0).count();
+            prop_assert!(nonzero(&y) <= nonzero(&x));
+            prop_assert!(reply.len() <= every.max_encoded_len(n));
         }
 
         /// Any change of a valid payload decodes to finite values or fails with a typed error;
@@ -955,8 +1069,18 @@ mod tests {
     fn parameters_and_their_string_form() {
         let c = SparseTopK::new(0.02, 2, 2048).unwrap();
         assert_eq!(c, SparseTopK::DEFAULT);
+        assert_eq!(c.reply_bits(), DEFAULT_REPLY_BITS);
         assert_eq!(SparseTopK::parse(&c.spec()).unwrap(), c);
         assert_eq!(SparseTopK::parse("").unwrap(), c);
+        assert_eq!(SparseTopK::parse(":0.02:2:2048").unwrap(), c);
+        let raw = SparseTopK::parse(":0.02:2:2048:32").unwrap();
+        assert_eq!(raw, c.with_reply_bits(32).unwrap());
+        assert_eq!(raw.reply_bits(), RAW_F32_BITS);
+        assert_eq!(SparseTopK::parse(&raw.spec()).unwrap(), raw);
+        assert_eq!(SparseTopK::parse(":0.02:2:2048:4").unwrap().reply_bits(), 4);
+        for bad in [0u8, 1, 9, 16, 31, 33] {
+            assert!(c.with_reply_bits(bad).is_err(), "{bad}");
+        }
         let c3 = SparseTopK::parse(":0.01:3:1024").unwrap();
         assert_eq!((c3.k(), c3.bits(), c3.chunk()), (10, 3, 1024));
         assert!(std::ptr::eq(c3.interned(), c3.interned()));
@@ -968,6 +1092,10 @@ mod tests {
             ":0.5:2:32",
             ":x:2:64",
             ":0.1:2",
+            ":0.1:2:64:1",
+            ":0.1:2:64:9",
+            ":0.1:2:64:x",
+            ":0.1:2:64:8:8",
         ] {
             assert!(SparseTopK::parse(bad).is_err(), "{bad}");
         }

@@ -169,6 +169,7 @@ mod tests {
                 },
             ],
             report: Default::default(),
+            reply_feedback: Vec::new(),
         }
     }
 
@@ -231,6 +232,7 @@ mod tests {
             results: None,
             parts: vec![],
             report: Default::default(),
+            reply_feedback: Vec::new(),
         };
         let mut buf = vec![7u8; 12];
         fill_deltas(&aux, 0, &start, DType::F32, &mut buf).unwrap();
@@ -247,6 +249,7 @@ mod tests {
                 len: 2,
             }],
             report: Default::default(),
+            reply_feedback: Vec::new(),
         };
         assert!(fill_deltas(&bad, 0, &start, DType::F32, &mut buf).is_err());
         // Results that do not fit their parts.
@@ -258,6 +261,7 @@ mod tests {
                 len: 3,
             }],
             report: Default::default(),
+            reply_feedback: Vec::new(),
         };
         assert!(fill_deltas(&short, 0, &start, DType::F32, &mut buf).is_err());
     }

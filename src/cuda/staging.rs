@@ -554,6 +554,7 @@ mod tests {
                         len: n,
                     }],
                     report: Default::default(),
+                    reply_feedback: Vec::new(),
                 };
                 staging.apply(&outcome, 0, &snap, 0.75).unwrap();
                 let dd = delta_dtype(sd);

@@ -24,10 +24,12 @@ def sweep():
     return module
 
 
-@pytest.mark.parametrize("bits", [2, 3])
-def test_roundtrip_and_residuals_are_the_averagers(sweep, make_dht, bits):
-    """Two averagers, two steps: each step's average is the mean of the simulated
-    roundtrips of (input + residual), and each residual is what the simulation keeps."""
+@pytest.mark.parametrize("bits,reply_bits", [(2, 32), (3, 8), (2, 4)])
+def test_roundtrip_and_residuals_are_the_averagers(sweep, make_dht, bits, reply_bits):
+    """Two averagers, two steps: each step's average is the simulated reply of the mean of
+    the simulated roundtrips of (input + residual) (the mean itself with f32 replies), and
+    each residual is what the simulation keeps: its own ``z - y``, plus ``n`` times the
+    reply's error on the tensors (one part each) it reduced."""
     hivemesh = pytest.importorskip("hivemesh")
     from hivemesh.compression import ErrorFeedbackTopK
 
@@ -38,8 +40,11 @@ def test_roundtrip_and_residuals_are_the_averagers(sweep, make_dht, bits):
     averagers = [hivemesh.DecentralizedAverager(
         ts, make_dht(), prefix=f"sim{bits}", target_group_size=n, min_group_size=n,
         min_matchmaking_time=2.0, request_timeout=10.0, start=True,
-        compression=ErrorFeedbackTopK(density=density, bits=bits, chunk=chunk))
+        compression=ErrorFeedbackTopK(density=density, bits=bits, chunk=chunk,
+                                      reply_bits=reply_bits))
         for ts in tensors]
+    replies = sweep.Outer([torch.zeros(s) for s in shapes], n, "topk", density, bits, chunk,
+                          lr=1.0, momentum=0.0, reply_bits=reply_bits)
     residuals = [[np.zeros(s, dtype=np.float32) for s in shapes] for _ in range(n)]
     try:
         for step in range(2):
@@ -47,7 +52,11 @@ def test_roundtrip_and_residuals_are_the_averagers(sweep, make_dht, bits):
             for i in range(n):
                 ys = []
                 for k, s in enumerate(shapes):
-                    x = rng.standard_normal(s).astype(np.float32) * (1 + 10 * k)
+                    # Chunk j scaled by 4^j: the chunks' steps differ by 2 octaves each, so a
+                    # quantized reply of the mean (one reply chunk) is not exact (with steps
+                    # that agree, 4 bits and up would be: 2 peers, 2-3 bit parts).
+                    scale = 4.0 ** (np.arange(int(np.prod(s))).reshape(s) // chunk)
+                    x = (rng.standard_normal(s) * scale).astype(np.float32) * (1 + 10 * k)
                     tensors[i][k][...] = x
                     z = x + residuals[i][k]
                     y = sweep.topk_roundtrip(torch.from_numpy(z), density, bits, chunk).numpy()
@@ -57,17 +66,37 @@ def test_roundtrip_and_residuals_are_the_averagers(sweep, make_dht, bits):
             controls = [a.step(wait=False, timeout=STEP_TIMEOUT) for a in averagers]
             for c in controls:
                 assert c.result(timeout=STEP_TIMEOUT) is not None
+            means = [torch.from_numpy(sum(s[k] for s in sent) / n) for k in range(len(shapes))]
+            replies.residuals = [[torch.zeros(s) for s in shapes] for _ in range(n)]
+            applied = replies.replies(means, n)
+            # What the simulation's reducers keep of the replies' error (n e per tensor).
+            kept = [sum(r[k] for r in replies.residuals).numpy() for k in range(len(shapes))]
             for k in range(len(shapes)):
-                expected = sum(s[k] for s in sent) / n
+                expected = applied[k].numpy()
                 assert np.count_nonzero(expected) > 0
+                if reply_bits == 32:
+                    assert np.array_equal(expected, means[k].numpy())
                 for i in range(n):
                     np.testing.assert_allclose(tensors[i][k], expected, rtol=1e-6, atol=1e-7,
                                                err_msg=f"step {step}, peer {i}, tensor {k}")
-            for i, a in enumerate(averagers):
-                for k, r in enumerate(a.error_feedback_residuals()):
-                    np.testing.assert_allclose(r.reshape(shapes[k]), residuals[i][k],
-                                               rtol=1e-6, atol=1e-6,
+            if reply_bits != 32:
+                assert any(np.abs(kp).max() > 0 for kp in kept), "the replies' error shows"
+            real = [[r.reshape(shapes[k]) for k, r in enumerate(a.error_feedback_residuals())]
+                    for a in averagers]
+            for k in range(len(shapes)):
+                # Each tensor is one part, reduced by one of the peers: that peer's residual
+                # is its z - y plus n e, the others' their z - y.
+                extra = [real[i][k] - residuals[i][k] for i in range(n)]
+                reducers = [i for i in range(n) if not np.allclose(extra[i], 0, atol=1e-6)]
+                assert len(reducers) <= 1, (step, k, reducers)
+                for i in range(n):
+                    want = residuals[i][k] + (kept[k] if i in reducers else 0)
+                    np.testing.assert_allclose(real[i][k], want, rtol=1e-6, atol=1e-6,
                                                err_msg=f"step {step}, peer {i}, tensor {k}")
+                    residuals[i][k] = real[i][k].copy()
+                if reply_bits == 32:
+                    assert not reducers
+                np.testing.assert_allclose(sum(extra), kept[k], rtol=1e-5, atol=1e-6)
     finally:
         for a in averagers:
             a.shutdown()
@@ -100,7 +129,7 @@ def test_part_bits_follow_the_layout(sweep):
     assert sweep.tensor_bytes(v, 64, 2) == 10 + 5  # a header, 35 bits -> 5 bytes
 
 
-def test_outer_round_is_diloco_and_keeps_what_was_not_sent(sweep):
+def test_outer_round_is_diloco(sweep):
     torch.manual_seed(0)
     start = [torch.randn(3000), torch.randn(7, 9)]
     peers = [[p + torch.randn_like(p) for p in start] for _ in range(3)]
@@ -110,7 +139,15 @@ def test_outer_round_is_diloco_and_keeps_what_was_not_sent(sweep):
         torch.testing.assert_close(fp32.params[j], sum(p[j] for p in peers) / 3)
     assert info["bytes"] == 2 * 2 / 3 * (10 * 2 + 4 * (3000 + 63))
 
-    ef = sweep.Outer(start, 3, "topk", 0.02, 2, 256, lr=1.0, momentum=0.0)
+
+@pytest.mark.parametrize("reply_bits", [32, 8, 3])
+def test_outer_round_keeps_what_was_not_sent(sweep, reply_bits):
+    """Over 4 rounds: applied + mean residual = mean of the pseudo-gradients, also with
+    quantized replies (each part's reducer keeps n times its reply's error)."""
+    torch.manual_seed(0)
+    start = [torch.randn(3000), torch.randn(7, 9)]
+    ef = sweep.Outer(start, 3, "topk", 0.02, 2, 256, lr=1.0, momentum=0.0,
+                     reply_bits=reply_bits)
     total = [torch.zeros_like(p) for p in start]
     for _ in range(4):
         before = [p.clone() for p in ef.params]

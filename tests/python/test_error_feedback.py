@@ -15,25 +15,31 @@ STEP_TIMEOUT = 120.0
 def test_error_feedback_topk_arguments():
     c = ErrorFeedbackTopK(density=0.05, bits=3, chunk=256)
     assert c == ErrorFeedbackTopK(0.05, 3, 256) != ErrorFeedbackTopK(0.05, 4, 256)
-    assert "density=0.05" in repr(c)
+    assert "density=0.05" in repr(c) and "reply_bits=8" in repr(c)
+    assert c != ErrorFeedbackTopK(0.05, 3, 256, reply_bits=32)
+    assert ErrorFeedbackTopK(reply_bits=32)._spec() == "topk:0.02:2:2048:32"
     for bad in [dict(density=0.0), dict(density=1.5), dict(bits=1), dict(bits=9),
-                dict(chunk=100), dict(chunk=32)]:
+                dict(chunk=100), dict(chunk=32), dict(reply_bits=1), dict(reply_bits=9),
+                dict(reply_bits=16), dict(reply_bits=8.0)]:
         with pytest.raises(ValueError):
             ErrorFeedbackTopK(**bad)
     with pytest.raises(TypeError):
         SizeAdaptiveCompression(1000, NoCompression(), c)
 
 
-def test_error_feedback_topk_rounds(make_dht):
+@pytest.mark.parametrize("reply_bits", [8, 32])
+def test_error_feedback_topk_rounds(make_dht, reply_bits):
+    """Identical values, sparse averages, and Σ results + mean residual = mean Σ inputs: with
+    quantized replies (8 bits) that holds because each reducer keeps its replies' error."""
     rng = np.random.default_rng(0)
     n, size, density = 3, 6000, 0.05
-    codec = ErrorFeedbackTopK(density=density, bits=3, chunk=256)
+    codec = ErrorFeedbackTopK(density=density, bits=3, chunk=256, reply_bits=reply_bits)
     shapes = [(size,), (4, 5)]
     tensors = [[np.zeros(s, dtype=np.float32) for s in shapes] for _ in range(n)]
     averagers = []
     for ts in tensors:
         averagers.append(hivemesh.DecentralizedAverager(
-            ts, make_dht(), prefix="ef", target_group_size=n, min_group_size=n,
+            ts, make_dht(), prefix=f"ef{reply_bits}", target_group_size=n, min_group_size=n,
             min_matchmaking_time=2.0, request_timeout=10.0, compression=codec, start=True))
     try:
         assert averagers[0].error_feedback_residuals()[0].shape == (size,)

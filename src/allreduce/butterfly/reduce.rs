@@ -10,8 +10,8 @@ use bytes::Bytes;
 
 use super::super::deadline::{GapMean, longer};
 use super::super::{
-    AbortReason, AveragedMessage, Input, LocalValues, Message, Mode, PartMessage, PartResult,
-    ReduceError, Reducer, Role, RoundEvent, Violation,
+    AbortReason, Aggregator, AveragedMessage, Input, LocalValues, Message, Mode, PartMessage,
+    PartResult, ReduceError, Reducer, Role, RoundEvent, Violation,
 };
 use super::{Butterfly, LinkStatus, check_encoding};
 use crate::buffers::BufferPool;
@@ -421,13 +421,14 @@ impl Butterfly {
             // average as values first.
             let lossless = codec.kind() == CompressionType::None;
             // Sparse: every sender gets the same bytes too, the average over the union of the
-            // positions received (its non-zero values, exact), never densified.
-            let sparse = codec.kind() == CompressionType::SparseTopK;
+            // positions received (its non-zero values, exact or quantized to the codec's reply
+            // bits), never densified.
+            let sparse_codec = codec.sparse();
             let mut average = done.average;
-            let shared = if sparse {
+            let shared = if let Some(sparse_codec) = sparse_codec {
                 average.as_ref().map(|avg| {
                     let mut payload = self.pool.take_bytes(64);
-                    sparse::encode_nonzeros_f32(avg, sparse::REPLY_CHUNK_LOG2, &mut payload);
+                    sparse_codec.encode_reply(avg, &mut payload);
                     self.pool.freeze(payload)
                 })
             } else {
@@ -469,9 +470,40 @@ impl Butterfly {
                 // own sends).
                 self.outbox[s].push_back(reply);
             }
-            // Our own result: the exact average (never compressed). Values of ours that are
-            // not finite were left out of it: that part stays local for us, as it does in the
-            // other reducers' spans, which ban us for them.
+            // A quantized sparse reply: our own result is the decoded reply, as every sender
+            // applies it (all peers hold the same values), and its error, `average − reply`,
+            // goes to our error feedback, scaled so that the group's next average carries it
+            // once (`Outcome::reply_feedback`).
+            let mut feedback = None;
+            if let (Some(sparse_codec), Some(avg), Some(payload)) =
+                (sparse_codec, average.as_mut(), shared.as_ref())
+                && sparse_codec.reply_bits() != sparse::RAW_F32_BITS
+            {
+                let mut decoded = self.pool.take_f32(spec.len);
+                // Our own encoding of a finite average: it decodes (checked, never assumed).
+                if sparse::decode_sparse(payload, DType::F32, &mut decoded).is_ok() {
+                    let mine = done.contributors.contains(me);
+                    let scale = match self.cfg.aggregator {
+                        Aggregator::Mean if mine && self.cfg.weight > 0.0 => {
+                            Some(done.total_weight / self.cfg.weight)
+                        }
+                        Aggregator::Sum if mine => Some(1.0),
+                        _ => None,
+                    };
+                    feedback = scale.map(|scale| {
+                        avg.iter()
+                            .zip(&decoded)
+                            .map(|(a, d)| ((f64::from(*a) - f64::from(*d)) * scale) as f32)
+                            .collect::<Vec<f32>>()
+                    });
+                    std::mem::swap(avg, &mut decoded);
+                }
+                self.pool.put_f32(decoded);
+            }
+            // Our own result: the exact average (never compressed; the decoded reply where
+            // replies are quantized). Values of ours that are not finite were left out of it:
+            // that part stays local for us, as it does in the other reducers' spans, which ban
+            // us for them.
             let own = match average {
                 Some(avg) => Some(self.pool.freeze_f32(avg)),
                 None => shared,
@@ -481,6 +513,7 @@ impl Butterfly {
                 && take_own
             {
                 outputs[g] = PartResult::Average(own);
+                self.reply_feedback[g] = feedback;
             }
         }
         non_finite

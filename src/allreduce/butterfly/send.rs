@@ -274,6 +274,7 @@ impl Butterfly {
             // it failed: every survivor that re-sent ends with the same average.
             let outputs = self.outputs.as_mut().expect("senders have outputs");
             outputs[g] = output;
+            self.reply_feedback[g] = None;
             self.results[g] = Some(msg.contributors);
         }
         let client = self.modes[me] == Mode::Client;
