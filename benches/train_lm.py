@@ -472,6 +472,40 @@ class Bed:
         self.made.clear()
 
 
+def run_peers(bed: Bed, script: str, rundir: str, configs: List[Dict[str, Any]],
+              start_timeout: float, run_timeout: float) -> None:
+    """Runs ``script --peer RANK`` in peer ``RANK``'s namespace with ``configs[RANK]``, writes
+    ``rundir/go`` (the common start, a second ahead) once every peer wrote ``ready<RANK>``,
+    and waits for them all (killing what is left on the way out)."""
+    procs = []
+    try:
+        for rank, cfg in enumerate(configs):
+            log = open(os.path.join(rundir, f"peer{rank}.log"), "w")
+            procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", bed.peers[rank], sys.executable, os.path.abspath(script),
+                 "--peer", str(rank), "--rundir", rundir, "--peer-args", json.dumps(cfg)],
+                stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+        deadline = time.monotonic() + start_timeout
+        while not all(os.path.exists(os.path.join(rundir, f"ready{r}"))
+                      for r in range(len(configs))):
+            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                raise RuntimeError(f"a peer failed to start (see {rundir}/peer*.log)")
+            time.sleep(0.1)
+        write_file(os.path.join(rundir, "go"), repr(time.time() + 1.0))
+        for p in procs:
+            try:
+                p.wait(timeout=run_timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        bed.kill_left()
+
+
 def run_config(bed: Bed, args: argparse.Namespace, config: str, rate: int,
                outdir: str) -> Dict[str, Any]:
     """One run: ``args.peers`` peer processes of ``config`` on the bed at ``rate``."""
@@ -482,34 +516,9 @@ def run_config(bed: Bed, args: argparse.Namespace, config: str, rate: int,
     outer_lr, outer_momentum = outer_settings(args, config)
     peer_args = dict(vars(args), config=config, master=bed.ips[0], port=29530,
                      outer_lr=outer_lr, outer_momentum=outer_momentum)
-    procs = []
     load = os.getloadavg()
-    try:
-        for rank in range(args.peers):
-            cfg = dict(peer_args, ip=bed.ips[rank])
-            log = open(os.path.join(rundir, f"peer{rank}.log"), "w")
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", bed.peers[rank], sys.executable, os.path.abspath(__file__),
-                 "--peer", str(rank), "--rundir", rundir, "--peer-args", json.dumps(cfg)],
-                stdout=log, stderr=subprocess.STDOUT))
-            log.close()
-        deadline = time.monotonic() + 300
-        while not all(os.path.exists(os.path.join(rundir, f"ready{r}")) for r in range(args.peers)):
-            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-                raise RuntimeError(f"{config}: a peer failed to start (see {rundir}/peer*.log)")
-            time.sleep(0.1)
-        write_file(os.path.join(rundir, "go"), repr(time.time() + 1.0))
-        for p in procs:
-            try:
-                p.wait(timeout=args.max_wall + 300)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        bed.kill_left()
+    run_peers(bed, __file__, rundir, [dict(peer_args, ip=ip) for ip in bed.ips[:args.peers]],
+              start_timeout=300, run_timeout=args.max_wall + 300)
     results = []
     for rank in range(args.peers):
         path = os.path.join(rundir, f"result{rank}.json")
@@ -648,10 +657,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--id", default=str(os.getpid() % 10000), help="namespace id: b30<id>-...")
     p.add_argument("--report", nargs="+", default=None,
                    help="print the table of results.jsonl files (runs of several invocations)")
+    add_peer_args(p)
+    return p
+
+
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    """The hidden arguments of a peer process (``run_peers``)."""
     p.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rundir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--peer-args", default=None, help=argparse.SUPPRESS)
-    return p
+
+
+def read_jsonl(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    """The runs of ``results.jsonl`` files, in order."""
+    runs = []
+    for path in paths:
+        with open(path) as fh:
+            runs.extend(json.loads(line) for line in fh if line.strip())
+    return runs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -661,11 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result = run_peer(peer_args, args.peer, args.rundir)
         return 0 if result["error"] is None else 1
     if args.report:
-        runs = []
-        for path in args.report:
-            with open(path) as fh:
-                runs.extend(json.loads(line) for line in fh if line.strip())
-        print(table(runs, args.target_slack, args.target_steps))
+        print(table(read_jsonl(args.report), args.target_slack, args.target_steps))
         return 0
     if args.quick:
         args.peers, args.steps, args.inner_steps, args.dim, args.layers = 2, 20, 5, 32, 1

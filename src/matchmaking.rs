@@ -20,7 +20,9 @@
 //!    ([`DhtTime::next_up`]), which supersedes the declaration everywhere. Client peers never
 //!    declare: they cannot accept connections, so they only follow.
 //! 2. **Find leaders.** The peer reads the key (on demand, at most every
-//!    `dht_refresh_interval`) and keeps the declared peers as candidates. It asks the best
+//!    `dht_refresh_interval`; a client whose read found no one to ask reads again sooner, from
+//!    an eighth of the interval, as nobody can find it) and keeps the declared peers as
+//!    candidates. It asks the best
 //!    candidate that is strictly better than itself, `(expiration, peer id)` lexicographically
 //!    (a client's own priority is infinitely bad), never the same `(peer, expiration)` twice.
 //! 3. **Join.** The follower sends a [`JoinRequest`] (schema hash, its expiration, its key, its

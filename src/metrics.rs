@@ -9,6 +9,7 @@
 //! | `connected_peers`, `connections` | gauge | | the swarm |
 //! | `dht_records`, `dht_record_bytes`, `dht_local_records` | gauge | | the DHT store |
 //! | `dht_records_evicted_total`, `dht_records_refused_total` | counter | | the DHT store |
+//! | `dht_writes_total` | counter | `replicas`: `looked_up`, `known` | this node's DHT writes: after a closest-peers lookup, or to the peers the last one found |
 //! | `relay_circuits`, `relay_reservations` | gauge | | the relay server (if this node relays) |
 //! | `relayed_addresses` | gauge | | our own relay reservations (behind a NAT) |
 //! | `hole_punches_total` | counter | `result`: `ok`, `failed` | hole punching |
@@ -86,6 +87,7 @@ struct Inner {
     dht_local_records: Gauge,
     dht_evicted: Counter,
     dht_refused: Counter,
+    dht_writes: Family<[(&'static str, &'static str); 1], Counter>,
     relay_circuits: Gauge,
     relay_reservations: Gauge,
     rounds: Family<ResultLabel, Counter>,
@@ -125,6 +127,7 @@ impl Metrics {
             dht_local_records: Gauge::default(),
             dht_evicted: Counter::default(),
             dht_refused: Counter::default(),
+            dht_writes: Family::default(),
             relay_circuits: Gauge::default(),
             relay_reservations: Gauge::default(),
             rounds: Family::default(),
@@ -174,6 +177,14 @@ impl Metrics {
             "DHT records refused (the writer's share used up or the store full)",
             i.dht_refused.clone(),
         );
+        registry.register(
+            "dht_writes",
+            "DHT writes of this node, by whether the key's closest peers were looked up first",
+            i.dht_writes.clone(),
+        );
+        for replicas in ["looked_up", "known"] {
+            let _ = i.dht_writes.get_or_create(&[("replicas", replicas)]);
+        }
         registry.register(
             "rounds",
             "Averaging rounds run, by how they ended",
@@ -250,6 +261,16 @@ impl Metrics {
     }
 
     /// Sets the connection gauges.
+    /// One DHT write of this node: after a lookup of the key's closest peers (`looked_up`), or
+    /// to the peers the last lookup found.
+    pub(crate) fn dht_write(&self, looked_up: bool) {
+        let label = if looked_up { "looked_up" } else { "known" };
+        self.inner
+            .dht_writes
+            .get_or_create(&[("replicas", label)])
+            .inc();
+    }
+
     pub(crate) fn set_connections(&self, peers: usize, connections: usize) {
         self.inner.connected_peers.set(gauge_value(peers));
         self.inner.connections.set(gauge_value(connections));

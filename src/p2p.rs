@@ -16,6 +16,9 @@
 //! `StoreInserts::FilterBoth`: every inbound PUT is handed to a [`RecordPolicy`], which
 //! validates it and merges it with the stored value; local puts are merged the same way
 //! before they are replicated. GETs return every replica's value, for the caller to merge.
+//! A write looks up the key's closest peers and PUTs to them; the peers found serve the key's
+//! next writes for 30 s without a lookup (`replicas.rs`: a progress record is re-stored every
+//! few seconds, and the lookup was most of each write's bytes).
 //! The policy (value format, merge rules, limits) lives in [`crate::dht`]; this layer only moves
 //! bytes. Kademlia's defaults (16 KiB messages, 65 KiB values) are raised deliberately:
 //! [`P2pConfig::max_record_bytes`] bounds stored values and the packet size follows from it.
@@ -76,6 +79,7 @@ mod inbound;
 mod nat;
 mod private;
 mod relay_shares;
+mod replicas;
 mod store;
 mod swarm;
 

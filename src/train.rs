@@ -9,8 +9,10 @@
 //! [owned key](crate::dht::owned_key)) at its own **owner subkey**: signed with its identity,
 //! so nobody can publish or withdraw in its name, and nobody can squat the key. The record is a
 //! fixed 34-byte encoding ([`ProgressRecord`]); it expires `metadata_expiration` after it is
-//! written, and is re-written after every report (at most every `min_refresh_period`, at once
-//! when the epoch changes) and every half `metadata_expiration`. A peer publishes only while
+//! written, and is re-written after reports (at once when the epoch changes, otherwise at most
+//! once per period at which the peers fetch, see below: from `max_refresh_period` while the
+//! end of the epoch is far down to `min_refresh_period` near it; readers extrapolate the
+//! samples in between) and every half `metadata_expiration`. A peer publishes only while
 //! it contributes: once it has reported samples, and while it reported them at most one epoch
 //! before the global one (hivemind's rule, so a monitor or a peer that stopped is not
 //! counted). At shutdown it writes [`ProgressRecord::Withdrawn`] with a later expiration, which

@@ -61,6 +61,42 @@ async fn every_peer_reads_every_subkey() {
     assert!(peers[2].get(b"nothing-here").await.unwrap().is_none());
 }
 
+/// `hivemesh_dht_writes_total{replicas="..."}` of a node.
+fn writes(d: &Dht, replicas: &str) -> u64 {
+    let text = d.p2p().metrics().encode();
+    let prefix = format!("hivemesh_dht_writes_total{{replicas=\"{replicas}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {prefix} in {text}"))
+}
+
+/// Re-storing a key (a progress record every few seconds) looks its closest peers up once, not
+/// before every write, and every write still reaches every replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewrites_of_a_key_reuse_its_replicas() {
+    let peers = swarm(4).await;
+    let a = &peers[1];
+    for round in 0..5u8 {
+        let held = a
+            .store(b"progress", Some(&a.own_subkey()), &[round], ahead(60.0))
+            .await
+            .unwrap();
+        assert_eq!(held, 2, "round {round}: both other servers hold the write");
+    }
+    assert_eq!(writes(a, "looked_up"), 1);
+    assert_eq!(writes(a, "known"), 4);
+    for (i, d) in peers.iter().enumerate() {
+        let v = d.get(b"progress").await.unwrap().expect("value present");
+        let entry = v.subkeys().get(&a.own_subkey()[..]).cloned();
+        assert_eq!(
+            entry.map(|e| e.value),
+            Some(Bytes::from_static(&[4])),
+            "peer {i}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn newer_writes_win_and_expired_ones_vanish() {
     let peers = swarm(3).await;

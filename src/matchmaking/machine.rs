@@ -8,6 +8,7 @@
 //! reports lies after `now`.
 
 use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::time::Duration;
 
 use bytes::Bytes;
 use rand::rngs::StdRng;
@@ -83,6 +84,8 @@ pub struct Matchmaker {
     candidates: BTreeSet<(DhtTime, PeerId)>,
     tried: HashSet<(PeerId, DhtTime)>,
     get_in_flight: Option<(u64, DhtTime)>,
+    /// A client's reads in a row that left it no one to ask (see [`client_reread_wait`]).
+    fruitless_reads: u32,
     next_get_id: u64,
     next_refresh: DhtTime,
     want_refresh: bool,
@@ -128,6 +131,7 @@ impl Matchmaker {
             candidates: BTreeSet::new(),
             tried: HashSet::new(),
             get_in_flight: None,
+            fruitless_reads: 0,
             next_get_id: 0,
             next_refresh: now,
             want_refresh: false,
@@ -237,8 +241,12 @@ impl Matchmaker {
     /// it holds nothing or the read failed).
     pub fn handle_dht_get(&mut self, now: DhtTime, id: u64, value: Option<DhtValue>) {
         self.now = now;
-        if self.get_in_flight.is_some_and(|(i, _)| i == id) {
+        let mut issued = None;
+        if let Some((i, at)) = self.get_in_flight
+            && i == id
+        {
             self.get_in_flight = None;
+            issued = Some(at);
         }
         if id >= self.next_get_id || self.state != State::Looking {
             self.drive(now);
@@ -252,6 +260,22 @@ impl Matchmaker {
                 .filter(|(p, _)| *p != self.me)
                 .map(|(p, e)| (e, p))
                 .collect();
+        }
+        if self.info.mode == Mode::Client
+            && let Some(at) = issued
+        {
+            // A client declares nothing, so nobody finds it: its own reads are its only way
+            // into a group. A read that found no one to ask (the leaders' declarations were
+            // not stored yet) is repeated sooner than `dht_refresh_interval`, which is as long
+            // as a leader's wait (`min_matchmaking_time`) by default.
+            if self.has_candidate(now) {
+                self.fruitless_reads = 0;
+            } else {
+                self.fruitless_reads = self.fruitless_reads.saturating_add(1);
+                let wait =
+                    client_reread_wait(self.config.dht_refresh_interval, self.fruitless_reads);
+                self.next_refresh = self.next_refresh.min(at.saturating_add(wait));
+            }
         }
         self.drive(now);
     }
@@ -366,6 +390,19 @@ impl Matchmaker {
         } else {
             self.want_refresh = true;
         }
+    }
+
+    /// Whether [`Matchmaker::next_candidate`] would pick someone at `now`.
+    fn has_candidate(&self, now: DhtTime) -> bool {
+        self.candidates
+            .iter()
+            .find(|(exp, peer)| {
+                *exp >= now && *peer != self.me && !self.tried.contains(&(peer.clone(), *exp))
+            })
+            .is_some_and(|(exp, peer)| {
+                self.declared
+                    .is_none_or(|mine| (*exp, peer) < (mine, &self.me))
+            })
     }
 
     /// The best candidate strictly better than this peer, not tried, not expired.
@@ -742,4 +779,12 @@ impl Matchmaker {
             key: self.key.clone(),
         })
     }
+}
+
+/// How long after a read a client that found no one to ask reads again, after `fruitless`
+/// such reads in a row (at least 1): an eighth of `refresh`, doubling with each, at most
+/// `refresh`.
+pub(crate) fn client_reread_wait(refresh: Duration, fruitless: u32) -> Duration {
+    let shift = fruitless.saturating_sub(1).min(3);
+    (refresh / 8).saturating_mul(1 << shift).min(refresh)
 }

@@ -974,3 +974,79 @@ mod hostile {
         }
     }
 }
+
+/// A client that reads the key a moment before the leaders declare (every peer pre-schedules
+/// the round at about the same time) reads it again within the leaders' wait, not a
+/// `dht_refresh_interval` later: by default that is as long as the wait
+/// (`min_matchmaking_time`), so the group closed before the client's second read and the
+/// client, whom nobody can find, averaged alone (`test_optimizer_swarm`'s client, a few runs
+/// in a hundred).
+#[test]
+fn a_client_that_read_before_the_leaders_declared_reads_again_in_time() {
+    let mut c = cfg(None);
+    c.min_matchmaking_time = Duration::from_secs(1);
+    c.dht_refresh_interval = Duration::from_secs(1);
+    let latency = 0.1; // of a DHT read
+    let mut client = machine("c", Mode::Client, c.clone(), t(0.0), Some(30.0));
+    assert_eq!(gets(&drain(&mut client)), vec![0]);
+    // The leader declares (until t(1.05)) while the client's read is on its way.
+    let mut leader = machine("b", Mode::Node, c, t(0.05), Some(30.0));
+    drain(&mut leader);
+    let on_dht = declared(&[("b", t(1.05))]);
+    client.handle_dht_get(t(latency), 0, None);
+    let mut o = drain(&mut client);
+    let mut reads = 0;
+    // The client's reads until it asks someone (each answered `latency` later).
+    let req = loop {
+        if let [(to, req)] = joins(&o).as_slice() {
+            assert_eq!(*to, pid("b"));
+            break req.clone();
+        }
+        let wake = client
+            .poll_timeout()
+            .expect("the client waits for its next read");
+        assert!(wake < t(30.0), "the client never read again");
+        client.handle_timeout(wake);
+        let [id] = gets(&drain(&mut client))[..] else {
+            panic!("no read at {wake:?}")
+        };
+        reads += 1;
+        let answered = wake.saturating_add(Duration::from_secs_f64(latency));
+        let value = on_dht.clone().without_expired(answered);
+        client.handle_dht_get(answered, id, value);
+        o = drain(&mut client);
+    };
+    assert_eq!(reads, 1, "one more read found the leader");
+    let o = join(&mut leader, t(0.3), "c", req.clone());
+    assert_eq!(
+        replies(&o),
+        vec![(pid("c"), req.request_id, ReplyBody::Accepted)]
+    );
+    // The leader's declaration expires: it closes the group with the client in it.
+    leader.handle_timeout(t(1.05));
+    let o = drain(&mut leader);
+    let [Event::Assembled(g)] = o.events.as_slice() else {
+        panic!("{:?}", o.events)
+    };
+    let mut ids: Vec<PeerId> = g.peer_ids().cloned().collect();
+    ids.sort();
+    assert_eq!(ids, vec![pid("b"), pid("c")]);
+}
+
+#[test]
+fn a_clients_quick_rereads_back_off_to_the_refresh_interval() {
+    use super::machine::client_reread_wait;
+    let r = Duration::from_secs(1);
+    let waits: Vec<_> = (1..=6).map(|n| client_reread_wait(r, n)).collect();
+    assert_eq!(
+        waits,
+        [125, 250, 500, 1000, 1000, 1000].map(Duration::from_millis)
+    );
+    // A node declares, so others find it: it keeps reading every `dht_refresh_interval`.
+    let mut c = cfg(None);
+    c.dht_refresh_interval = Duration::from_secs(1);
+    let mut m = machine("m", Mode::Node, c, t(0.0), None);
+    drain(&mut m);
+    m.handle_dht_get(t(0.1), 0, None);
+    assert_eq!(m.poll_timeout(), Some(t(1.0)));
+}

@@ -121,7 +121,17 @@ pub(super) enum Command {
 }
 
 enum Pending {
-    Put(oneshot::Sender<Result<usize, P2pError>>),
+    /// A PUT to the closest peers of `key`, found by a lookup now or earlier
+    /// ([`super::replicas`]).
+    Put {
+        reply: oneshot::Sender<Result<usize, P2pError>>,
+        key: Vec<u8>,
+    },
+    /// The lookup of the closest peers of `record`'s key before its PUT.
+    PutLookup {
+        reply: oneshot::Sender<Result<usize, P2pError>>,
+        record: kad::Record,
+    },
     /// A Kademlia lookup of a peer we were asked to connect to but know no address of.
     FindPeer(PeerId),
     Get {
@@ -183,6 +193,8 @@ pub(super) struct EventLoop {
     /// Per-address shares of the relay server's reservations and circuits (`relay_shares.rs`),
     /// which follow the relay's events; `None` when this node is no relay.
     relay_shares: Option<super::relay_shares::RelayShares>,
+    /// Per key, the peers this node's last write of it went to (`replicas.rs`).
+    replicas: super::replicas::ReplicaSets,
 }
 
 /// Times a dial for waiting handles is made again after a failed handshake (not after a
@@ -399,6 +411,7 @@ impl EventLoop {
             redials: HashMap::new(),
             redial_timers: JoinSet::new(),
             relay_shares,
+            replicas: super::replicas::ReplicaSets::default(),
         };
         for addr in &config.nat.external {
             event_loop.on_external_confirmed(addr.clone());
@@ -495,7 +508,9 @@ impl EventLoop {
         // Dropping the swarm closes listeners and connections; tell waiters we are gone.
         for (_, p) in self.pending.drain() {
             match p {
-                Pending::Put(reply) => drop(reply.send(Err(P2pError::Shutdown))),
+                Pending::Put { reply, .. } | Pending::PutLookup { reply, .. } => {
+                    drop(reply.send(Err(P2pError::Shutdown)))
+                }
                 Pending::Get { reply, .. } => drop(reply.send(Err(P2pError::Shutdown))),
                 Pending::FindPeer(_) => {}
             }
@@ -774,19 +789,43 @@ impl EventLoop {
                 return;
             }
         };
-        match self
+        if let Some(peers) = self.replicas.fresh(&key, Instant::now()) {
+            let peers = peers.to_vec();
+            self.metrics.dht_write(false);
+            self.put_to(record, peers, reply);
+            return;
+        }
+        self.metrics.dht_write(true);
+        // Kademlia's `put_record` in two steps, so that the peers found are kept for the next
+        // writes of the key.
+        let id = self
             .swarm
             .behaviour_mut()
             .kad
-            .put_record(record, kad::Quorum::One)
-        {
-            Ok(id) => {
-                self.pending.insert(id, Pending::Put(reply));
-            }
-            Err(e) => {
-                let _ = reply.send(Err(P2pError::Rejected(e.to_string())));
-            }
+            .get_closest_peers(record.key.to_vec());
+        self.pending
+            .insert(id, Pending::PutLookup { reply, record });
+    }
+
+    /// The PUT of `record` to `peers` (none: nobody to replicate to).
+    fn put_to(
+        &mut self,
+        mut record: kad::Record,
+        peers: Vec<PeerId>,
+        reply: oneshot::Sender<Result<usize, P2pError>>,
+    ) {
+        if peers.is_empty() {
+            let _ = reply.send(Ok(0));
+            return;
         }
+        record.publisher = Some(*self.swarm.local_peer_id());
+        let key = record.key.to_vec();
+        let id = self.swarm.behaviour_mut().kad.put_record_to(
+            record,
+            peers.into_iter(),
+            kad::Quorum::One,
+        );
+        self.pending.insert(id, Pending::Put { reply, key });
     }
 
     /// Prechecks an inbound record, at once if it is small ([`INLINE_CHECK_BYTES`]), else on a
@@ -853,6 +892,7 @@ impl EventLoop {
         if self.initial_peers.contains(&peer) || !peer_is_gone(error) {
             return;
         }
+        self.replicas.forget_peer(&peer);
         if self.swarm.behaviour_mut().kad.remove_peer(&peer).is_some() {
             tracing::debug!(%peer, "unreachable: removed from the routing table");
         }
@@ -1064,10 +1104,17 @@ impl EventLoop {
                 self.precheck(record, source);
             }
             kad::Event::OutboundQueryProgressed {
-                id, result, step, ..
+                id,
+                result,
+                step,
+                stats,
             } => match result {
                 kad::QueryResult::PutRecord(res) => {
-                    if let Some(Pending::Put(reply)) = self.pending.remove(&id) {
+                    if let Some(Pending::Put { reply, key }) = self.pending.remove(&id) {
+                        if res.is_err() || stats.num_failures() > 0 {
+                            // A replica did not answer: look the key's peers up again.
+                            self.replicas.forget(&key);
+                        }
                         let stored = match res {
                             Ok(_) => 1,
                             Err(kad::PutRecordError::QuorumFailed { success, .. })
@@ -1106,12 +1153,22 @@ impl EventLoop {
                     }
                 }
                 kad::QueryResult::GetClosestPeers(res) => {
-                    if let Some(Pending::FindPeer(peer)) = self.pending.remove(&id) {
-                        let found = match res {
-                            Ok(ok) => ok.peers,
-                            Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
-                        };
-                        self.found_peer(peer, found);
+                    let found = match res {
+                        Ok(ok) => ok.peers,
+                        Err(kad::GetClosestPeersError::Timeout { peers, .. }) => peers,
+                    };
+                    match self.pending.remove(&id) {
+                        Some(Pending::FindPeer(peer)) => self.found_peer(peer, found),
+                        Some(Pending::PutLookup { reply, record }) => {
+                            let peers: Vec<PeerId> = found.into_iter().map(|p| p.peer_id).collect();
+                            self.replicas
+                                .found(record.key.to_vec(), peers.clone(), Instant::now());
+                            self.put_to(record, peers, reply);
+                        }
+                        Some(other) => {
+                            self.pending.insert(id, other);
+                        }
+                        None => {}
                     }
                 }
                 kad::QueryResult::Bootstrap(Err(e)) => {

@@ -456,9 +456,12 @@ impl ProgressCore {
 
     /// The record to publish now, with its expiration, if one is due: while this peer reports
     /// samples at most one epoch back (hivemind: a peer that stopped contributing stops
-    /// publishing), at once after its first report or an epoch change, at most every
-    /// `min_refresh_period` after other changes, and every half `metadata_expiration` to keep
-    /// it alive. Expirations only grow, so the newest record always wins.
+    /// publishing), at once after its first report or an epoch change, after other changes at
+    /// most once per period at which the readers fetch (`max_refresh_period` while the end
+    /// of the epoch is far, down to `min_refresh_period` as it nears: a record re-stored
+    /// faster is overwritten before anyone reads it, and readers extrapolate the samples at
+    /// the published rate in between), and every half `metadata_expiration` to keep it alive.
+    /// Expirations only grow, so the newest record always wins.
     pub fn publish_due(&mut self, now: f64) -> Option<(Vec<u8>, f64)> {
         if !self.reporting() {
             return None;
@@ -468,8 +471,7 @@ impl ProgressCore {
             None => true,
             Some(t) => {
                 let changed = p.dirty
-                    && (p.epoch != Some(self.local.epoch)
-                        || now >= t + self.config.min_refresh_period.as_secs_f64());
+                    && (p.epoch != Some(self.local.epoch) || now >= t + self.publish_period(now));
                 changed || now >= t + self.config.metadata_expiration.as_secs_f64() / 2.0
             }
         };
@@ -486,9 +488,10 @@ impl ProgressCore {
         Some((ProgressRecord::Progress(self.local).encode(), expiration))
     }
 
-    /// When [`ProgressCore::publish_due`] may next have something (DHT time); `None` while
-    /// this peer does not report.
-    pub fn next_publish_time(&self) -> Option<f64> {
+    /// When [`ProgressCore::publish_due`] may next have something (DHT time), as seen at
+    /// `now` (the wait for a changed record shrinks as the end of the epoch nears); `None`
+    /// while this peer does not report.
+    pub fn next_publish_time(&self, now: f64) -> Option<f64> {
         if !self.reporting() {
             return None;
         }
@@ -496,7 +499,7 @@ impl ProgressCore {
         Some(match p.time {
             None => f64::NEG_INFINITY,
             Some(t) if p.dirty && p.epoch != Some(self.local.epoch) => t,
-            Some(t) if p.dirty => t + self.config.min_refresh_period.as_secs_f64(),
+            Some(t) if p.dirty => t + self.publish_period(now),
             Some(t) => t + self.config.metadata_expiration.as_secs_f64() / 2.0,
         })
     }
@@ -529,6 +532,34 @@ impl ProgressCore {
         let lifetime = self.config.metadata_expiration.as_secs_f64()
             + self.config.limits.max_clock_skew.as_secs_f64();
         now <= seen.expiration && now <= seen.progress.time + lifetime
+    }
+
+    /// The fetch period for an epoch `eta` seconds from its end with `num_peers` reporting
+    /// (hivemind's schedule): `clip(eta × n / n_max, min_refresh_period, max_refresh_period)`,
+    /// `max_refresh_period` for an unknown (NaN) ETA.
+    fn refresh_period(&self, eta: f64, num_peers: usize) -> f64 {
+        let cfg = &self.config;
+        let (min, max) = (
+            cfg.min_refresh_period.as_secs_f64(),
+            cfg.max_refresh_period.as_secs_f64(),
+        );
+        let n = num_peers as f64;
+        let expected_max = (n + cfg.expected_drift_peers).max(n * (1.0 + cfg.expected_drift_rate));
+        let period = eta * n / expected_max;
+        if period.is_nan() {
+            max
+        } else {
+            period.clamp(min, max)
+        }
+    }
+
+    /// How long a changed record waits after the last publication: the period at which the
+    /// readers fetch now ([`ProgressCore::refresh_period`] at the ETA as extrapolated to
+    /// `now`), so a record is not re-stored faster than anyone reads it. Near the end of an
+    /// epoch that is `min_refresh_period`, as readers then fetch that often.
+    fn publish_period(&self, now: f64) -> f64 {
+        let eta = (self.global.eta_next_epoch - now).max(0.0);
+        self.refresh_period(eta, self.global.num_peers)
     }
 
     /// Notes that the global epoch is `epoch` from `now` on.
@@ -669,12 +700,7 @@ impl ProgressCore {
             .filter(|p| p.client_mode)
             .count();
         let eta = (target - estimated).max(0.0) / total_rate;
-        let n = num_peers as f64;
-        let expected_max = (n + cfg.expected_drift_peers).max(n * (1.0 + cfg.expected_drift_rate));
-        let next_fetch = (eta * n / expected_max).clamp(
-            cfg.min_refresh_period.as_secs_f64(),
-            cfg.max_refresh_period.as_secs_f64(),
-        );
+        let next_fetch = self.refresh_period(eta, num_peers);
         GlobalProgress {
             epoch,
             samples_accumulated: samples.floor() as u64,

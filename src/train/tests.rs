@@ -380,11 +380,13 @@ fn publications_follow_reports_and_expirations_only_grow() {
     assert_eq!(
         c.publish_due(now + 0.1),
         None,
-        "at most every min_refresh_period"
+        "at most once per fetch period"
     );
-    assert_eq!(c.next_publish_time(), Some(now + 0.5));
-    assert!(c.publish_due(now + 0.5).is_some());
-    now += 0.5;
+    // Nobody seen yet (nothing fetched): every min_refresh_period.
+    let period = config().min_refresh_period.as_secs_f64();
+    assert_eq!(c.next_publish_time(now + 0.1), Some(now + period));
+    assert!(c.publish_due(now + period).is_some());
+    now += period;
     c.update_epoch(None, now + 0.1);
     let (bytes, second) = c
         .publish_due(now + 0.1)
@@ -405,6 +407,60 @@ fn publications_follow_reports_and_expirations_only_grow() {
         ProgressRecord::decode(&bytes),
         Ok(ProgressRecord::Withdrawn)
     );
+}
+
+/// Publications while this peer reports every `step` seconds from `from` for `secs` seconds.
+fn publications(c: &mut ProgressCore, samples: &mut u64, from: f64, secs: f64, step: f64) -> usize {
+    let mut count = 0;
+    let mut now = from;
+    while now < from + secs {
+        *samples += 8;
+        c.report_local_progress(c.local_progress().epoch, *samples, true, now);
+        count += usize::from(c.publish_due(now).is_some());
+        now += step;
+    }
+    count
+}
+
+#[test]
+fn changed_records_are_published_once_per_fetch_period_not_per_report() {
+    // DiLoCo's tracker: fetches every 2 s at most, 0.5 s at least.
+    let mut cfg = ProgressConfig::new(3_000);
+    cfg.max_refresh_period = Duration::from_secs(2);
+    let mut c = ProgressCore::new(cfg, peer(), T0).unwrap();
+    let others = [peer(), peer(), peer()];
+    let mut samples = 0;
+    assert_eq!(publications(&mut c, &mut samples, T0, 0.5, 0.4), 1);
+    let idle: Vec<_> = others
+        .iter()
+        .map(|p| (*p, rec(0, 0, 0.0, T0 + 0.5, false)))
+        .collect();
+    fetch(&mut c, &idle, T0 + 0.5);
+    let wait = c.global_progress().next_fetch_time - (T0 + 0.5);
+    assert_eq!(
+        wait, 2.0,
+        "the end is far: readers fetch every max_refresh_period"
+    );
+    // 2.5 reports a second for 20 s (the benchmark's idle peer): a record per fetch period, not
+    // one per min_refresh_period (40) nor per report (50).
+    let n = publications(&mut c, &mut samples, T0 + 0.5, 20.0, 0.4);
+    assert!((9..=11).contains(&n), "{n} publications in 20 s");
+
+    // Near the end of the epoch (2,996 of 3,000 samples) readers fetch every
+    // min_refresh_period, and the record follows as fast.
+    let now = T0 + 21.0;
+    let near: Vec<_> = others
+        .iter()
+        .map(|p| (*p, rec(0, 860, 40.0, now, false)))
+        .collect();
+    fetch(&mut c, &near, now);
+    assert_eq!(c.global_progress().next_fetch_time - now, 0.5);
+    let n = publications(&mut c, &mut samples, now, 2.0, 0.1);
+    assert!((4..=5).contains(&n), "{n} publications in 2 s near the end");
+
+    // An epoch change is published at once.
+    c.update_epoch(None, now + 2.05);
+    assert!(c.publish_due(now + 2.05).is_some());
 }
 
 #[test]

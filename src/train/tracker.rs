@@ -121,8 +121,9 @@ async fn reporter(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     loop {
         let (due, next) = {
             let mut core = shared.core();
-            let due = core.publish_due(now());
-            (due, core.next_publish_time())
+            let now = now();
+            let due = core.publish_due(now);
+            (due, core.next_publish_time(now))
         };
         if let Some((value, expiration)) = due {
             tokio::select! {
