@@ -396,7 +396,11 @@ def test_bad_arguments_are_refused(make_dht):
 
 CTRL_C_CHILD = textwrap.dedent(
     """
-    import sys, torch, hivemesh
+    import signal, sys, torch, hivemesh
+    # A test run started in the background (`pytest ... &` from a script) ignores SIGINT, the
+    # child inherits that, and Python then installs no KeyboardInterrupt handler: Ctrl-C as a
+    # terminal sends it needs the default handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     dht = hivemesh.DHT(initial_peers=sys.argv[1:], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     t = torch.arange(4, dtype=torch.float32)
     averager = hivemesh.DecentralizedAverager([t], dht, prefix="alone", min_group_size=2,
