@@ -378,7 +378,13 @@ impl Butterfly {
             State::Cancelled => Err(RoundError::Cancelled),
             State::Finished => {
                 let report = self.report();
-                let reply_feedback = self.reply_feedback();
+                // Moved out, not copied: one error vector per part this peer reduced.
+                let reply_feedback = self
+                    .reply_feedback
+                    .into_iter()
+                    .enumerate()
+                    .filter_map(|(g, e)| e.map(|e| (g, e)))
+                    .collect();
                 // Outgoing parts borrow the tensors; once every message is gone (the runner
                 // joins its writers first) this is a move, else a copy.
                 let tensors =
@@ -396,7 +402,8 @@ impl Butterfly {
         }
     }
 
-    /// The parts whose result is a quantized reply of ours, with their scaled errors.
+    /// The parts whose result is a quantized reply of ours, with their scaled errors (copied:
+    /// [`Butterfly::into_outcome`] moves them instead).
     fn reply_feedback(&self) -> Vec<(usize, Vec<f32>)> {
         self.reply_feedback
             .iter()
