@@ -139,26 +139,14 @@ async fn eight_peers_store_and_read_all_subkeys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_initial_peer_is_a_clear_error() {
     // A peer id nobody listens for, on a port nobody listens on.
-    let dead: libp2p::Multiaddr = format!(
-        "/ip4/127.0.0.1/tcp/9/p2p/{}",
-        Keypair::generate_ed25519().public().to_peer_id()
-    )
-    .parse()
-    .unwrap();
     let cfg = P2pConfig {
-        initial_peers: vec![dead],
+        initial_peers: vec![unknown_peer_at(9)],
         // Far longer than the refused dial takes: the error must be the dial's.
         bootstrap_timeout: Duration::from_secs(300),
         ..P2pConfig::loopback()
     };
-    let err = P2p::spawn(cfg, Keypair::generate_ed25519(), Box::new(UnionPolicy))
-        .await
-        .unwrap_err();
     // Refused at once, not at the bootstrap timeout: the dial's failure is the answer.
-    assert!(
-        matches!(&err, P2pError::Dial { detail, .. } if detail.contains("every initial peer failed")),
-        "{err}"
-    );
+    every_initial_peer_fails(cfg).await;
     let no_id = P2pConfig {
         initial_peers: vec!["/ip4/127.0.0.1/tcp/9".parse().unwrap()],
         ..P2pConfig::loopback()
@@ -167,6 +155,55 @@ async fn unreachable_initial_peer_is_a_clear_error() {
         .await
         .unwrap_err();
     assert!(matches!(err, P2pError::BadInitialPeer(_)), "{err}");
+}
+
+/// An initial peer that takes the TCP connection and never answers (a private swarm's node
+/// met without its key looks like this): each handshake runs to its timeout, and the redials
+/// stop while another one would end past the bootstrap timeout, so the caller hears that every
+/// initial peer failed (and why), not only that time ran out. Three handshakes (the first dial
+/// and its two redials) of 4 s do not fit in 10 s: before the redials were bounded by the
+/// deadline, this ended in `Bootstrap`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_initial_peer_fails_before_the_bootstrap_timeout() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    // Accepts and holds every connection, reading nothing and writing nothing.
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut cfg = P2pConfig {
+        initial_peers: vec![unknown_peer_at(port)],
+        bootstrap_timeout: Duration::from_secs(10),
+        ..P2pConfig::loopback()
+    };
+    cfg.connections.handshake_timeout = Duration::from_secs(4);
+    every_initial_peer_fails(cfg).await;
+    holder.abort();
+}
+
+/// A loopback address at `port` with a peer id nobody has.
+fn unknown_peer_at(port: u16) -> libp2p::Multiaddr {
+    format!(
+        "/ip4/127.0.0.1/tcp/{port}/p2p/{}",
+        Keypair::generate_ed25519().public().to_peer_id()
+    )
+    .parse()
+    .unwrap()
+}
+
+/// Starts a node with `cfg`, which must fail with the dial error that every initial peer
+/// failed.
+async fn every_initial_peer_fails(cfg: P2pConfig) {
+    let err = P2p::spawn(cfg, Keypair::generate_ed25519(), Box::new(UnionPolicy))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, P2pError::Dial { detail, .. } if detail.contains("every initial peer failed")),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,7 +300,13 @@ async fn loopback_nodes_find_out_they_are_public_and_serve_the_dht() {
     for (name, n) in [("a", &a), ("b", &b)] {
         let r = n.wait_reachability(T, |r| r.reach.is_some()).await;
         assert_eq!(r.reach, Some(Reach::Public), "{name}: {r:?}");
-        assert!(!r.observed.is_empty(), "{name}: {r:?}");
+        // Public on evidence: a dial-back confirmed an address, or a peer observed one (an
+        // initial peer is dialed from a new port, so its observation may not count and the
+        // dial-back may come first).
+        assert!(
+            !r.confirmed.is_empty() || !r.observed.is_empty(),
+            "{name}: {r:?}"
+        );
         assert!(
             r.relayed.is_empty(),
             "{name}: a public node needs no relay: {r:?}"
@@ -394,6 +437,22 @@ async fn inbound_connections_beyond_the_limit_are_dropped() {
     let guarded = spawn(cfg).await;
     let addrs = guarded.listen_addrs().await.unwrap();
     let first = node(addrs.clone(), false).await;
+    // `first` returns once its own side of the connection is up; the guarded node counts it
+    // when its event loop gets to it. Until then the one slot is free, and a second peer
+    // arriving first would rightly take it (seen once in a full run under load).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !guarded
+        .connected_peers()
+        .await
+        .unwrap()
+        .contains(&first.peer_id())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the guarded node never saw the first peer"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The second peer's dial completes its handshake and is then dropped by the guarded node,
     // so its start may fail or succeed with a connection that closes at once. (In that moment
     // it may learn of the first peer and connect to it: only the guarded node must drop it.)
@@ -575,10 +634,12 @@ async fn a_peer_that_left_leaves_the_routing_table_when_it_cannot_be_dialed() {
     let dialed = boot
         .open_stream(id, "/hivemesh/test/1", Duration::from_secs(30))
         .await;
-    assert!(dialed.is_err(), "the peer is gone");
+    let Err(error) = dialed else {
+        panic!("the peer is gone, yet a stream opened");
+    };
     assert!(
         boot.routing_addresses(id).await.unwrap().is_empty(),
-        "the failed dial removed it"
+        "the failed dial removed it: {error}"
     );
     boot.shutdown().await.unwrap();
 }

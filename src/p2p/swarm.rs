@@ -174,6 +174,10 @@ pub(super) struct EventLoop {
     /// Initial peers whose last dial failed, with why: when every one has, whoever waits for
     /// a first connection hears it at once instead of at the bootstrap timeout.
     initial_failures: HashMap<PeerId, String>,
+    /// The last moment a failed initial dial is made again ([`MAX_REDIALS`]): after it, another
+    /// handshake (up to its timeout) would end past the bootstrap timeout, so whoever waits
+    /// would hear only that time ran out, not why each initial peer failed.
+    initial_redial_until: Instant,
     connect_waiters: Vec<oneshot::Sender<Result<(), P2pError>>>,
     /// Handles waiting for a connection to one peer ([`Command::Connect`]).
     peer_waiters: HashMap<PeerId, Vec<oneshot::Sender<Result<(), P2pError>>>>,
@@ -206,6 +210,9 @@ pub(super) struct EventLoop {
 /// keeps a closed connection between the same two ports (seen in tests' `Node::start` on
 /// loopback, a node listening on the port of a node just shut down).
 const MAX_REDIALS: u32 = 2;
+
+/// The longest random pause before such a dial, in milliseconds.
+const REDIAL_PAUSE_MAX_MS: u64 = 200;
 
 /// Most addresses of one peer that identify adds to the routing table.
 const MAX_ROUTING_ADDRS: usize = 8;
@@ -402,6 +409,11 @@ impl EventLoop {
             addr_waiters: Vec::new(),
             initial_peers: initial_peers.iter().map(|(p, _)| *p).collect(),
             initial_failures: HashMap::new(),
+            initial_redial_until: Instant::now()
+                + config.bootstrap_timeout.saturating_sub(
+                    config.connections.handshake_timeout
+                        + Duration::from_millis(REDIAL_PAUSE_MAX_MS),
+                ),
             connect_waiters: Vec::new(),
             peer_waiters: HashMap::new(),
             nat: Nat::new(&config.nat),
@@ -653,7 +665,7 @@ impl EventLoop {
             return false;
         }
         *done += 1;
-        let pause = Duration::from_millis(rand::random_range(20..200));
+        let pause = Duration::from_millis(rand::random_range(20..REDIAL_PAUSE_MAX_MS));
         tracing::debug!(%peer, ?pause, "handshake failed: dialing again");
         self.redial_timers.spawn(async move {
             tokio::time::sleep(pause).await;
@@ -1021,7 +1033,10 @@ impl EventLoop {
                     );
                     self.on_dial_failed(peer, &error.to_string(), direct);
                     if self.initial_peers.contains(&peer) && !self.swarm.is_connected(&peer) {
-                        if !peer_is_gone(&error) && self.redial_after_pause(peer) {
+                        if !peer_is_gone(&error)
+                            && Instant::now() < self.initial_redial_until
+                            && self.redial_after_pause(peer)
+                        {
                             // Not "nobody there" (e.g. "address already in use": a port-reuse
                             // clash on loopback): dialed again before it counts as failed;
                             // whoever waits hears the outcome of that dial.
