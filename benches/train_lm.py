@@ -6,6 +6,7 @@ Usage (root: it makes network namespaces)::
 
     python benches/train_lm.py [--quick] [--rates 0,20,100] [--configs dp,hivemind,...]
                                [--peers 4] [--steps 600] [--fixed-steps 300] [--out DIR]
+                               [--overlap]   # DiLoCo configs with overlap_communication=True
     python benches/train_lm.py --report DIR/results.jsonl [more.jsonl ...]   # the table again
 
 ``--quick``: a smoke run (tiny model, 2 peers, 20 steps, every config, unlimited link only;
@@ -315,7 +316,8 @@ class Trainer:
                     p, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0),
                 grad_compression=codec, matchmaking_time=args.matchmaking_time,
                 averaging_timeout=60.0, timeout_waiting_for_peers=max(30.0,
-                                                                      args.matchmaking_time))
+                                                                      args.matchmaking_time),
+                overlap_communication=bool(getattr(args, "overlap", False)))
 
     def step(self, stop: bool) -> bool:
         """The step on the gradients in ``.grad``; whether the swarm stops (``dp``: any peer
@@ -530,7 +532,7 @@ def run_config(bed: Bed, args: argparse.Namespace, config: str, rate: int,
 
 SETTINGS = ("peers", "steps", "fixed_steps", "batch", "ctx", "dim", "layers", "heads", "lr",
             "inner_steps", "outer_lr", "outer_momentum", "density", "bits", "chunk",
-            "reply_bits", "matchmaking_time", "val_windows", "max_wall")
+            "reply_bits", "overlap", "matchmaking_time", "val_windows", "max_wall")
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -602,7 +604,8 @@ def table(runs: List[Dict[str, Any]], slack: float, target_steps: Optional[int] 
         bt = s.get("bytes_target")
         ratio = f"{ref_bytes / bt:.0f}x less" if bt and ref_bytes else "-"
         note = "" if s["complete"] and not s["errors"] else f" (errors: {s['errors']})"
-        lines.append(f"| {run['config']}{note} | {link} | {fixed} | {tt} | "
+        name = run["config"] + (" (overlapped)" if run["settings"].get("overlap") else "")
+        lines.append(f"| {name}{note} | {link} | {fixed} | {tt} | "
                      f"{s.get('samples_target', '-')} | {_mb(bt)} | {ratio} | "
                      f"{_mb(s.get('bytes'))} | {s.get('samples', '-')} | "
                      f"{s.get('wall', float('nan')):.1f} | "
@@ -645,6 +648,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reply-bits", type=int, default=2,
                    help="diloco_ef's reducer replies: 2-8 bits (quantized, the reducer keeps "
                         "their error in its residual) or 32 (raw f32)")
+    p.add_argument("--overlap", action="store_true",
+                   help="diloco and diloco_ef with overlap_communication=True (the outer round "
+                        "runs during the next inner steps)")
     p.add_argument("--matchmaking-time", type=float, default=2.0)
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--max-wall", type=float, default=300.0, help="seconds per run at most")

@@ -862,6 +862,11 @@ impl StepControl {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        // Finished: true at once, whatever the timeout (a wait of 0 s would otherwise race the
+        // waiting task's first poll and could say "not finished" of a finished step).
+        if *self.done.borrow() {
+            return Ok(true);
+        }
         let mut done = self.done.clone();
         let finished = runtime::wait(
             py,

@@ -73,6 +73,12 @@ def test_allreduce_once(make_dht, n_clients, n_aux):
             assert result is not None, f"peer {i} ({modes[i]}) found no group"
             assert set(result) == {b.peer_id for b in averagers}, f"peer {i}"
             assert a.mode.name.lower() == modes[i]
+        # A finished step answers a zero timeout with its result, every time (the wait used
+        # to race its own first poll and raise TimeoutError).
+        for c, result in zip(controls, results):
+            assert c.done()
+            for _ in range(50):
+                assert c.result(timeout=0) == result
         for i, mode in enumerate(modes):
             for k in range(3):
                 if mode == "aux":

@@ -117,13 +117,16 @@ def record_outer_steps(opt, log):
         with opt.grad_averager.get_tensors() as buffers:
             own["delta"] = [b.clone() for b in buffers]
         own["weight"] = min(1.0, opt._samples / opt.samples_per_epoch)
+        own["inner_steps"] = opt._inner_steps_total
 
-    def applying(group_size, began):
+    def applying(group_size, began, launched=None):
         entry = dict(own, group_size=group_size,
                      averaged=[p.grad.clone() for p in opt.outer_parameters],
                      before=[p.detach().clone() for p in opt.outer_parameters],
-                     momentum_before=momentum())
-        apply(group_size, began)
+                     momentum_before=momentum(),
+                     model_before=[p.detach().clone() for p in opt.main_parameters],
+                     launched=None if launched is None else [p.clone() for p in launched])
+        apply(group_size, began, launched=launched)
         entry.update(epoch=opt.local_epoch,
                      after=[p.detach().clone() for p in opt.outer_parameters],
                      momentum_after=momentum(),
@@ -146,8 +149,10 @@ def reference_outer_step(before, momentum, grad):
             [ref.state[p]["momentum_buffer"] for p in params])
 
 
-def test_every_outer_step_is_the_outer_optimizer_on_the_mean_pseudo_gradient(make_dht):
-    peers, epochs = Peers(make_dht, "diloco_reference"), 4
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_every_outer_step_is_the_outer_optimizer_on_the_mean_pseudo_gradient(make_dht, overlap):
+    peers, epochs = Peers(make_dht, f"diloco_reference_{overlap}",
+                          overlap_communication=overlap), 4
     logs = [[] for _ in range(3)]
     try:
         for i in range(3):
@@ -169,11 +174,25 @@ def test_every_outer_step_is_the_outer_optimizer_on_the_mean_pseudo_gradient(mak
         assert (first["delta"][0] - entries[1]["delta"][0]).abs().max() > 1e-4
         params, momentum = reference_outer_step(first["before"], first["momentum_before"], mean)
         for e in entries:
+            # Every epoch is H inner steps, also those taken while a round was in flight.
+            assert e["inner_steps"] == epoch * H, (epoch, e["inner_steps"])
             assert_close(e["averaged"], mean, f"epoch {epoch}: averaged pseudo-gradient")
             assert_close(e["before"], first["before"], f"epoch {epoch}: outer params before")
             assert_close(e["after"], params, f"epoch {epoch}: outer params after")
             assert_close(e["momentum_after"], momentum, f"epoch {epoch}: outer momentum after")
-            assert_close(e["model"], params, f"epoch {epoch}: the model after the outer step")
+            if not overlap:
+                assert e["launched"] is None
+                assert_close(e["model"], params, f"epoch {epoch}: the model after the outer step")
+                continue
+            # Overlapped: the model went on from where the round was launched; it restarts at
+            # the new outer parameters plus its progress since the launch (at least the inner
+            # step of the call that took the round's outcome).
+            progress = [b - a for a, b in zip(e["launched"], e["model_before"])]
+            assert max(d.abs().max().item() for d in progress) > 1e-6, epoch
+            assert_close(e["delta"], [o - a for o, a in zip(e["before"], e["launched"])],
+                         f"epoch {epoch}: the pseudo-gradient is the launch's")
+            assert_close(e["model"], [p + d for p, d in zip(params, progress)],
+                         f"epoch {epoch}: the model after the overlapped outer step")
         if epoch > 1:
             previous = [e for log in logs for e in log if e["epoch"] == epoch - 1][0]
             assert_close(first["before"], previous["after"], f"epoch {epoch}: continuity")
@@ -182,8 +201,9 @@ def test_every_outer_step_is_the_outer_optimizer_on_the_mean_pseudo_gradient(mak
 # --- a late joiner --------------------------------------------------------------------------
 
 
-def test_a_late_joiner_loads_the_outer_state_and_ends_in_lockstep(make_dht):
-    peers, epochs = Peers(make_dht, "diloco_late"), 5
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_a_late_joiner_loads_the_outer_state_and_ends_in_lockstep(make_dht, overlap):
+    peers, epochs = Peers(make_dht, f"diloco_late_{overlap}", overlap_communication=overlap), 5
     started = threading.Event()
     try:
         for _ in range(2):
@@ -213,8 +233,10 @@ def test_a_late_joiner_loads_the_outer_state_and_ends_in_lockstep(make_dht):
 # --- a failed round ------------------------------------------------------------------------
 
 
-def test_a_failed_round_never_raises_and_the_peer_stays_in_lockstep(make_dht):
-    peers, epochs = Peers(make_dht, "diloco_failed_round"), 4
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_a_failed_round_never_raises_and_the_peer_stays_in_lockstep(make_dht, overlap):
+    peers, epochs = Peers(make_dht, f"diloco_failed_round_{overlap}",
+                          overlap_communication=overlap), 4
     injected = []
     try:
         for _ in range(3):
@@ -239,10 +261,12 @@ def test_a_failed_round_never_raises_and_the_peer_stays_in_lockstep(make_dht):
     assert_lockstep(states, reloads)
 
 
-def test_a_peer_that_missed_the_group_stops_looking_and_reloads(make_dht):
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_a_peer_that_missed_the_group_stops_looking_and_reloads(make_dht, overlap):
     # Peer 2 starts looking for epoch 2's group only once the others have moved on without
     # it. It must stop looking (its round's timeout is 10 minutes) and load their state.
-    peers, epochs = Peers(make_dht, "diloco_missed", averaging_timeout=600.0), 4
+    peers, epochs = Peers(make_dht, f"diloco_missed_{overlap}", averaging_timeout=600.0,
+                          overlap_communication=overlap), 4
     try:
         for _ in range(3):
             peers.add()
@@ -300,11 +324,13 @@ class DiLoCoSwarm(Swarm):
         return self.spawn(index, args)
 
 
-def test_a_peer_killed_mid_run(bootstrap, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_a_peer_killed_mid_run(bootstrap, tmp_path, overlap):
     # The dead peer's progress stays in the DHT for a while: the survivors wait for it at
     # most timeout_waiting_for_peers, then average without it.
-    swarm = DiLoCoSwarm(bootstrap, tmp_path, dict(timeout_waiting_for_peers=2.0),
-                        run_id="diloco_faults")
+    swarm = DiLoCoSwarm(bootstrap, tmp_path,
+                        dict(timeout_waiting_for_peers=2.0, overlap_communication=overlap),
+                        run_id=f"diloco_faults_{overlap}")
     epochs, survivors = 5, (0, 2)
     try:
         for i in range(3):
@@ -375,10 +401,13 @@ CODECS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("name", list(CODECS) + ["topk_error_feedback_overlapped"])
 def test_diloco_with_a_lossy_codec_converges_like_fp32(make_dht, fp32_diloco_loss, name):
     initial = collab_peer.eval_loss(collab_peer.make_model())
-    losses, _ = two_peers(make_dht, f"diloco_{name}", 6, grad_compression=CODECS[name])
+    overlap = name.endswith("_overlapped")
+    codec = CODECS[name.removesuffix("_overlapped")]
+    losses, _ = two_peers(make_dht, f"diloco_{name}", 6, grad_compression=codec,
+                          overlap_communication=overlap)
     loss = sum(losses) / len(losses)
     # Both trained (fp32 to under half the initial loss), and the codec costs at
     # most 10% of fp32 DiLoCo's loss.

@@ -41,6 +41,23 @@ failed):
 * the group key of an outer round carries its epoch (8 group bits), so a peer retrying a late
   round never averages with peers already on the next epoch (and the gathered epochs are
   checked as well).
+
+``overlap_communication=True`` hides the outer round behind the next epoch's inner steps (a
+one-round-delayed outer update, as Streaming DiLoCo's overlapping and DiLoCoX's one-step
+delay; here the delay is only as long as the round takes). At the end of its inner steps a
+peer waits for the others as above, keeps a copy ``launched`` of its parameters, loads its
+pseudo-gradient ``outer_params - launched`` and starts the round without waiting for it; its
+next inner steps go on from ``launched`` and count toward the next epoch. At the first call
+after the round ends, the outer optimizer steps as above and the model moves to ``outer_params
++ (params - launched)``: the new outer parameters plus this peer's progress since the launch,
+whose pseudo-gradient the next round averages. Every peer's outer parameters and outer
+optimizer state stay identical; their models differ by each one's progress since its launch,
+as they do anyway during an epoch. A round still running after a whole epoch of inner steps
+blocks the next call until it ends; a failed round is restarted with the same pseudo-gradient
+until ``averaging_timeout`` has passed since the epoch's end, then skipped as above; a peer
+still looking for a group when the others are past its epoch reloads. The tracker keeps
+reporting the epoch finished until the outer step; the state served to newcomers is the outer
+state without the round in flight.
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -98,6 +116,17 @@ def _copy_groups(params: Any) -> List[Any]:
     return items
 
 
+@dataclass
+class _InFlightRound:
+    """An outer round running while the inner steps go on (``overlap_communication``)."""
+
+    epoch: int
+    weight: float
+    began: float  # perf_counter() when this peer's inner steps of the epoch ended
+    deadline: float  # monotonic(): no retry after it
+    control: Any = None
+
+
 class DiLoCoOptimizer(torch.optim.Optimizer):
     """DiLoCo with every peer of ``run_id``; see the module docs.
 
@@ -113,6 +142,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     ``averaging_timeout`` (how long one outer step retries failed rounds), ``averager_opts`` and
     ``tracker_opts`` (more arguments for the averagers and the :class:`ProgressTracker`;
     ``max_refresh_period`` defaults to 2 s as in OpenDiLoCo), ``verbose``.
+    ``overlap_communication``: the outer round runs while this peer takes the next epoch's
+    inner steps, and its outer step is applied when the round ends, keeping the progress made
+    since (module docs); off by default.
     hivemind's: ``allreduce_timeout``, ``next_chunk_timeout``, ``load_state_timeout``,
     ``load_state_compression``, ``client_mode``, ``shutdown_timeout``, and
     ``average_state_every`` with ``average_opt_statistics``: every that many outer steps, a
@@ -152,6 +184,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         averager_opts: Optional[dict] = None,
         tracker_opts: Optional[dict] = None,
         shutdown_timeout: float = 5.0,
+        overlap_communication: bool = False,
         verbose: bool = False,
     ):
         self._parent_pid = os.getpid()
@@ -211,6 +244,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.load_state_timeout, self.shutdown_timeout = load_state_timeout, shutdown_timeout
         self.client_mode, self.verbose = bool(client_mode), verbose
         self.average_state_every = average_state_every
+        self.overlap_communication = bool(overlap_communication)
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
         #: The last outer step: epoch reached, group size (1: own pseudo-gradient), seconds
         #: from the end of the inner steps to the update (``None`` before the first).
@@ -262,6 +296,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._head_start = 0  # progress credited at a mid-epoch reload (the swarm's mean)
         self._ready_since: Optional[float] = None
         self._reported = False  # whether the tracker has this peer's progress
+        # overlap_communication: the outer round in flight, the samples processed since it was
+        # launched (the next epoch's), and the model's parameters at its launch (host copies,
+        # reused from round to round).
+        self._inflight: Optional[_InFlightRound] = None
+        self._samples_since_launch = 0
+        self._launch_params: Optional[List[torch.Tensor]] = None
         # torch.optim.Optimizer.__init__ is not called: param_groups and state are the inner
         # optimizer's. These keep torch's hooks (used by schedulers) working.
         self.defaults = dict(self.inner_optimizer.defaults)
@@ -325,7 +365,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._behind():
+        # With a round in flight, the swarm moving on is that round's business (_poll_inflight).
+        if self._inflight is None and self._behind():
             logger.log(self.status_loglevel, "this peer is behind the swarm: loading its state")
             self.load_state_from_peers()
             return loss
@@ -337,9 +378,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._inner_steps_total += 1
         if self.inner_scheduler is not None:
             self.inner_scheduler.step()
-        self._samples += batch_size
+        if self._inflight is None:
+            self._samples += batch_size
+        else:
+            self._samples_since_launch += batch_size
+            self._poll_inflight(block=False)
+            if self._inflight is not None and \
+                    self._samples_since_launch >= self.samples_per_epoch:
+                # A whole epoch's inner steps and the round still runs: the compute waits.
+                with self.tracker.performance_ema.pause():
+                    self._poll_inflight(block=True)
         self._report_progress()
-        if self._reported_samples() >= self.samples_per_epoch:
+        if self._inflight is None and self._reported_samples() >= self.samples_per_epoch:
             self._outer_step()
         return loss
 
@@ -376,6 +426,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 logger.log(self.status_loglevel, "no other peers: own pseudo-gradient")
                 self._load_pseudo_gradient_into_averager_()
                 self._apply_outer_step(group_size=1, began=began)
+                return
+            if self.overlap_communication:
+                self._launch_outer_round(began, deadline)
                 return
             try:
                 group_size = self._average_pseudo_gradient()
@@ -434,10 +487,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._load_pseudo_gradient_into_averager_()
         epoch = self.local_epoch
         try:
-            # The round's group key carries the epoch: a late retry never meets the next one.
-            self.grad_averager.set_group_bits(format(epoch % 256, "08b"))
-            control = self.grad_averager.step(gather=epoch, weight=weight,
-                                              timeout=self.averaging_timeout, wait=False)
+            control = self._start_round(epoch, weight)
             while True:
                 try:
                     gathered = control.result(0.1)
@@ -454,6 +504,19 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - never out of step()
             logger.log(self.status_loglevel, f"the outer round of epoch {epoch} failed: {e!r}")
             return None
+        return self._group_size(gathered, epoch)
+
+    def _start_round(self, epoch: int, weight: float) -> Any:
+        """Starts the pseudo-gradient round of ``epoch`` over the averaged tensors as they
+        are; its step control."""
+        # The round's group key carries the epoch: a late retry never meets the next one.
+        self.grad_averager.set_group_bits(format(epoch % 256, "08b"))
+        return self.grad_averager.step(gather=epoch, weight=weight,
+                                       timeout=self.averaging_timeout, wait=False)
+
+    def _group_size(self, gathered: Optional[dict], epoch: int) -> Optional[int]:
+        """A finished round's group size, or ``None`` if it formed no group or met peers of
+        another epoch."""
         if not gathered:
             logger.log(self.status_loglevel, f"no group for the outer round of epoch {epoch}")
             return None
@@ -472,17 +535,25 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 torch.sub(outer, main.detach().to(device=outer.device, dtype=outer.dtype), out=buf)
 
     @torch.no_grad()
-    def _apply_outer_step(self, group_size: int, began: float) -> None:
+    def _apply_outer_step(self, group_size: int, began: float,
+                          launched: Optional[List[torch.Tensor]] = None) -> None:
         """The outer optimizer's step on the averaged pseudo-gradient; the model then starts
-        the next epoch from the new outer parameters."""
+        the next epoch from the new outer parameters, or, for a round launched from the
+        parameters ``launched`` (``overlap_communication``), from the new outer parameters
+        plus the progress made since the launch (whose samples count toward the new epoch)."""
         with self.state_averager.lock_optimizer, self.grad_averager.get_tensors():
             self.outer_optimizer.step()
             self.state_averager.local_epoch += 1
         if (self.average_state_every and group_size > 1
                 and self.local_epoch % self.average_state_every == 0):
             self._average_outer_state()
-        self._set_main_parameters_to_outer_()
-        self._samples, self._head_start, self._ready_since = 0, 0, None
+        if launched is None:
+            self._set_main_parameters_to_outer_()
+            self._samples = 0
+        else:
+            self._move_main_parameters_by_outer_step_(launched)
+            self._samples = self._samples_since_launch
+        self._samples_since_launch, self._head_start, self._ready_since = 0, 0, None
         with self.tracker.pause_updates():
             self.tracker.update_epoch(new_epoch=self.local_epoch)
         self._announce_epoch()
@@ -490,6 +561,108 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.last_outer_step = dict(epoch=self.local_epoch, group_size=group_size, seconds=seconds)
         logger.log(self.status_loglevel, f"outer step to epoch {self.local_epoch} with "
                    f"{group_size} peer(s) in {seconds:.2f} s")
+
+    # --- overlap_communication --------------------------------------------------------------
+
+    def _launch_outer_round(self, began: float, deadline: float) -> None:
+        """Starts this epoch's round over the pseudo-gradient and returns at once: the inner
+        steps go on from the current parameters while it runs (:meth:`_poll_inflight`)."""
+        weight = min(1.0, self._samples / self.samples_per_epoch)
+        mains = self.state_averager.main_parameters
+        with torch.no_grad():
+            if self._launch_params is None:
+                self._launch_params = [
+                    torch.empty_like(outer) for outer in self.outer_parameters]
+            for saved, main in zip(self._launch_params, mains):
+                saved.copy_(main.detach())
+        self._load_pseudo_gradient_into_averager_()
+        self._submit_inflight(_InFlightRound(
+            epoch=self.local_epoch, weight=weight, began=began, deadline=deadline))
+
+    def _submit_inflight(self, round_: "_InFlightRound") -> None:
+        """Starts ``round_``'s all-reduce over the averaged tensors (already loaded)."""
+        try:
+            round_.control = self._start_round(round_.epoch, round_.weight)
+        except ShutdownError:
+            logger.log(self.status_loglevel, "the averager is shut down: no outer step")
+            return
+        except Exception as e:  # noqa: BLE001 - never out of step()
+            logger.log(self.status_loglevel,
+                       f"the outer round of epoch {round_.epoch} did not start: {e!r}")
+            self._round_failed(round_)
+            return
+        self._inflight = round_
+
+    def _poll_inflight(self, block: bool) -> None:
+        """Takes the round in flight's outcome if it has one (waits for it if ``block``): on
+        success the outer step, on failure a retry with the same pseudo-gradient while its
+        ``averaging_timeout`` lasts, or a reload if the swarm moved on without this peer."""
+        round_ = self._inflight
+        while not round_.control.done():
+            # Still looking for a group while the others are past the epoch: they formed theirs
+            # without this peer.
+            if not round_.control.began_allreduce and self._behind():
+                round_.control.cancel()
+                self._drop_inflight()
+                logger.log(self.status_loglevel, f"the swarm ended epoch {round_.epoch} "
+                           "without this peer: loading its state")
+                self.load_state_from_peers()
+                return
+            if not block:
+                return
+            try:
+                round_.control.result(0.1)
+            except concurrent.futures.TimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - taken below
+                break
+        self._inflight = None
+        try:
+            # Finished (done() said so): the result is there, no wait.
+            group_size = self._group_size(round_.control.result(), round_.epoch)
+        except Exception as e:  # noqa: BLE001 - never out of step()
+            logger.log(self.status_loglevel,
+                       f"the outer round of epoch {round_.epoch} failed: {e!r}")
+            group_size = None
+        if group_size is not None:
+            self._apply_outer_step(group_size, round_.began, launched=self._launch_params)
+            return
+        self._round_failed(round_)
+
+    def _round_failed(self, round_: "_InFlightRound") -> None:
+        """A launched round that failed: retried with the same pseudo-gradient until its
+        deadline; after it, the outer step is skipped and the next call starts a round over
+        a pseudo-gradient that spans the inner steps since (as without overlap)."""
+        if self._behind():
+            logger.log(self.status_loglevel, f"the swarm ended epoch {round_.epoch} without "
+                       "this peer: loading its state")
+            self._drop_inflight()
+            self.load_state_from_peers()
+            return
+        if time.monotonic() < round_.deadline:
+            with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
+                for outer, saved, buf in zip(self.outer_parameters, self._launch_params, buffers):
+                    torch.sub(outer, saved, out=buf)
+            self._submit_inflight(round_)
+            return
+        logger.warning(f"no outer round for epoch {round_.epoch} within "
+                       f"{self.averaging_timeout} s: retrying at the next step")
+        self._samples += self._samples_since_launch
+        self._samples_since_launch = 0
+
+    def _drop_inflight(self) -> None:
+        """Forgets the round in flight (cancelled if still running) and its progress."""
+        round_, self._inflight = getattr(self, "_inflight", None), None
+        if round_ is not None and round_.control is not None:
+            round_.control.cancel()
+        self._samples_since_launch = 0
+
+    @torch.no_grad()
+    def _move_main_parameters_by_outer_step_(self, launched: List[torch.Tensor]) -> None:
+        """The model to the new outer parameters plus its progress since ``launched``."""
+        for main, outer, saved in zip(self.state_averager.main_parameters,
+                                      self.outer_parameters, launched):
+            main.add_((outer - saved).to(device=main.device, dtype=main.dtype))
 
     def _average_outer_state(self) -> None:
         """A lossless round over the outer parameters and ``average_opt_statistics``: the
@@ -519,6 +692,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         puts the model's parameters at the outer parameters and joins the swarm's epoch,
         retrying until a state is loaded or ``load_state_timeout`` passes. The inner optimizer
         keeps its own state; the inner schedule catches up with the epoch."""
+        self._drop_inflight()
         with self.tracker.pause_updates():
             self.state_averager.load_state_retrying(
                 self.load_state_timeout, lambda: self.tracker.global_progress.num_peers, **kwargs)
@@ -587,6 +761,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a :meth:`state_dict` (the model's own parameters are the caller's to load)."""
+        self._drop_inflight()
         outer = state_dict["state_dict_outer"]
         outer = dict(outer, state=dict(outer["state"]))
         epoch = outer["state"].pop("local_epoch", None)
@@ -610,6 +785,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if getattr(self, "_shut_down", False):
             return
         self._shut_down = True
+        self._drop_inflight()
         self.tracker.shutdown(self.shutdown_timeout)
         self.grad_averager.shutdown()
         self.state_averager.shutdown()
