@@ -199,3 +199,87 @@ fn a_silent_peer_is_dropped_within_its_bound() {
         assert!(c.as_ref().unwrap().max_abs_err < 1e-5);
     }
 }
+
+/// Member 0 of two nodes and a client (64-byte parts, 5 s / 10 s timeouts), with `credit`.
+fn node_node_client(credit: Option<usize>) -> RoundConfig {
+    let node = Member {
+        mode: Mode::Node,
+        fraction: 1.0,
+    };
+    let client = Member {
+        mode: Mode::Client,
+        fraction: 0.0,
+    };
+    let mut cfg = RoundConfig::new(vec![node, node, client], 0);
+    cfg.part_size_bytes = 64;
+    cfg.sender_timeout = Duration::from_secs(5);
+    cfg.reducer_timeout = Duration::from_secs(10);
+    cfg.client_credit = credit;
+    cfg
+}
+
+/// Receiver-side pacing: a reducer reads a client only `client_credit` parts ahead of its
+/// slowest node sender. Beyond that `reads_from` says no and the paced client's sender
+/// deadline does not run (we hold it back); once the node's next part moves the frontier the
+/// client is read again and its deadline counts from then.
+#[test]
+fn a_reducer_paces_a_client_behind_its_node_senders() {
+    let now = Instant::now();
+    let mut m = common::machine(node_node_client(Some(2)), now);
+    let span = m.partition().span(0);
+    assert!(span.len() >= 4, "span {span:?}");
+    let parts: Vec<Message> = span
+        .clone()
+        .map(|g| common::f32_part(g, &vec![1.0; m.partition().part(g).len], 1.0))
+        .collect();
+    let no_bans = |m: &mut hivemesh::allreduce::Butterfly| {
+        while let Some(ev) = m.poll_event() {
+            assert!(!matches!(ev, RoundEvent::Banned { .. }), "{ev:?}");
+        }
+    };
+    assert!(m.reads_from(1) && m.reads_from(2));
+    // The node delivers one part (and is owed its reply: no deadline for it here).
+    m.handle_message(now, 1, parts[0].clone()).unwrap();
+    for (k, p) in parts[..3].iter().enumerate() {
+        assert!(
+            m.reads_from(2),
+            "client at {k} parts, node at 1: within credit"
+        );
+        m.handle_message(now, 2, p.clone()).unwrap();
+    }
+    assert!(!m.reads_from(2), "client 2 parts ahead of the node: paced");
+    assert!(m.reads_from(1), "a node is never paced");
+    // Held back by us, the client is not waited for: no ban past its sender timeout.
+    m.handle_timeout(now + Duration::from_secs(7));
+    no_bans(&mut m);
+    // The node's next part releases it; its deadline counts from the release.
+    let released = now + Duration::from_secs(7);
+    m.handle_message(released, 1, parts[1].clone()).unwrap();
+    assert!(m.reads_from(2));
+    m.handle_timeout(released + Duration::from_secs(3));
+    no_bans(&mut m);
+    m.handle_timeout(released + Duration::from_secs(6));
+    let mut banned = Vec::new();
+    while let Some(ev) = m.poll_event() {
+        if let RoundEvent::Banned { peer, .. } = ev {
+            banned.push(peer);
+        }
+    }
+    assert_eq!(
+        banned,
+        vec![2],
+        "a released client that stays silent is banned"
+    );
+}
+
+/// Without credit (`client_credit: None`) a client is read however far ahead it is.
+#[test]
+fn without_credit_clients_are_read_freely() {
+    let now = Instant::now();
+    let mut m = common::machine(node_node_client(None), now);
+    for g in m.partition().span(0) {
+        assert!(m.reads_from(2));
+        let p = common::f32_part(g, &vec![1.0; m.partition().part(g).len], 1.0);
+        m.handle_message(now, 2, p).unwrap();
+    }
+}
