@@ -63,7 +63,6 @@
 //! and `poll_timeout` (see [`crate::sim`] for a driver in virtual time).
 
 mod butterfly;
-pub mod credit;
 pub mod deadline;
 pub mod partition;
 mod peer_set;
@@ -212,11 +211,6 @@ pub struct RoundConfig {
     /// banned the others, healthy but still linking (`tests/averager.rs`,
     /// `member_dying_mid_round_does_not_hang_the_others`).
     pub start_grace: Duration,
-    /// Receiver-side pacing of clients ([`credit`]): as a reducer, read a client's next part
-    /// of our span only while it is fewer than this many parts ahead of the slowest node
-    /// sender still sending (`None`: read clients as fast as they send). Only this peer's
-    /// reading changes: members may differ.
-    pub client_credit: Option<usize>,
 }
 
 impl RoundConfig {
@@ -238,7 +232,6 @@ impl RoundConfig {
             aggregator: Aggregator::Mean,
             stand_ins: false,
             start_grace: Duration::ZERO,
-            client_credit: experiment_credit(),
         }
     }
 
@@ -248,16 +241,6 @@ impl RoundConfig {
             .iter()
             .map(|m| if m.mode.is_reducer() { m.fraction } else { 0.0 })
             .collect()
-    }
-}
-
-/// TEMPORARY (measurement only): `HIVEMESH_CLIENT_CREDIT` overrides the default credit
-/// (`off` disables pacing).
-fn experiment_credit() -> Option<usize> {
-    match std::env::var("HIVEMESH_CLIENT_CREDIT") {
-        Ok(v) if v == "off" => None,
-        Ok(v) => v.parse().ok().or(Some(credit::DEFAULT_CLIENT_CREDIT_PARTS)),
-        Err(_) => Some(credit::DEFAULT_CLIENT_CREDIT_PARTS),
     }
 }
 

@@ -226,8 +226,6 @@ pub async fn run_round_pending(
 
         let (in_tx, mut in_rx) = mpsc::channel(runner.inbound_queue);
         let mut writers: Vec<Option<mpsc::Sender<Message>>> = (0..n).map(|_| None).collect();
-        // Per link: whether its reader may read the next frame (receiver-side pacing).
-        let mut gates: Vec<Option<watch::Sender<bool>>> = (0..n).map(|_| None).collect();
         // Owned: dropping this future (the round abandoned) aborts them, closing the links.
         let mut tasks = JoinSet::new();
         let mut readers = JoinSet::new();
@@ -242,8 +240,6 @@ pub async fn run_round_pending(
             let (read, write) = tokio::io::split(link);
             let (tx, rx) = mpsc::channel(runner.link_queue);
             writers[peer] = Some(tx);
-            let (gate, gate_rx) = watch::channel(true);
-            gates[peer] = Some(gate);
             let lane = runner.lanes.as_ref().and_then(|l| l.get(peer).cloned());
             readers.spawn(read_link(
                 LinkEnd {
@@ -257,7 +253,6 @@ pub async fn run_round_pending(
                 runner.max_frame_bytes,
                 link_budget(runner.max_queued_bytes_per_link, runner.max_frame_bytes),
                 runner.pool.clone(),
-                Some(gate_rx),
             ));
             tasks.spawn(write_link(
                 LinkEnd {
@@ -305,7 +300,6 @@ pub async fn run_round_pending(
                 &handle,
                 &mut machine,
                 &mut writers,
-                &gates,
                 &mut in_rx,
                 &mut cancel,
                 &mut abandoned,
@@ -365,10 +359,6 @@ pub(crate) trait Machine {
     fn is_cancelled(&self) -> bool;
     /// Nothing left to send.
     fn is_drained(&self) -> bool;
-    /// Whether the next message from `peer` should be read now (receiver-side pacing).
-    fn reads_from(&self, _peer: usize) -> bool {
-        true
-    }
 }
 
 impl Machine for Butterfly {
@@ -416,9 +406,6 @@ impl Machine for Butterfly {
     }
     fn is_drained(&self) -> bool {
         Butterfly::is_drained(self)
-    }
-    fn reads_from(&self, peer: usize) -> bool {
-        Butterfly::reads_from(self, peer)
     }
 }
 
@@ -469,7 +456,6 @@ pub(crate) fn drive<M: Machine, O: Outbox>(
         handle,
         machine,
         writers,
-        &[],
         inbound,
         cancel,
         abandoned,
@@ -484,7 +470,6 @@ fn compute_loop<M: Machine, O: Outbox>(
     handle: &tokio::runtime::Handle,
     machine: &mut M,
     writers: &mut [Option<O>],
-    gates: &[Option<watch::Sender<bool>>],
     inbound: &mut mpsc::Receiver<Inbound>,
     cancel: &mut watch::Receiver<bool>,
     abandoned: &mut oneshot::Receiver<()>,
@@ -528,12 +513,6 @@ fn compute_loop<M: Machine, O: Outbox>(
         }
         if machine.is_finished() || (machine.is_cancelled() && machine.is_drained()) {
             return Ok(());
-        }
-        for (peer, gate) in gates.iter().enumerate() {
-            if let Some(gate) = gate {
-                let open = machine.reads_from(peer);
-                gate.send_if_modified(|g| std::mem::replace(g, open) != open);
-            }
         }
         let deadline = machine.poll_timeout();
         if !inbound_open && deadline.is_none() {
@@ -655,19 +634,11 @@ async fn read_link(
     max_frame_bytes: usize,
     budget: Arc<Semaphore>,
     pool: BufferPool,
-    mut gate: Option<watch::Receiver<bool>>,
 ) {
     let decoder = FrameDecoder::new(max_frame_bytes);
     let mut staging = BytesMut::with_capacity(STAGING_BYTES);
     let mut head_at = None;
     let error = loop {
-        // Paced (the round holds this sender back): its bytes stay in the socket until the
-        // gate opens; a closed gate's sender (the round over) reads on.
-        if let Some(g) = gate.as_mut()
-            && g.wait_for(|open| *open).await.is_err()
-        {
-            gate = None;
-        }
         let timed = (lane.is_some() || traffic.is_some()).then_some(&mut head_at);
         let body = match next_frame(&decoder, &mut read, &mut staging, &pool, timed).await {
             Ok(body) => body,
@@ -950,7 +921,6 @@ mod tests {
             FRAME,
             budget.clone(),
             BufferPool::default(),
-            None,
         ));
         let mut taken = 0;
         while taken < FRAMES {

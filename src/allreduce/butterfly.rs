@@ -328,7 +328,6 @@ impl Butterfly {
         machine.contribute_local();
         machine.drain_completed();
         machine.check_finished();
-        machine.refresh_pacing(now);
         Ok(machine)
     }
 
@@ -449,13 +448,7 @@ impl Butterfly {
                 continue;
             }
             self.cursor = (to + 1) % n;
-            // TEMPORARY experiment: to a node, a part we may send goes before an average
-            // (its reduction waits on the part, nobody's on the average).
-            let part_first = parts_first_experiment()
-                && self.modes[to] != Mode::Client
-                && matches!(self.outbox[to].front(), Some(Message::Averaged(_)))
-                && self.can_send_part(to);
-            if !part_first && let Some(message) = self.outbox[to].pop_front() {
+            if let Some(message) = self.outbox[to].pop_front() {
                 if let Message::Averaged(a) = &message {
                     self.reply_sent(now, to, a.part as usize);
                 }
@@ -496,7 +489,6 @@ impl Butterfly {
         }
         self.drain_completed();
         self.check_finished();
-        self.refresh_pacing(now);
         Ok(())
     }
 
@@ -548,7 +540,6 @@ impl Butterfly {
         }
         self.drain_completed();
         self.check_finished();
-        self.refresh_pacing(now);
     }
 
     /// The transport lost the link to `peer` in `role` (or both roles with `None`).
@@ -568,7 +559,6 @@ impl Butterfly {
         }
         self.drain_completed();
         self.check_finished();
-        self.refresh_pacing(now);
     }
 
     /// Cancels the round: every peer still linked gets an abort; the outcome is
@@ -642,14 +632,6 @@ impl Butterfly {
         self.check_finished();
     }
 
-    /// Whether the driver should read the next message from member `peer` now. False only for
-    /// a client this peer paces as a reducer ([`super::credit`]): leaving its bytes unread
-    /// holds it back through TCP's flow control. Advisory: a message read anyway is handled
-    /// as usual.
-    pub fn reads_from(&self, peer: usize) -> bool {
-        !self.client_paced(peer)
-    }
-
     /// Whether some tensor is still pending ([`Butterfly::with_pending`]).
     pub fn has_pending(&self) -> bool {
         self.pending.iter().any(|&p| p)
@@ -721,12 +703,6 @@ impl Butterfly {
             failed_reducers: self.failed_reducers.clone(),
         }
     }
-}
-
-/// TEMPORARY experiment switch (`HIVEMESH_PARTS_FIRST=1`).
-fn parts_first_experiment() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("HIVEMESH_PARTS_FIRST").is_ok_and(|v| v == "1"))
 }
 
 /// The expected gaps for adaptive timeouts (see [`super::deadline`]): per sender `s`, between

@@ -484,13 +484,6 @@ impl DataStream {
             addr,
             detail: e.to_string(),
         })?;
-        // TEMPORARY (measurement only): a bounded receive buffer.
-        if let Some(n) = std::env::var("HIVEMESH_RCVBUF")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-        {
-            let _ = socket2::SockRef::from(&tcp).set_recv_buffer_size(n);
-        }
         let mut io = HandshakeIo::new(tcp);
         handshake(&mut conn, &mut io)
             .await

@@ -8,13 +8,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::super::credit::{self, client_admitted};
 use super::super::deadline::{GapMean, longer};
 use super::super::{
     AbortReason, Aggregator, AveragedMessage, Input, LocalValues, Message, Mode, PartMessage,
     PartResult, ReduceError, Reducer, Role, RoundEvent, Violation,
 };
-use super::{Butterfly, LinkStatus, State, check_encoding};
+use super::{Butterfly, LinkStatus, check_encoding};
 use crate::buffers::BufferPool;
 use crate::compression::{Codec, CompressionType, sparse};
 use crate::tensor::{DType, PartView, Tensor, ops};
@@ -29,9 +28,6 @@ pub(super) struct InLink {
     pub(super) last_activity: Instant,
     /// Observed gaps between this sender's parts (while its deadline runs).
     pub(super) gaps: GapMean,
-    /// A client held back by its credit ([`credit`]): we do not read it, so we do not
-    /// wait for it either.
-    pub(super) paced: bool,
 }
 
 /// This peer's own contribution to a part it reduces. Read where it is, when the part is
@@ -70,7 +66,6 @@ impl InLink {
             status: LinkStatus::Active,
             last_activity: now,
             gaps: GapMean::default(),
-            paced: false,
         }
     }
 }
@@ -153,52 +148,11 @@ impl Butterfly {
         reducer
     }
 
-    /// Whether client `s` is held back by its credit on our own span ([`credit`]): it
-    /// delivered `frontier + credit` parts, the frontier being the fewest any node sender
-    /// still sending to us delivered.
-    pub(super) fn client_paced(&self, s: usize) -> bool {
-        let Some(credit) = self.cfg.client_credit else {
-            return false;
-        };
-        if self.state != State::Running || self.modes.get(s) != Some(&Mode::Client) {
-            return false;
-        }
-        let (Some(reducer), Some(Some(link))) = (self.reducer.as_ref(), self.in_links.get(s))
-        else {
-            return false;
-        };
-        if link.status != LinkStatus::Active || link.received >= reducer.span().len() {
-            return false;
-        }
-        let nodes = self.in_links.iter().enumerate().filter_map(|(i, l)| {
-            let l = l.as_ref()?;
-            (self.modes[i] != Mode::Client && l.status == LinkStatus::Active).then_some(l.received)
-        });
-        !client_admitted(link.received, credit::frontier(nodes), credit)
-    }
-
-    /// Records which clients are held back now; one released waits for its next part from
-    /// `now` (its wait was ours).
-    pub(super) fn refresh_pacing(&mut self, now: Instant) {
-        if self.cfg.client_credit.is_none() {
-            return;
-        }
-        for s in 0..self.in_links.len() {
-            let paced = self.client_paced(s);
-            if let Some(l) = self.in_links[s].as_mut() {
-                if l.paced && !paced {
-                    l.last_activity = l.last_activity.max(now);
-                }
-                l.paced = paced;
-            }
-        }
-    }
-
     /// When we stop waiting for sender `s`'s next part in `lane`.
     pub(super) fn in_deadline(&self, lane: Option<usize>, s: usize) -> Option<Instant> {
         let l = self.in_link(lane, s)?;
         let reducer = self.lane_reducer(lane)?;
-        if l.status != LinkStatus::Active || l.received >= reducer.span().len() || l.paced {
+        if l.status != LinkStatus::Active || l.received >= reducer.span().len() {
             return None;
         }
         let owes = l.received > l.transmitted;
