@@ -301,7 +301,7 @@ class Trainer:
                 **common, target_batch_size=world * args.batch * args.inner_steps,
                 batch_size_per_step=args.batch, optimizer=adam, params=self.params,
                 use_local_updates=True, matchmaking_time=args.matchmaking_time,
-                averaging_timeout=60.0, verbose=False)
+                averaging_timeout=60.0, verbose=bool(getattr(args, "verbose", False)))
         else:
             from hivemesh.compression import ErrorFeedbackTopK, NoCompression
 
@@ -317,7 +317,8 @@ class Trainer:
                 grad_compression=codec, matchmaking_time=args.matchmaking_time,
                 averaging_timeout=60.0, timeout_waiting_for_peers=max(30.0,
                                                                       args.matchmaking_time),
-                overlap_communication=bool(getattr(args, "overlap", False)))
+                overlap_communication=bool(getattr(args, "overlap", False)),
+                verbose=bool(getattr(args, "verbose", False)))
 
     def step(self, stop: bool) -> bool:
         """The step on the gradients in ``.grad``; whether the swarm stops (``dp``: any peer
@@ -651,6 +652,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", action="store_true",
                    help="diloco and diloco_ef with overlap_communication=True (the outer round "
                         "runs during the next inner steps)")
+    p.add_argument("--verbose", action="store_true",
+                   help="the optimizers log their rounds (into each run's peer<i>.log)")
     p.add_argument("--matchmaking-time", type=float, default=2.0)
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--max-wall", type=float, default=300.0, help="seconds per run at most")
