@@ -691,16 +691,18 @@ impl EventLoop {
         if self.swarm.is_connected(&peer) || !(initial || self.peer_waiters.contains_key(&peer)) {
             return;
         }
-        let opts = DialOpts::peer_id(peer).condition(PeerCondition::DisconnectedAndNotDialing);
-        // An initial peer: from a new port. A dial from the listen port meets "address already
-        // in use" for as long as the kernel keeps an earlier connection between the same two
-        // ports (TIME_WAIT, a minute): a node whose random listen port was a closed node's
-        // that had dialed the same peer.
-        let opts = if initial {
-            opts.allocate_new_port().build()
-        } else {
-            opts.build()
-        };
+        // From a new port. A dial from the listen port meets "address already in use" for as
+        // long as the kernel keeps an earlier connection between the same two ports
+        // (TIME_WAIT, a minute): a node whose random listen port was a closed node's that had
+        // dialed the same peer, or a peer dialed again after a connection to it from the listen
+        // port closed (then that error, which does not say the peer is gone, came back on
+        // every redial: `a_peer_that_left_leaves_the_routing_table_when_it_cannot_be_dialed`,
+        // 1 run in 12). A new port also rules out meeting the peer's own dial again (TCP's
+        // simultaneous open, the other reason for a redial).
+        let opts = DialOpts::peer_id(peer)
+            .condition(PeerCondition::DisconnectedAndNotDialing)
+            .allocate_new_port()
+            .build();
         match self.swarm.dial(opts) {
             Ok(()) | Err(libp2p::swarm::DialError::DialPeerConditionFalse(_)) => {}
             Err(e) => {
