@@ -392,17 +392,25 @@ impl Matchmaker {
         }
     }
 
+    /// Whether candidate `(exp, peer)` may still be asked at `now`: not expired, not this
+    /// peer, not tried.
+    fn askable(&self, (exp, peer): &(DhtTime, PeerId), now: DhtTime) -> bool {
+        *exp >= now && *peer != self.me && !self.tried.contains(&(peer.clone(), *exp))
+    }
+
+    /// Whether candidate `(exp, peer)` ranks before this peer's own declaration (any does
+    /// while this peer has declared nothing).
+    fn ranks_before_me(&self, (exp, peer): &(DhtTime, PeerId)) -> bool {
+        self.declared
+            .is_none_or(|mine| (*exp, peer) < (mine, &self.me))
+    }
+
     /// Whether [`Matchmaker::next_candidate`] would pick someone at `now`.
     fn has_candidate(&self, now: DhtTime) -> bool {
         self.candidates
             .iter()
-            .find(|(exp, peer)| {
-                *exp >= now && *peer != self.me && !self.tried.contains(&(peer.clone(), *exp))
-            })
-            .is_some_and(|(exp, peer)| {
-                self.declared
-                    .is_none_or(|mine| (*exp, peer) < (mine, &self.me))
-            })
+            .find(|c| self.askable(c, now))
+            .is_some_and(|c| self.ranks_before_me(c))
     }
 
     /// The best candidate strictly better than this peer, not tried, not expired.
@@ -410,17 +418,13 @@ impl Matchmaker {
         let mut drop = Vec::new();
         let mut pick = None;
         for c in &self.candidates {
-            let (exp, peer) = c;
-            if *exp < now || *peer == self.me || self.tried.contains(&(peer.clone(), *exp)) {
+            if !self.askable(c, now) {
                 drop.push(c.clone());
                 continue;
             }
-            if let Some(mine) = self.declared
-                && (*exp, peer) >= (mine, &self.me)
-            {
-                break;
+            if self.ranks_before_me(c) {
+                pick = Some(c.clone());
             }
-            pick = Some(c.clone());
             break;
         }
         for c in drop {
