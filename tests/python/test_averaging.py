@@ -518,7 +518,8 @@ def test_cuda_tensors_average_on_the_device(make_dht):
             [t.clone() for t in cpu[2]],
         ]
         pointers = [t.data_ptr() for t in placed[0]]
-        averagers = averagers_for(make_dht, placed, prefix=f"cuda-{dtype}")
+        # A prefix may not contain '.' (``torch.float32`` does).
+        averagers = averagers_for(make_dht, placed, prefix=f"cuda-{str(dtype).split('.')[-1]}")
         try:
             controls = [a.step(wait=False, timeout=STEP_TIMEOUT) for a in averagers]
             for c in controls:
