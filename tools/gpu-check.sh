@@ -235,13 +235,14 @@ run() {
   # --- 2. the Rust tests of the GPU path (a skip fails them here) --------------------------
   step lib-cuda-tests 120 "$B/bin/lib-tests" cuda:: averager::devices tensor::dlpack --nocapture
   step cuda-integration 240 "$B/bin/cuda-tests" --nocapture
-  # --- 3. the Python CUDA test (the bundle's wheel, the machine's CUDA torch) --------------
+  # --- 3. the Python CUDA tests (the bundle's wheel, the machine's CUDA torch) -------------
   local whl
   whl=$(ls "$B"/wheels/hivemesh-*.whl 2>/dev/null | head -1)
   if [[ -n $whl && -d tests/python ]]; then
     rm -rf /tmp/hm-site && python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall("/tmp/hm-site")' "$whl"
     step python-cuda 120 env PYTHONPATH=/tmp/hm-site PYTHONUNBUFFERED=1 python3 -m pytest -q -p no:cacheprovider \
-      tests/python/test_averaging.py -k test_cuda_tensors_average_on_the_device -rs
+      tests/python/test_cuda_training.py \
+      "tests/python/test_averaging.py::test_cuda_tensors_average_on_the_device" -rs
   else
     log "FAIL     python-cuda (no hivemesh wheel in the bundle or no tests/python here)"
     failed=1
