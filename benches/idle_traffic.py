@@ -14,10 +14,11 @@ at ``--rate`` steps per second (``--batch`` samples each) where the mode steps:
   steps per outer step that no round runs: the benchmark's idle peer, without the model.
 
 Each peer reads its ``eth0``'s ``tx_bytes`` and ``tx_packets`` after a ``--warmup`` and again
-``--seconds`` later, and the node's per-protocol counters (``hivemesh_protocol_bytes_total``,
-``hivemesh_protocol_streams_total``: what each libp2p protocol's streams carried, before the
-encryption and the multiplexer's framing) at the same two moments. Printed: per mode, the mean
-over the peers of the bytes and packets per second on the wire and the per-protocol rates.
+``--seconds`` later, and the node's DHT write counters (``hivemesh_dht_writes_total``, by
+whether the key's replicas were looked up first, and ``hivemesh_dht_write_bytes_total``, the
+record bytes its writes sent, summed over the replicas) at the same two moments. Printed: per
+mode, the mean over the peers of the bytes and packets per second on the wire and the
+counters' rates. (The node has no per-protocol byte counters: the wire bytes are everything.)
 
 Needs root (``ip netns``). Example::
 
@@ -41,7 +42,7 @@ from train_lm import (Bed, add_peer_args, read_jsonl, run_peers, wait_file,  # n
                       write_file)
 
 MODES = ("dht", "tracker", "diloco")
-COUNTER = re.compile(r'^hivemesh_protocol_(bytes|streams)_total\{([^}]*)\} (\d+)', re.M)
+COUNTER = re.compile(r'^hivemesh_(dht_writes|dht_write_bytes)_total(?:\{([^}]*)\})? (\d+)', re.M)
 
 
 def read_stat(iface: str, name: str) -> int:
@@ -49,12 +50,13 @@ def read_stat(iface: str, name: str) -> int:
         return int(fh.read())
 
 
-def protocol_counters(text: str) -> Dict[str, int]:
-    """``{"bytes protocol=kad,direction=sent": n, ...}`` from the node's metrics text."""
+def node_counters(text: str) -> Dict[str, int]:
+    """``{"dht_writes replicas=known": n, "dht_write_bytes": m, ...}`` from the node's metrics
+    text."""
     out = {}
-    for kind, labels, value in COUNTER.findall(text):
-        parts = sorted(p.replace('"', "") for p in labels.split(","))
-        out[f"{kind} {','.join(parts)}"] = int(value)
+    for name, labels, value in COUNTER.findall(text):
+        parts = sorted(p.replace('"', "") for p in labels.split(",") if p)
+        out[f"{name} {','.join(parts)}".strip()] = int(value)
     return out
 
 
@@ -62,7 +64,7 @@ def snapshot(dht: Any) -> Dict[str, Any]:
     text = dht.metrics_text() if hasattr(dht, "metrics_text") else ""
     return {"t": time.time(), "tx_bytes": read_stat("eth0", "tx_bytes"),
             "tx_packets": read_stat("eth0", "tx_packets"),
-            "counters": protocol_counters(text)}
+            "counters": node_counters(text)}
 
 
 def run_peer(args: argparse.Namespace, rank: int, rundir: str) -> None:

@@ -10,6 +10,7 @@
 //! | `dht_records`, `dht_record_bytes`, `dht_local_records` | gauge | | the DHT store |
 //! | `dht_records_evicted_total`, `dht_records_refused_total` | counter | | the DHT store |
 //! | `dht_writes_total` | counter | `replicas`: `looked_up`, `known` | this node's DHT writes: after a closest-peers lookup, or to the peers the last one found |
+//! | `dht_write_bytes_total` | counter | | record bytes this node's DHT writes sent, summed over the replicas written to |
 //! | `relay_circuits`, `relay_reservations` | gauge | | the relay server (if this node relays) |
 //! | `relayed_addresses` | gauge | | our own relay reservations (behind a NAT) |
 //! | `hole_punches_total` | counter | `result`: `ok`, `failed` | hole punching |
@@ -88,6 +89,7 @@ struct Inner {
     dht_evicted: Counter,
     dht_refused: Counter,
     dht_writes: Family<[(&'static str, &'static str); 1], Counter>,
+    dht_write_bytes: Counter,
     relay_circuits: Gauge,
     relay_reservations: Gauge,
     rounds: Family<ResultLabel, Counter>,
@@ -128,6 +130,7 @@ impl Metrics {
             dht_evicted: Counter::default(),
             dht_refused: Counter::default(),
             dht_writes: Family::default(),
+            dht_write_bytes: Counter::default(),
             relay_circuits: Gauge::default(),
             relay_reservations: Gauge::default(),
             rounds: Family::default(),
@@ -185,6 +188,11 @@ impl Metrics {
         for replicas in ["looked_up", "known"] {
             let _ = i.dht_writes.get_or_create(&[("replicas", replicas)]);
         }
+        registry.register(
+            "dht_write_bytes",
+            "Record bytes sent by this node's DHT writes, summed over the replicas written to",
+            i.dht_write_bytes.clone(),
+        );
         registry.register(
             "rounds",
             "Averaging rounds run, by how they ended",
@@ -269,6 +277,14 @@ impl Metrics {
             .dht_writes
             .get_or_create(&[("replicas", label)])
             .inc();
+    }
+
+    /// A DHT write sent `bytes` of record to each of `replicas` peers.
+    pub(crate) fn dht_write_sent(&self, bytes: usize, replicas: usize) {
+        let total = bytes.saturating_mul(replicas);
+        self.inner
+            .dht_write_bytes
+            .inc_by(u64::try_from(total).unwrap_or(u64::MAX));
     }
 
     pub(crate) fn set_connections(&self, peers: usize, connections: usize) {

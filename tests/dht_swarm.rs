@@ -97,6 +97,59 @@ async fn rewrites_of_a_key_reuse_its_replicas() {
     }
 }
 
+fn write_bytes(d: &Dht) -> u64 {
+    let text = d.p2p().metrics().encode();
+    let prefix = "hivemesh_dht_write_bytes_total ";
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {prefix} in {text}"))
+}
+
+/// A write sends the writer's own entry, not the record it holds merged: with another
+/// peer's 8 KiB entry under the same key (which this peer holds as a replica), five one-byte
+/// writes send well under one copy of it, and every peer still reads both entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_sends_its_own_entry_not_the_merged_record() {
+    let peers = swarm(3).await;
+    let (a, b) = (&peers[0], &peers[1]);
+    let big = vec![7u8; 8192];
+    let held = a
+        .store(b"progress", Some(&a.own_subkey()), &big, ahead(60.0))
+        .await
+        .unwrap();
+    assert!(held >= 1, "a replica holds the big entry");
+    // b is a replica of the key (every server of a swarm of 3 is among its closest peers).
+    let local = b.get(b"progress").await.unwrap().expect("value present");
+    assert!(local.subkeys().get(&a.own_subkey()[..]).is_some());
+    let before = write_bytes(b);
+    for round in 0..5u8 {
+        b.store(b"progress", Some(&b.own_subkey()), &[round], ahead(60.0))
+            .await
+            .unwrap();
+    }
+    let sent = write_bytes(b) - before;
+    assert!(sent > 0, "the writes were sent");
+    assert!(
+        sent < big.len() as u64,
+        "five one-byte writes sent {sent} bytes: they carried the other peer's entry"
+    );
+    for (i, d) in peers.iter().enumerate() {
+        let v = d.get(b"progress").await.unwrap().expect("value present");
+        let subkeys = v.subkeys();
+        assert_eq!(
+            subkeys.get(&a.own_subkey()[..]).map(|e| e.value.len()),
+            Some(big.len()),
+            "peer {i}"
+        );
+        assert_eq!(
+            subkeys.get(&b.own_subkey()[..]).map(|e| e.value.clone()),
+            Some(Bytes::from_static(&[4])),
+            "peer {i}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn newer_writes_win_and_expired_ones_vanish() {
     let peers = swarm(3).await;

@@ -789,20 +789,26 @@ impl EventLoop {
         }
     }
 
-    /// Merges `value` into the local record (through the policy) and replicates the result.
+    /// Merges `value` into the local record (through the policy) and replicates `value`
+    /// itself, not the merged record: the replicas merge it into theirs, and a PUT then
+    /// carries this node's write alone however many writers share the key (the merged record
+    /// of a progress key holds an entry per peer of the swarm). Nothing republishes records,
+    /// so a replica holds what the writers sent it; readers merge every replica's answer.
     fn put(
         &mut self,
         key: Vec<u8>,
         value: Vec<u8>,
         reply: oneshot::Sender<Result<usize, P2pError>>,
     ) {
-        let record = match self.merge_into_store(&key, &value, None) {
+        let stored = match self.merge_into_store(&key, &value, None) {
             Ok(r) => r,
             Err(e) => {
                 let _ = reply.send(Err(P2pError::Rejected(e)));
                 return;
             }
         };
+        let mut record = kad::Record::new(stored.key, value);
+        record.expires = stored.expires;
         if let Some(peers) = self.replicas.fresh(&key, Instant::now()) {
             let peers = peers.to_vec();
             self.metrics.dht_write(false);
@@ -833,6 +839,7 @@ impl EventLoop {
             return;
         }
         record.publisher = Some(*self.swarm.local_peer_id());
+        self.metrics.dht_write_sent(record.value.len(), peers.len());
         let key = record.key.to_vec();
         let id = self.swarm.behaviour_mut().kad.put_record_to(
             record,

@@ -527,12 +527,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return len(gathered)
 
     @torch.no_grad()
-    def _load_pseudo_gradient_into_averager_(self) -> None:
-        """``outer_params - params`` into the averaged tensors."""
+    def _load_pseudo_gradient_into_averager_(
+            self, params: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """``outer_params - params`` into the averaged tensors (``params``: the model's
+        parameters unless given, e.g. those saved when an overlapped round was launched)."""
+        if params is None:
+            params = self.state_averager.main_parameters
         with self.grad_averager.get_tensors() as buffers:
-            for outer, main, buf in zip(self.outer_parameters, self.state_averager.main_parameters,
-                                        buffers):
-                torch.sub(outer, main.detach().to(device=outer.device, dtype=outer.dtype), out=buf)
+            for outer, p, buf in zip(self.outer_parameters, params, buffers):
+                torch.sub(outer, p.detach().to(device=outer.device, dtype=outer.dtype), out=buf)
 
     @torch.no_grad()
     def _apply_outer_step(self, group_size: int, began: float,
@@ -640,9 +643,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.load_state_from_peers()
             return
         if time.monotonic() < round_.deadline:
-            with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
-                for outer, saved, buf in zip(self.outer_parameters, self._launch_params, buffers):
-                    torch.sub(outer, saved, out=buf)
+            with torch.no_grad():
+                self._load_pseudo_gradient_into_averager_(self._launch_params)
             self._submit_inflight(round_)
             return
         logger.warning(f"no outer round for epoch {round_.epoch} within "
