@@ -77,6 +77,18 @@ fn writes(d: &Dht, replicas: &str) -> u64 {
 async fn rewrites_of_a_key_reuse_its_replicas() {
     let peers = swarm(4).await;
     let a = &peers[1];
+    // Until a knows both other servers, its one lookup may find only one (1 in 15 runs).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    for server in [&peers[0], &peers[2]] {
+        let id = server.p2p().peer_id();
+        while a.p2p().routing_addresses(id).await.unwrap().is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a never learned of server {id}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     for round in 0..5u8 {
         let held = a
             .store(b"progress", Some(&a.own_subkey()), &[round], ahead(60.0))
@@ -112,14 +124,34 @@ fn write_bytes(d: &Dht) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_sends_its_own_entry_not_the_merged_record() {
     let peers = swarm(3).await;
-    let (a, b) = (&peers[0], &peers[1]);
+    // b, the bootstrap node, and a are the servers (the third peer is a DHT client): each is
+    // the other's replica once it knows it. A store is repeated until a replica holds it
+    // (right after start the writer may not know the other server yet).
+    let (a, b) = (&peers[1], &peers[0]);
+    let stored_somewhere = |d: &Dht, value: Vec<u8>| {
+        let d = d.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let held = d
+                    .store(b"progress", Some(&d.own_subkey()), &value, ahead(60.0))
+                    .await
+                    .unwrap();
+                if held >= 1 {
+                    return;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no replica holds the write"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
     let big = vec![7u8; 8192];
-    let held = a
-        .store(b"progress", Some(&a.own_subkey()), &big, ahead(60.0))
-        .await
-        .unwrap();
-    assert!(held >= 1, "a replica holds the big entry");
-    // b is a replica of the key (every server of a swarm of 3 is among its closest peers).
+    stored_somewhere(a, big.clone()).await;
+    stored_somewhere(b, vec![0]).await;
+    // b is a replica of the key: it holds a's entry.
     let local = b.get(b"progress").await.unwrap().expect("value present");
     assert!(local.subkeys().get(&a.own_subkey()[..]).is_some());
     let before = write_bytes(b);
