@@ -1,13 +1,18 @@
 //! Encode and decode throughput of every codec on 4 Mi f32 values (16 MiB of N(0, 1) data).
 //!
 //! Throughput is reported against the f32 input size, so the GB/s figures of different codecs
-//! compare directly. Run with `cargo bench --bench compression`.
+//! compare directly. Also a sparse reducer's quantized reply (an average over the union of
+//! the positions received, here a quarter of the values non-zero): encoded then decoded to get
+//! its own result (`reply/encode+decode`, before session 35) beside the fused encoder that
+//! writes the decoded values as it encodes (`reply/encode_decoded`). Run with
+//! `cargo bench --bench compression`.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use hivemesh::compression::CompressionType;
+use hivemesh::compression::sparse::{SparseTopK, decode_sparse};
 use hivemesh::tensor::{DType, PartView};
 
 const N: usize = 4 << 20;
@@ -65,5 +70,41 @@ fn codecs(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, codecs);
+fn replies(c: &mut Criterion) {
+    let mut x = randn(N, 7);
+    for (i, v) in x.iter_mut().enumerate() {
+        if i % 4 != 0 {
+            *v = 0.0;
+        }
+    }
+    let codec = SparseTopK::DEFAULT
+        .with_reply_bits(2)
+        .expect("2-bit replies");
+    let mut group = c.benchmark_group("sparse_reply_2bit");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .throughput(Throughput::Bytes((N * 4) as u64));
+    let mut payload = Vec::with_capacity(N);
+    let mut decoded = vec![0.0f32; N];
+    group.bench_function("reply/encode+decode", |b| {
+        b.iter(|| {
+            payload.clear();
+            codec.encode_reply(black_box(&x), &mut payload);
+            decode_sparse(&payload, DType::F32, &mut decoded).expect("own reply decodes");
+            black_box(decoded[N - 1])
+        })
+    });
+    group.bench_function("reply/encode_decoded", |b| {
+        b.iter(|| {
+            payload.clear();
+            assert!(codec.encode_reply_decoded(black_box(&x), &mut payload, &mut decoded));
+            black_box(decoded[N - 1])
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, codecs, replies);
 criterion_main!(benches);

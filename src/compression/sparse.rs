@@ -296,12 +296,63 @@ impl SparseTopK {
 
     /// Encodes f32 values (see the module docs).
     pub fn encode_f32(&self, values: &[f32], out: &mut Vec<u8>) {
+        self.encode_f32_decoded(values, out, None);
+    }
+
+    /// [`SparseTopK::encode_reply`], also writing into `decoded` (as long as `average`) what
+    /// every receiver decodes from the reply, without decoding it: zeros, and the sent
+    /// entries' values. Returns false where the reply does not decode (a non-finite value in
+    /// `average`) or `decoded` has another length; `decoded` is then unspecified.
+    pub fn encode_reply_decoded(
+        &self,
+        average: &[f32],
+        out: &mut Vec<u8>,
+        decoded: &mut [f32],
+    ) -> bool {
+        if average.len() != decoded.len() {
+            // Nowhere to write what the decoder reads: the reply alone.
+            self.encode_reply(average, out);
+            return false;
+        }
+        if self.reply_bits == RAW_F32_BITS {
+            encode_nonzeros_f32(average, REPLY_CHUNK_LOG2, out);
+            for (d, v) in decoded.iter_mut().zip(average) {
+                // The decoder writes zeros, then the non-zero values it reads.
+                *d = if *v == 0.0 { 0.0 } else { *v };
+            }
+            return average.iter().all(|v| v.is_finite());
+        }
+        Self {
+            chunk_log2: REPLY_CHUNK_LOG2,
+            k: 1 << REPLY_CHUNK_LOG2,
+            bits: self.reply_bits,
+            reply_bits: self.reply_bits,
+        }
+        .encode_f32_decoded(average, out, Some(decoded))
+    }
+
+    /// Encodes f32 values; with `decoded`, also writes there what the decoder will read (see
+    /// [`SparseTopK::encode_reply_decoded`]). Returns whether every chunk was finite.
+    fn encode_f32_decoded(
+        &self,
+        values: &[f32],
+        out: &mut Vec<u8>,
+        mut decoded: Option<&mut [f32]>,
+    ) -> bool {
         write_header(self.bits, self.chunk_log2, values.len(), out);
         let mut w = BitWriter::new(out);
         let mut order: Vec<u32> = Vec::new();
         let mut entries: Vec<(u32, u32)> = Vec::new();
         let levels = 1i64 << (self.bits - 1);
-        for chunk in values.chunks(self.chunk()) {
+        let mut finite = true;
+        for (c, chunk) in values.chunks(self.chunk()).enumerate() {
+            let base = c * self.chunk();
+            let mut dst = decoded
+                .as_deref_mut()
+                .map(|d| &mut d[base..base + chunk.len()]);
+            if let Some(dst) = dst.as_deref_mut() {
+                dst.fill(0.0);
+            }
             let k = self.k_for(chunk.len());
             order.clear();
             order.extend(0..chunk.len() as u32);
@@ -325,6 +376,7 @@ impl SparseTopK {
                 // Rejected by the decoder: the part counts as non-finite.
                 exp_field = EXP_NON_FINITE;
                 entries.push((order[0], 0));
+                finite = false;
             } else if max > 0.0 {
                 let e = step_exponent(f64::from(max), levels);
                 exp_field = (e + EXP_BIAS) as u32;
@@ -338,6 +390,12 @@ impl SparseTopK {
                         let sign = u32::from(q < 0);
                         let code = sign | (((q.unsigned_abs() - 1) as u32) << 1);
                         entries.push((i, code));
+                        if let Some(dst) = dst.as_deref_mut() {
+                            // The decoder's arithmetic: ±|q| · step, rounded to f32.
+                            let x = (q as f64 * step) as f32;
+                            finite &= x.is_finite();
+                            dst[i as usize] = x;
+                        }
                     }
                 }
             }
@@ -353,6 +411,7 @@ impl SparseTopK {
             }
         }
         w.finish();
+        finite
     }
 }
 
@@ -863,6 +922,48 @@ mod tests {
             let nonzero = |v: &[f32]| v.iter().filter(|v| **v != 0.0).count();
             prop_assert!(nonzero(&y) <= nonzero(&x));
             prop_assert!(reply.len() <= every.max_encoded_len(n));
+        }
+
+        /// `encode_reply_decoded` writes the same bytes as `encode_reply` and, beside them,
+        /// exactly what the decoder reads from them (bit for bit), for every reply width and
+        /// for values at the edges of f32's range; a non-finite value: false, as the decoder
+        /// refuses the reply.
+        #[test]
+        fn fused_replies_are_what_the_decoder_reads(
+            reply_bits in prop::sample::select(vec![2u8, 3, 4, 8, RAW_F32_BITS]),
+            n in 0usize..9000,
+            scale in prop::sample::select(vec![-140i32, -60, -10, 0, 10, 60, 120]),
+            sparsity in 0u32..4,
+            poison in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let mut x: Vec<f32> = randn(n, seed).iter().map(|v| v * 2f32.powi(scale)).collect();
+            for (i, v) in x.iter_mut().enumerate() {
+                if (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(seed) >> 61
+                    >= 8 >> sparsity
+                {
+                    *v = if i % 2 == 0 { 0.0 } else { -0.0 };
+                }
+            }
+            if poison && n > 0 {
+                x[(seed % n as u64) as usize] = f32::NAN;
+            }
+            let c = SparseTopK::DEFAULT.with_reply_bits(reply_bits).unwrap();
+            let (mut plain, mut fused) = (Vec::new(), Vec::new());
+            c.encode_reply(&x, &mut plain);
+            let mut decoded = vec![f32::NAN; n];
+            let ok = c.encode_reply_decoded(&x, &mut fused, &mut decoded);
+            prop_assert_eq!(&fused, &plain);
+            match decode(&plain, n) {
+                Ok(y) => {
+                    prop_assert!(ok);
+                    prop_assert_eq!(
+                        decoded.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    );
+                }
+                Err(_) => prop_assert!(!ok),
+            }
         }
 
         /// Any change of a valid payload decodes to finite values or fails with a typed error;

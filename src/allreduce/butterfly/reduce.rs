@@ -425,10 +425,24 @@ impl Butterfly {
             // bits), never densified.
             let sparse_codec = codec.sparse();
             let mut average = done.average;
+            // A quantized sparse reply: what every sender decodes from it, written while it is
+            // encoded (our own result, below).
+            let mut decoded = None;
             let shared = if let Some(sparse_codec) = sparse_codec {
                 average.as_ref().map(|avg| {
                     let mut payload = self.pool.take_bytes(64);
-                    sparse_codec.encode_reply(avg, &mut payload);
+                    if sparse_codec.reply_bits() == sparse::RAW_F32_BITS {
+                        sparse_codec.encode_reply(avg, &mut payload);
+                    } else {
+                        let mut values = self.pool.take_f32(spec.len);
+                        // Our own encoding of a finite average: it decodes (checked, never
+                        // assumed).
+                        if sparse_codec.encode_reply_decoded(avg, &mut payload, &mut values) {
+                            decoded = Some(values);
+                        } else {
+                            self.pool.put_f32(values);
+                        }
+                    }
                     self.pool.freeze(payload)
                 })
             } else {
@@ -475,29 +489,22 @@ impl Butterfly {
             // goes to our error feedback, scaled so that the group's next average carries it
             // once (`Outcome::reply_feedback`).
             let mut feedback = None;
-            if let (Some(sparse_codec), Some(avg), Some(payload)) =
-                (sparse_codec, average.as_mut(), shared.as_ref())
-                && sparse_codec.reply_bits() != sparse::RAW_F32_BITS
-            {
-                let mut decoded = self.pool.take_f32(spec.len);
-                // Our own encoding of a finite average: it decodes (checked, never assumed).
-                if sparse::decode_sparse(payload, DType::F32, &mut decoded).is_ok() {
-                    let mine = done.contributors.contains(me);
-                    let scale = match self.cfg.aggregator {
-                        Aggregator::Mean if mine && self.cfg.weight > 0.0 => {
-                            Some(done.total_weight / self.cfg.weight)
-                        }
-                        Aggregator::Sum if mine => Some(1.0),
-                        _ => None,
-                    };
-                    feedback = scale.map(|scale| {
-                        avg.iter()
-                            .zip(&decoded)
-                            .map(|(a, d)| ((f64::from(*a) - f64::from(*d)) * scale) as f32)
-                            .collect::<Vec<f32>>()
-                    });
-                    std::mem::swap(avg, &mut decoded);
-                }
+            if let (Some(avg), Some(mut decoded)) = (average.as_mut(), decoded) {
+                let mine = done.contributors.contains(me);
+                let scale = match self.cfg.aggregator {
+                    Aggregator::Mean if mine && self.cfg.weight > 0.0 => {
+                        Some(done.total_weight / self.cfg.weight)
+                    }
+                    Aggregator::Sum if mine => Some(1.0),
+                    _ => None,
+                };
+                feedback = scale.map(|scale| {
+                    avg.iter()
+                        .zip(&decoded)
+                        .map(|(a, d)| ((f64::from(*a) - f64::from(*d)) * scale) as f32)
+                        .collect::<Vec<f32>>()
+                });
+                std::mem::swap(avg, &mut decoded);
                 self.pool.put_f32(decoded);
             }
             // Our own result: the exact average (never compressed; the decoded reply where
