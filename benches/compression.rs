@@ -10,7 +10,8 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
 use hivemesh::compression::CompressionType;
 use hivemesh::compression::sparse::{SparseTopK, decode_sparse};
 use hivemesh::tensor::{DType, PartView};
@@ -37,14 +38,20 @@ fn randn(n: usize, mut state: u64) -> Vec<f32> {
     v
 }
 
-fn codecs(c: &mut Criterion) {
-    let x = randn(N, 42);
-    let mut group = c.benchmark_group("compression");
+/// A benchmark group with this file's settings, its throughput counted in f32 input bytes.
+fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
+    let mut group = c.benchmark_group(name);
     group
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .throughput(Throughput::Bytes((N * 4) as u64));
+    group
+}
+
+fn codecs(c: &mut Criterion) {
+    let x = randn(N, 42);
+    let mut group = group(c, "compression");
     for kind in CompressionType::ALL {
         let codec = kind.codec();
         let name = format!("{kind:?}");
@@ -80,12 +87,7 @@ fn replies(c: &mut Criterion) {
     let codec = SparseTopK::DEFAULT
         .with_reply_bits(2)
         .expect("2-bit replies");
-    let mut group = c.benchmark_group("sparse_reply_2bit");
-    group
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(2))
-        .throughput(Throughput::Bytes((N * 4) as u64));
+    let mut group = group(c, "sparse_reply_2bit");
     let mut payload = Vec::with_capacity(N);
     let mut decoded = vec![0.0f32; N];
     group.bench_function("reply/encode+decode", |b| {
