@@ -789,26 +789,22 @@ impl EventLoop {
         }
     }
 
-    /// Merges `value` into the local record (through the policy) and replicates `value`
-    /// itself, not the merged record: the replicas merge it into theirs, and a PUT then
-    /// carries this node's write alone however many writers share the key (the merged record
-    /// of a progress key holds an entry per peer of the swarm). Nothing republishes records,
-    /// so a replica holds what the writers sent it; readers merge every replica's answer.
+    /// Merges `value` into the local record (through the policy) and replicates the result.
+    /// (Sending `value` alone, O(1) per write instead of O(writers), was tried in session 35
+    /// and reverted: see docs/architecture.md, "Background traffic".)
     fn put(
         &mut self,
         key: Vec<u8>,
         value: Vec<u8>,
         reply: oneshot::Sender<Result<usize, P2pError>>,
     ) {
-        let stored = match self.merge_into_store(&key, &value, None) {
+        let record = match self.merge_into_store(&key, &value, None) {
             Ok(r) => r,
             Err(e) => {
                 let _ = reply.send(Err(P2pError::Rejected(e)));
                 return;
             }
         };
-        let mut record = kad::Record::new(stored.key, value);
-        record.expires = stored.expires;
         if let Some(peers) = self.replicas.fresh(&key, Instant::now()) {
             let peers = peers.to_vec();
             self.metrics.dht_write(false);
