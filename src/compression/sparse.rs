@@ -207,17 +207,7 @@ impl SparseTopK {
     /// value kept, those that round to 0 dropped (each value within `max_c / 2^(bits−1)` of
     /// the average, as for a part; see the module docs).
     pub fn encode_reply(&self, average: &[f32], out: &mut Vec<u8>) {
-        if self.reply_bits == RAW_F32_BITS {
-            encode_nonzeros_f32(average, REPLY_CHUNK_LOG2, out);
-        } else {
-            Self {
-                chunk_log2: REPLY_CHUNK_LOG2,
-                k: 1 << REPLY_CHUNK_LOG2,
-                bits: self.reply_bits,
-                reply_bits: self.reply_bits,
-            }
-            .encode_f32(average, out);
-        }
+        self.encode_reply_into(average, out, None);
     }
 
     /// Values per chunk.
@@ -314,21 +304,37 @@ impl SparseTopK {
             self.encode_reply(average, out);
             return false;
         }
-        if self.reply_bits == RAW_F32_BITS {
-            encode_nonzeros_f32(average, REPLY_CHUNK_LOG2, out);
-            for (d, v) in decoded.iter_mut().zip(average) {
-                // The decoder writes zeros, then the non-zero values it reads.
-                *d = if *v == 0.0 { 0.0 } else { *v };
+        self.encode_reply_into(average, out, Some(decoded))
+    }
+
+    /// The reply encoder behind [`SparseTopK::encode_reply`] and
+    /// [`SparseTopK::encode_reply_decoded`] (`decoded`, if given, as long as `average`);
+    /// returns whether the reply decodes.
+    fn encode_reply_into(
+        &self,
+        average: &[f32],
+        out: &mut Vec<u8>,
+        decoded: Option<&mut [f32]>,
+    ) -> bool {
+        if self.reply_bits != RAW_F32_BITS {
+            // A part's format with every value of a chunk kept.
+            return Self {
+                chunk_log2: REPLY_CHUNK_LOG2,
+                k: 1 << REPLY_CHUNK_LOG2,
+                bits: self.reply_bits,
+                reply_bits: self.reply_bits,
             }
-            return average.iter().all(|v| v.is_finite());
+            .encode_f32_decoded(average, out, decoded);
         }
-        Self {
-            chunk_log2: REPLY_CHUNK_LOG2,
-            k: 1 << REPLY_CHUNK_LOG2,
-            bits: self.reply_bits,
-            reply_bits: self.reply_bits,
+        encode_nonzeros_f32(average, REPLY_CHUNK_LOG2, out);
+        let Some(decoded) = decoded else {
+            return true;
+        };
+        for (d, v) in decoded.iter_mut().zip(average) {
+            // The decoder writes zeros, then the non-zero values it reads.
+            *d = if *v == 0.0 { 0.0 } else { *v };
         }
-        .encode_f32_decoded(average, out, Some(decoded))
+        average.iter().all(|v| v.is_finite())
     }
 
     /// Encodes f32 values; with `decoded`, also writes there what the decoder will read (see
