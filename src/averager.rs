@@ -1424,7 +1424,7 @@ impl Actor {
             &mut established.links,
             &mut flood,
             verify,
-            self.config.link_timeout,
+            census::wait(self.config.link_timeout),
         )
         .await;
         let mut found = flood.failed_pairs();
@@ -1476,12 +1476,13 @@ impl Actor {
         // member up to a link timeout longer than us: a member that died since matchmaking
         // fails at once for whoever dials it, while those it was to dial wait for it until
         // their link timeout. The round's first deadlines allow for that (`start_grace`).
-        let phases = if crate::links::census::needs_census(&link_peers) {
-            2
-        } else {
-            1
-        };
-        let others_begin_by = linking + self.config.link_timeout * phases;
+        let link_timeout = self.config.link_timeout;
+        let others_begin_by = linking
+            + if crate::links::census::needs_census(&link_peers) {
+                link_timeout + crate::links::census::wait(link_timeout)
+            } else {
+                link_timeout
+            };
         let round_members = self
             .census(&group, &link_peers, &mut established, round_members)
             .await?;

@@ -327,6 +327,21 @@ pub fn needs_census(members: &[super::LinkPeer]) -> bool {
     })
 }
 
+/// How long the census waits for the statements of the members linked to us
+/// ([`exchange`]): a link timeout and a grace of up to [`CENSUS_GRACE`] (at most another link
+/// timeout). A member sends its statement only when its own linking ends, which may take the
+/// whole link timeout (a pair behind NATs that cannot punch waits for it), and members begin
+/// linking at slightly different moments (matchmaking tells them one after another). Waiting
+/// exactly a link timeout made a member that linked at once drop the pair's statements that
+/// were a few milliseconds late, and the round fell back to bans and timeouts
+/// (`tests/integration/nat.rs`'s never-punching pairs, 5 runs of 6 on a 2-core machine).
+pub fn wait(link_timeout: Duration) -> Duration {
+    link_timeout + CENSUS_GRACE.min(link_timeout)
+}
+
+/// The most the census waits past a link timeout ([`wait`]).
+pub const CENSUS_GRACE: Duration = Duration::from_secs(2);
+
 /// Runs `flood` over `links` (indexed by member, as [`Flood::new`] was told) until it is over,
 /// all within `timeout`; `verify` as for [`Flood::receive`]. In each census round, on every
 /// running link, our batch is written while the other end's is read (so neither end's writes
