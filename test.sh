@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Every test: the Rust crate's (`cargo test`, extra arguments go to it) and the Python
-# bindings' (pytest in tests/python, against the package installed with `pip install .` into
-# a virtual environment, target/python-venv unless HIVEMESH_VENV says otherwise).
+# Every test: the Rust crate's (`cargo test --features cuda`, extra arguments go to it) and the
+# Python bindings' (pytest in tests/python, against the package installed with `pip install .`
+# into a virtual environment, target/python-venv unless HIVEMESH_VENV says otherwise).
+#
+# The `cuda` feature builds anywhere (cudarc loads the driver and NVRTC at run time): its host
+# tests run here, its kernels compile where NVRTC is on LD_LIBRARY_PATH, and its device tests
+# print `skipped: ...` without a GPU. One build serves both this run and CI's GPU-path phase,
+# which runs the same tests with NVRTC required (.ci/run).
 #
 # The first run creates the environment and installs maturin, pytest, numpy, msgpack and torch from
 # the package index (torch is large: a few minutes). The extension is built in the dev profile
-# here, which shares `cargo test`'s build; a plain `pip install .` builds it optimized.
+# here, which reuses most of `cargo test`'s dependencies; a plain `pip install .` builds it
+# optimized.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-cargo test --locked "$@"
+cargo test --locked --features cuda "$@"
 
 venv=${HIVEMESH_VENV:-target/python-venv}
 if [[ ! -x $venv/bin/python ]]; then

@@ -208,7 +208,7 @@ pub struct RoundConfig {
     /// usual. Zero (the default) starts every deadline with the round. The averager sets it to
     /// what is left of its link timeout (so a member silent from the start is dropped within
     /// the link timeout plus its usual timeout); without it, the member that began first
-    /// banned the others, healthy but still linking (`tests/averager.rs`,
+    /// banned the others, healthy but still linking (`tests/integration/averager.rs`,
     /// `member_dying_mid_round_does_not_hang_the_others`).
     pub start_grace: Duration,
 }

@@ -147,7 +147,7 @@
 //! replica's answer too; the third only a replica can check. Together they turn "one peer
 //! freezes the key" into "as many authenticated peers as the key has room for, each
 //! connected to every replica of the key" (what a sybil with that many identities can still
-//! do; `tests/dht_swarm.rs::squatters_cannot_freeze_owned_keys` shows both attacks freezing an
+//! do; `tests/integration/dht_swarm.rs::squatters_cannot_freeze_owned_keys` shows both attacks freezing an
 //! ordinary key and failing on an owned one). A replica that lies in its answers can still
 //! show a reader entries from throwaway owners (each costs the reader a signature check);
 //! readers of the averager's keys treat declared peers as candidates, not as trusted.

@@ -5,7 +5,7 @@
 //! decoder accepts exactly what it can represent).
 //!
 //! The same functions replay the committed corpora (`fuzz/corpus/<target>/`) in
-//! `tests/fuzz_corpora.rs`, so `cargo test` keeps every input the fuzzer ever kept, crashes
+//! `tests/integration/fuzz_corpora.rs`, so `cargo test` keeps every input the fuzzer ever kept, crashes
 //! that were fixed included (`fuzz/corpus/<target>/regression-*`).
 //!
 //! Not part of the library's API: hidden from the docs, and only the fuzz targets and that

@@ -106,7 +106,7 @@ mod tests {
     use super::*;
 
     /// A socket connects to a listener (the simultaneous open itself, both sides connecting
-    /// through port-preserving NATs, runs in `tests/nat.rs`: on loopback nothing drops the
+    /// through port-preserving NATs, runs in `tests/integration/nat.rs`: on loopback nothing drops the
     /// early SYN, and the reset comes back before the other side's SYN can cross it).
     #[tokio::test]
     async fn connects_from_its_bound_port() {

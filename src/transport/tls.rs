@@ -913,7 +913,7 @@ impl ClientCertVerifier for PeerVerifier {
 #[cfg(test)]
 mod tests {
     //! Misbehaving clients built from the module's internals; the well-behaved paths are in
-    //! `tests/tls_link.rs`.
+    //! `tests/integration/tls_link.rs`.
 
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1,7 +1,7 @@
 """``python -m hivemesh.monitor`` (the Rust monitor inside the Python process) and the
 optimizer's metrics record (``Optimizer.report_metrics``): a lone peer trains and reports its
 loss, the monitor, a separate process, shows it through ``/api/state``; bad flags fail
-clearly. (The page itself is tested in a browser by tests/monitor.rs.)"""
+clearly. (The page itself is tested in a browser by tests/integration/monitor.rs.)"""
 
 from __future__ import annotations
 

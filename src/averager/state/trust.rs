@@ -20,7 +20,7 @@
 //!   or broken donor, a donor whose state diverged, a handful of uncoordinated bad peers), and
 //!   a lone identity's priority claim. It does **not** stop `k` sybils run by one attacker that
 //!   serve byte-identical states (zeros, say) and announce top priorities: they agree, and
-//!   their state is installed (`tests/state_sharing.rs::sybils_that_agree_satisfy_min_agreeing`
+//!   their state is installed (`tests/integration/state_sharing.rs::sybils_that_agree_satisfy_min_agreeing`
 //!   pins this down, and that two such sybils fall short of `min_agreeing = 3`). Against an
 //!   attacker with many identities only the allowlist helps (or a `k` above what the attacker
 //!   can run, which honest donors must then also reach).

@@ -3,7 +3,7 @@
 //! refuses a Hello from the other side), clients link only to reducers, and `EstablishedLinks`
 //! reports how each link is carried.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, SystemTime};
 

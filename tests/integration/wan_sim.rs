@@ -1,7 +1,7 @@
 //! WAN efficiency (issue 32) in the deterministic simulator and by hand: windows sized to the
 //! link, clients' averages not held behind their own sends, adaptive deadlines.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

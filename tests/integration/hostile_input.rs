@@ -1,7 +1,7 @@
 //! Hostile input against one peer's round: malformed, inconsistent or random messages get a
 //! ban (or a failed reducer), never a panic or a hang, and honest peers still finish.
 
-mod common;
+use crate::common;
 
 use common::{machine, node_config, raw_part};
 

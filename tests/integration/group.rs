@@ -2,7 +2,7 @@
 //! collective against a reference computed here, for 1..=8 members, three dtypes, odd sizes
 //! and (on odd group sizes) a lossy codec; members that fail mid-operation.
 
-mod swarm;
+use crate::swarm;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,8 +13,6 @@ use hivemesh::averager::{Averager, AveragerConfig, StepOptions};
 use hivemesh::compression::{Compression, CompressionType};
 use hivemesh::tensor::{DType, Tensor};
 use hivemesh::{Group, GroupError, Partial, ReduceOp};
-
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn config(prefix: &str, size: usize, compression: CompressionType) -> AveragerConfig {
     let mut c = AveragerConfig::new(prefix);
@@ -221,7 +219,7 @@ async fn script(mut g: Group, lossy: bool) -> Group {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_op_matches_the_reference_for_one_to_eight_members() {
-    let _serial = SERIAL.lock().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(8, |_| false).await;
     let mut all = Vec::new();
     for n in 1..=8 {
@@ -251,7 +249,7 @@ async fn every_op_matches_the_reference_for_one_to_eight_members() {
 /// an error that names it, and after `shrink` the others go on without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_gone_mid_group_is_named_and_shrunk_away() {
-    let _serial = SERIAL.lock().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |_| false).await;
     let mut all = Vec::new();
     for (case, op) in [
@@ -388,7 +386,7 @@ fn node_of<'a>(swarm: &'a Swarm, g: &Group) -> &'a hivemesh::Node {
 /// An admission nobody asks for changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newcomer_is_admitted_at_an_operation_boundary() {
-    let _serial = SERIAL.lock().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |_| false).await;
     let (mut averagers, mut groups) = form(&swarm, 3, "admit", |_| {}).await;
     // Nobody asks: the members go on as they were.
@@ -448,7 +446,7 @@ async fn a_newcomer_is_admitted_at_an_operation_boundary() {
 /// swarms and link hubs and run their operations at the same time, each on its own data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_groups_on_the_same_nodes_run_side_by_side() {
-    let _serial = SERIAL.lock().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(3, |_| false).await;
     let (mut averagers, mut a) = form(&swarm, 3, "set-a", |_| {}).await;
     let (more, mut b) = form(&swarm, 3, "set-b", |_| {}).await;
@@ -489,7 +487,7 @@ async fn a_newcomer_joins_the_endorsed_group_not_an_impostor() {
     use hivemesh::averager::node::{Node, NodeConfig};
     use hivemesh::group::Formation;
     use hivemesh::matchmaking::MemberInfo;
-    let _serial = SERIAL.lock().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |_| false).await;
     // The impostor's id sorts before those of the nodes that will form the group. (Its node
     // starts before the group forms: later, its dial from its listen port may meet a port
@@ -593,7 +591,7 @@ async fn a_newcomer_joins_the_endorsed_group_not_an_impostor() {
 /// member's admission failed on it; the group admitted whoever asked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_refuses_members_duplicates_and_the_unauthorized() {
-    let _serial = SERIAL.lock().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(5, |_| false).await;
     let (mut averagers, groups) = form(&swarm, 3, "dupes", |_| {}).await;
     let allowed = swarm.peer(3);

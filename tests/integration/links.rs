@@ -2,7 +2,7 @@
 //! the choice between them, the stream-drop recovery under many simultaneous opens, "not yet"
 //! retries, and garbage on both carriers while a round runs.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
@@ -517,7 +517,7 @@ async fn many_simultaneous_stream_opens_all_link() {
     }
 }
 
-/// Deterministic pseudo-random bytes (as in `tests/runner.rs`).
+/// Deterministic pseudo-random bytes (as in `tests/integration/runner.rs`).
 fn random_bytes() -> Vec<u8> {
     (0..4096u32)
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)

@@ -1,6 +1,6 @@
 //! Regressions for defects found in review of the butterfly core (each failed before its fix).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -6,7 +6,7 @@
 //! Nothing here waits on a clock: where a test needs the DHT to show an announcement it polls
 //! [`Averager::state_donors`] until it does (with a deadline), and no assertion is about time.
 
-mod swarm;
+use crate::swarm;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

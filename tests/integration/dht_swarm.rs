@@ -1,6 +1,6 @@
 //! The typed DHT on in-process libp2p swarms over loopback.
 
-mod common;
+use crate::common;
 
 use common::dht_node;
 

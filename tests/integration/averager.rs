@@ -1,7 +1,7 @@
 //! The Averager on real in-process swarms (libp2p on loopback, TLS data links): hivemind's
 //! `test_averaging.py` scenarios (digest §9.2) plus cancellation of a running all-reduce.
 
-mod swarm;
+use crate::swarm;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,13 +34,10 @@ fn config(prefix: &str, mode: Mode, target: Option<usize>) -> AveragerConfig {
     c
 }
 
-/// The tests of this file run one at a time: each starts a swarm of real nodes, and on a
-/// 2-core machine several at once would slow matchmaking messages past their timeouts, which
-/// is a different scenario from the one a test means to check.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
+/// The tests of this file run one at a time, and not beside `group`'s
+/// ([`crate::serial_swarms`]).
 async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().await
+    crate::serial_swarms().await
 }
 
 fn random_tensors(rng: &mut StdRng) -> Vec<Vec<f32>> {

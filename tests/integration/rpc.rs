@@ -1,7 +1,7 @@
 //! RPC between real nodes on loopback (`Node::serve`, `Node::call`, `/hivemesh/rpc/1`): answers,
 //! every typed error, per-peer shares of the server's call slots, and hostile callers.
 
-mod swarm;
+use crate::swarm;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -5,7 +5,7 @@
 //! The first tests check the bed itself with plain sockets; the swarm tests run the real
 //! `hivemesh` binary and the `join` example inside the namespaces.
 
-mod netns;
+use crate::netns;
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr};
@@ -353,7 +353,7 @@ fn rate_limit_caps_both_directions() {
 }
 
 /// The `hivemesh` binary and, if built, an example next to it (`target/<profile>/examples/`).
-/// `cargo test` builds the examples; `cargo test --test nat` alone does not (run `cargo build
+/// `cargo test` builds the examples; `cargo test --test integration` alone does not (run `cargo build
 /// --example join` first): then the test is skipped with a note, except in CI (`CI` set), where
 /// a missing example fails.
 fn example(name: &str) -> Option<PathBuf> {

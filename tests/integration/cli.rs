@@ -1127,7 +1127,7 @@ mod chaos {
 }
 
 /// The examples, run from `target/<profile>/examples/` next to the binary. `cargo test` builds
-/// them; a run that did not (e.g. `cargo test --test cli`) fails these tests and says how to
+/// them; a run that did not (e.g. `cargo test --test integration`) fails these tests and says how to
 /// build them, rather than passing without running anything.
 mod examples {
     use super::procs::{self, Proc};

@@ -1,7 +1,7 @@
 //! The round runner over in-memory byte streams: exact averages, modes, a peer dying mid-round,
 //! and garbage on the links.
 
-mod common;
+use crate::common;
 
 use std::io;
 use std::pin::Pin;

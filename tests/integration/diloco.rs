@@ -2,7 +2,7 @@
 //! step against a reference computed here, identical peers, a late joiner, a deferred round,
 //! error-feedback compression.
 
-mod swarm;
+use crate::swarm;
 
 use std::time::Duration;
 use swarm::Swarm;

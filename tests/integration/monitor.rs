@@ -8,7 +8,7 @@
 //! Without chromium and chromedriver the browser half prints `skipped: ...`, unless
 //! `HIVEMESH_BROWSER_REQUIRED=1` (CI), where it fails.
 
-mod common;
+use crate::common;
 
 use common::dht_node;
 

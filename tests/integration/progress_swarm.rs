@@ -1,7 +1,7 @@
 //! Progress trackers on a real swarm over loopback: peers see each other's progress, the
 //! global epoch advances for everyone, and a peer that shuts down is withdrawn.
 
-mod common;
+use crate::common;
 
 use common::dht_node;
 
