@@ -140,8 +140,25 @@ enum Pending {
         /// Only answers of remote peers, one per peer ([`super::P2p::get_replica_records`]):
         /// Kademlia also reports this node's own record, without a peer.
         replicas_only: Option<HashSet<PeerId>>,
+        /// When the lookup started: a merged read answers [`GET_GRACE_MIN`] or the time its
+        /// first remote answer took (whichever is longer) after that answer, without waiting
+        /// for replicas that do not answer.
+        started: Instant,
+        /// Whether the early answer's timer runs.
+        timed: bool,
     },
 }
+
+/// The least a merged read ([`super::P2p::get_record`]) waits, after its first remote answer,
+/// for the other replicas' answers before it answers with what it has. Kademlia itself waits
+/// for every one of the closest peers or its 10 s per-peer timeout, so one replica that
+/// accepts a request and never answers (a stopped process: a laptop's lid closed) made every
+/// read of its keys take 10 s, and a group could not form within a matchmaking window
+/// (seen in `tests/python/test_optimizer.py`'s frozen peer: 40 s per epoch without it). The
+/// lookup ends there; what a late replica holds, a later read sees, and a writer stores its
+/// entries on every replica, so any one of them holds what the others do (up to races that
+/// the next read repairs).
+pub(super) const GET_GRACE_MIN: Duration = Duration::from_millis(250);
 
 /// Inbound records checked at once on blocking threads; more are dropped (their writers
 /// see no difference: Kademlia acknowledged them already).
@@ -194,6 +211,8 @@ pub(super) struct EventLoop {
     redials: HashMap<PeerId, u32>,
     /// Pauses before those dials, each ending with its peer.
     redial_timers: JoinSet<PeerId>,
+    /// Early answers of merged reads ([`GET_GRACE_MIN`]): one timer per read with an answer.
+    get_timers: JoinSet<kad::QueryId>,
     /// Per-address shares of the relay server's reservations and circuits (`relay_shares.rs`),
     /// which follow the relay's events; `None` when this node is no relay.
     relay_shares: Option<super::relay_shares::RelayShares>,
@@ -422,6 +441,7 @@ impl EventLoop {
             metrics: crate::metrics::Metrics::new(),
             redials: HashMap::new(),
             redial_timers: JoinSet::new(),
+            get_timers: JoinSet::new(),
             relay_shares,
             replicas: super::replicas::ReplicaSets::default(),
         };
@@ -508,6 +528,9 @@ impl EventLoop {
                 Some(Ok(peer)) = self.redial_timers.join_next(), if !self.redial_timers.is_empty() => {
                     self.redial(peer);
                 }
+                Some(Ok(id)) = self.get_timers.join_next(), if !self.get_timers.is_empty() => {
+                    self.answer_get_early(id);
+                }
                 Some(done) = self.prechecks.join_next(), if !self.prechecks.is_empty() => {
                     match done {
                         Ok(checked) => self.on_prechecked(checked),
@@ -534,6 +557,17 @@ impl EventLoop {
         }
         self.nat.shutdown();
         tracing::debug!(peer = %self.swarm.local_peer_id(), "p2p event loop stopped");
+    }
+
+    /// A merged read's early answer ([`GET_GRACE_MIN`]): what the replicas answered so far;
+    /// the lookup is finished (answers still under way are dropped).
+    fn answer_get_early(&mut self, id: kad::QueryId) {
+        if let Some(Pending::Get { reply, values, .. }) = self.pending.remove(&id) {
+            let _ = reply.send(Ok(values));
+            if let Some(mut query) = self.swarm.behaviour_mut().kad.query_mut(&id) {
+                query.finish();
+            }
+        }
     }
 
     fn local_addrs(&self) -> Vec<Multiaddr> {
@@ -600,6 +634,8 @@ impl EventLoop {
                         reply,
                         values: local.into_iter().collect(),
                         replicas_only: (!include_local).then(HashSet::new),
+                        started: Instant::now(),
+                        timed: false,
                     },
                 );
             }
@@ -1147,10 +1183,13 @@ impl EventLoop {
                     if let Some(Pending::Get {
                         values,
                         replicas_only,
+                        started,
+                        timed,
                         ..
                     }) = self.pending.get_mut(&id)
                         && let Ok(kad::GetRecordOk::FoundRecord(found)) = &res
                     {
+                        let merged = replicas_only.is_none();
                         let keep = match (replicas_only, found.peer) {
                             (None, _) => true,
                             (Some(seen), Some(peer)) => seen.insert(peer),
@@ -1158,6 +1197,16 @@ impl EventLoop {
                         };
                         if keep {
                             values.push(found.record.value.clone());
+                        }
+                        // A merged read's first remote answer starts its early answer's timer
+                        // (reads of every replica, `replicas_only`, wait for all of them).
+                        if merged && found.peer.is_some() && !*timed {
+                            *timed = true;
+                            let grace = started.elapsed().max(GET_GRACE_MIN);
+                            self.get_timers.spawn(async move {
+                                tokio::time::sleep(grace).await;
+                                id
+                            });
                         }
                     }
                     let finished = step.last

@@ -497,3 +497,55 @@ async fn squatters_cannot_freeze_owned_keys() {
         assert!(seen.plain_entry().is_none(), "{name}");
     }
 }
+
+/// A replica that accepts a connection and never says a word (a stopped process: a laptop's
+/// lid closed) does not hold a read up: the read answers with what the other replicas hold
+/// while this node is still dialing the silent one. Before, every read waited until this node
+/// gave up on it (the dial's 5 s timeout here, Kademlia's 10 s per-peer timeout on an open
+/// connection), and reads that slow kept groups from forming in a matchmaking window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_replica_does_not_hold_reads_up() {
+    use std::io::{ErrorKind, Read};
+
+    let peers = swarm(3).await;
+    let (writer, reader) = (&peers[1], &peers[2]);
+    writer
+        .store(b"silent.0b1", Some(b"writer"), b"here", ahead(60.0))
+        .await
+        .unwrap();
+    // The silent replica: a listener that never accepts. The reader's dial lands in its
+    // backlog and waits there for a handshake that never comes.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    reader
+        .p2p()
+        .add_peer_addresses(
+            PeerId::random(),
+            vec![format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap()],
+        )
+        .await
+        .unwrap();
+
+    let value = reader.get(b"silent.0b1").await.unwrap().expect("the value");
+    let DhtView::Dictionary(entries) = value.view() else {
+        panic!("expected a dictionary");
+    };
+    assert_eq!(&entries[&Bytes::from_static(b"writer")].value[..], b"here");
+
+    // The read dialed the silent replica, and that dial is still open: the reader has not
+    // given up on it (it closes the socket when it does), so the read did not wait for it.
+    listener.set_nonblocking(true).unwrap();
+    let (mut socket, _) = listener
+        .accept()
+        .expect("the read dialed the silent replica");
+    socket.set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match socket.read(&mut buf) {
+            Ok(0) => panic!("the read waited until the reader gave up on the silent replica"),
+            Ok(_) => continue, // the dialer's first handshake bytes
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) => panic!("reading the silent replica's socket: {e}"),
+        }
+    }
+}
