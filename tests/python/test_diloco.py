@@ -345,7 +345,7 @@ def test_a_peer_killed_mid_run(bootstrap, tmp_path, overlap):
         swarm.close()
     for i, proc in swarm.procs.items():
         if i in survivors:
-            assert proc.returncode == 0, (i, proc.stderr.read()[-4000:])
+            assert proc.returncode == 0, (i, swarm.stderr_path(i).read_text()[-4000:])
     for r in results:
         assert r["local_epoch"] == epochs and r["global_epoch"] == epochs, r["index"]
     # The survivors averaged together (or reloaded from each other): in lockstep.

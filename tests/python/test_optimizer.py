@@ -342,6 +342,7 @@ class Swarm:
     def __init__(self, bootstrap, tmp_path, flags, run_id):
         self.bootstrap, self.flags, self.run_id = bootstrap, flags, run_id
         self.stop_file = tmp_path / "stop"
+        self.tmp_path = tmp_path
         self.procs = {}
         self.lines = {}
 
@@ -355,11 +356,17 @@ class Swarm:
         """Starts peer ``index`` as ``args`` plus the bootstrap addresses."""
         for a in self.bootstrap:
             args = [*args, "--initial-peer", a]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, bufsize=1)
+        # stderr to a file, not a pipe: nothing reads a pipe until a peer fails, and a peer
+        # that wrote more than the pipe holds (64 KiB) would block in its next write.
+        with open(self.stderr_path(index), "w") as err:
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err,
+                                    text=True, bufsize=1)
         os.set_blocking(proc.stdout.fileno(), False)
         self.procs[index], self.lines[index] = proc, []
         return proc
+
+    def stderr_path(self, index):
+        return self.tmp_path / f"peer{index}.stderr"
 
     def poll(self):
         for i, proc in self.procs.items():
@@ -385,7 +392,8 @@ class Swarm:
             for i, proc in self.procs.items():
                 if proc.poll() not in (None, 0) and not getattr(proc, "killed", False):
                     raise AssertionError(
-                        f"peer {i} exited with {proc.returncode}:\n{proc.stderr.read()[-4000:]}")
+                        f"peer {i} exited with {proc.returncode}:\n"
+                        f"{self.stderr_path(i).read_text()[-4000:]}")
             return predicate()
         wait_for(check, what, timeout)
 
