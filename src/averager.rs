@@ -1472,10 +1472,11 @@ impl Actor {
         self.shared.devices.begin()?;
         let linking = std::time::Instant::now();
         let mut established = self.link(expectation, options, step_deadline).await?;
-        // Each phase that waits for members (linking; the census where it runs) may keep a
-        // member up to a link timeout longer than us: a member that died since matchmaking
-        // fails at once for whoever dials it, while those it was to dial wait for it until
-        // their link timeout. The round's first deadlines allow for that (`start_grace`).
+        // Each phase that waits for members may keep a member longer than us: linking up to a
+        // link timeout (a member that died since matchmaking fails at once for whoever dials
+        // it, while those it was to dial wait for it until their link timeout), and the census,
+        // where it runs, up to `census::wait`. The round's first deadlines allow for that
+        // (`start_grace`).
         let link_timeout = self.config.link_timeout;
         let others_begin_by = linking
             + if crate::links::census::needs_census(&link_peers) {

@@ -34,12 +34,6 @@ fn config(prefix: &str, mode: Mode, target: Option<usize>) -> AveragerConfig {
     c
 }
 
-/// The tests of this file run one at a time, and not beside `group`'s
-/// ([`crate::serial_swarms`]).
-async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
-    crate::serial_swarms().await
-}
-
 fn random_tensors(rng: &mut StdRng) -> Vec<Vec<f32>> {
     vec![
         (0..123).map(|_| rng.random_range(-1.0..1.0)).collect(),
@@ -97,7 +91,7 @@ fn weighted_mean(inputs: &[(Vec<Vec<f32>>, f64)]) -> Vec<Vec<f64>> {
 /// the mean over the non-aux peers, aux peers keep their values.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allreduce_once_with_clients_and_aux() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |_| false).await;
     let mut rng = StdRng::seed_from_u64(1);
     let mut cases = Vec::new();
@@ -167,7 +161,7 @@ async fn allreduce_once_with_clients_and_aux() {
 /// hivemind's `test_allreduce_weighted`: 4 peers, 2 of them clients, random weights.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allreduce_weighted() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |i| i % 2 == 0).await;
     let mut rng = StdRng::seed_from_u64(2);
     let inputs: Vec<Vec<Vec<f32>>> = (0..4).map(|_| random_tensors(&mut rng)).collect();
@@ -213,7 +207,7 @@ async fn allreduce_weighted() {
 /// members, gathered bytes reach every member, and the global mean is preserved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_peers_groups_of_four_three_rounds() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(16, |_| false).await;
     let mut rng = StdRng::seed_from_u64(3);
     let inputs: Vec<Vec<Vec<f32>>> = (0..16).map(|_| random_tensors(&mut rng)).collect();
@@ -283,7 +277,7 @@ async fn sixteen_peers_groups_of_four_three_rounds() {
 /// rounds (the 64-peer 4×4×4 case runs in the matchmaking simulator).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grid_reaches_the_exact_mean() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(16, |_| false).await;
     let mut rng = StdRng::seed_from_u64(4);
     let inputs: Vec<Vec<Vec<f32>>> = (0..16).map(|_| random_tensors(&mut rng)).collect();
@@ -326,7 +320,7 @@ async fn grid_reaches_the_exact_mean() {
 /// typed error within its timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_few_peers_fail_in_time() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |_| false).await;
     let mut rng = StdRng::seed_from_u64(5);
     let averagers: Vec<_> = (0..4)
@@ -368,7 +362,7 @@ async fn too_few_peers_fail_in_time() {
 /// finish without them; after the trigger everyone finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trigger_holds_the_all_reduce() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |_| false).await;
     let mut rng = StdRng::seed_from_u64(6);
     let averagers: Vec<_> = (0..4)
@@ -417,7 +411,7 @@ async fn trigger_holds_the_all_reduce() {
 /// change: it ends at the mean + 1, the other peer at the mean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_made_during_the_round_survives_the_apply() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(2, |_| false).await;
     let inputs = [vec![vec![1.0f32, 2.0, 3.0]], vec![vec![3.0f32, 6.0, -1.0]]];
     let gate = ApplyGate::default();
@@ -464,7 +458,7 @@ async fn a_change_made_during_the_round_survives_the_apply() {
 /// still average (in a group of 2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_during_matchmaking() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |i| i % 2 == 0).await;
     let mut rng = StdRng::seed_from_u64(7);
     let averagers: Vec<_> = (0..4)
@@ -569,7 +563,7 @@ fn assert_holds_what_the_report_says(
 /// holds must be what its report promises.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_during_all_reduce() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(2, |_| false).await;
     let inputs: Vec<Vec<f32>> = (0..2)
         .map(|i| (0..4096).map(|e| (e % 97) as f32 + i as f32).collect())
@@ -638,7 +632,7 @@ async fn cancel_during_all_reduce() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lossy_codecs_and_adaptive_compression_over_real_links() {
     use hivemesh::compression::{Compression, CompressionType};
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |_| false).await;
     for (name, compression, tolerance) in [
         ("f16", Compression::Fixed(CompressionType::Float16), 2e-3),
@@ -692,7 +686,7 @@ async fn lossy_codecs_and_adaptive_compression_over_real_links() {
 /// shutdown returns and the step ends with `AveragerError::Shutdown`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_with_a_step_in_flight_cancels_it() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(1, |_| false).await;
     let averager = swarm.averager(
         0,
@@ -735,7 +729,7 @@ async fn member_dying_mid_round_does_not_hang_the_others() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let mut swarm = Swarm::start(4, |_| false).await;
     let part_size_bytes = 16 << 10;
     let inputs: Vec<Vec<f32>> = (0..4)
@@ -828,7 +822,7 @@ async fn member_dying_mid_round_does_not_hang_the_others() {
 /// averages exactly. (A lower bound only: a slow machine makes it later, never earlier.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scheduled_steps_begin_at_their_scheduled_time() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(2, |_| false).await;
     let averagers: Vec<_> = (0..2)
         .map(|i| {
@@ -863,7 +857,7 @@ async fn scheduled_steps_begin_at_their_scheduled_time() {
 /// async peer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocking_wrapper_steps_from_a_plain_thread() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(2, |_| false).await;
     let averagers: Vec<_> = (0..2)
         .map(|i| {
@@ -925,7 +919,7 @@ async fn nat_swarm(assume: &[Option<Reach>]) -> Swarm {
 /// links or the round would end in `Links`, `Round` or `Timeout`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_that_cannot_reach_itself_fails_fast() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = nat_swarm(&[Some(Reach::Punchable), Some(Reach::Private)]).await;
     let averagers: Vec<_> = (0..2)
         .map(|i| {
@@ -995,7 +989,7 @@ async fn step_to_the_mean(
 /// behind a real NAT (a direct connection a NATed node did not dial counts as punched).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_private_node_averages_as_a_client_automatically() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let assume = [None, None, Some(Reach::Private)];
     let swarm = Swarm::start_with(3, |i, c| {
         c.p2p.nat.assume = assume[i];
@@ -1046,7 +1040,7 @@ async fn a_private_node_averages_as_a_client_automatically() {
 /// public members can reach it, since it dials them) and everyone gets the exact mean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_explicit_node_mode_stays_a_node_when_private() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = nat_swarm(&[None, None, Some(Reach::Private)]).await;
     let mut rng = StdRng::seed_from_u64(9);
     // Enough 1 KiB parts that every reducer gets some.
@@ -1117,7 +1111,7 @@ async fn scrape(node: &hivemesh::averager::node::Node) -> String {
 /// round implies; connections and DHT records are there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_move_with_a_round() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start_with(2, |_, c| {
         c.metrics_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
     })
@@ -1208,7 +1202,7 @@ async fn metrics_move_with_a_round() {
 async fn sum_max_and_min_over_real_links() {
     use hivemesh::allreduce::Aggregator;
     use hivemesh::compression::{Compression, CompressionType};
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(4, |_| false).await;
     let mut rng = StdRng::seed_from_u64(33);
     let mut all = Vec::new();
@@ -1279,7 +1273,7 @@ async fn sum_max_and_min_over_real_links() {
 /// stays the one used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_weight_set_after_scheduling_is_the_one_used() {
-    let _serial = serial().await;
+    let _serial = crate::serial_swarms().await;
     let swarm = Swarm::start(2, |_| false).await;
     let mut rng = StdRng::seed_from_u64(12);
     // Whole numbers: every sum and difference is exact in f32, so "exactly" means exactly.
