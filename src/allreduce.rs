@@ -28,6 +28,10 @@
 //! * Windows: a node sender keeps at most a window of parts outstanding per reducer, grown
 //!   from `initial_in_flight_parts` to the link's measured bandwidth-delay product, never
 //!   above `max_in_flight_parts` (which reducers enforce) ([`window`]).
+//! * Pacing (optional, [`pacing`]): in a group with clients, the flows between nodes and
+//!   clients are written at the rates the plan gives them, so that the nodes' exchange among
+//!   themselves gets its share of their lines (the runner paces; the state machine is
+//!   unchanged).
 //! * Adaptive timeouts (optional, [`deadline`]): the two timeouts below are derived per link
 //!   from part sizes, declared measured rates and the round's observed arrivals, within
 //!   user-set bounds.
@@ -64,6 +68,7 @@
 
 mod butterfly;
 pub mod deadline;
+pub mod pacing;
 pub mod partition;
 mod peer_set;
 mod reducer;
@@ -211,6 +216,10 @@ pub struct RoundConfig {
     /// banned the others, healthy but still linking (`tests/integration/averager.rs`,
     /// `member_dying_mid_round_does_not_hang_the_others`).
     pub start_grace: Duration,
+    /// Whether the flows between nodes and clients are paced at the plan's rates from
+    /// `rates` ([`pacing`]; nothing is paced while a member's rates are unknown or without
+    /// clients). Off by default; the averager turns it on (`AveragerConfig::pace_client_links`).
+    pub pace_client_links: bool,
 }
 
 impl RoundConfig {
@@ -232,6 +241,7 @@ impl RoundConfig {
             aggregator: Aggregator::Mean,
             stand_ins: false,
             start_grace: Duration::ZERO,
+            pace_client_links: false,
         }
     }
 

@@ -14,6 +14,8 @@
 //! * One **writer task** per link encodes and writes frames, each write under a timeout, from a
 //!   bounded per-link queue; the compute thread only hands a link a message while its queue has
 //!   room, which is how backpressure reaches the state machine (`poll_transmit`'s `ready`).
+//!   Where [`RoundConfig::pace_client_links`] paces a link ([`crate::allreduce::pacing`]),
+//!   its writer releases parts and averages in slices at the link's pace.
 //! * The **compute thread** (a blocking task) owns the state machine: decoding, reduction and
 //!   encoding happen there, never on the network tasks. It sleeps until the next message, the
 //!   next protocol deadline, a writer freeing room, or cancellation.
@@ -31,6 +33,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
+use crate::allreduce::pacing::{PACE_SLICE_BYTES, Pacer};
 use crate::allreduce::{
     Butterfly, Message, Outcome, RoundConfig, RoundError, RoundEvent, Violation,
 };
@@ -221,6 +224,18 @@ pub async fn run_round_pending(
         }
         let me = cfg.me;
         let indices = pending.as_ref().map_or(&[][..], |p| &p.indices[..]);
+        let paces = if cfg.pace_client_links {
+            crate::allreduce::pacing::link_paces(&cfg.members, &cfg.rates, me)
+        } else {
+            vec![None; n]
+        };
+        if paces.iter().any(Option::is_some) {
+            let mbit: Vec<String> = paces
+                .iter()
+                .map(|p| p.map_or("-".to_owned(), |p| format!("{:.1}", p * 8e-6)))
+                .collect();
+            tracing::debug!(mbit = %mbit.join(","), "pacing the links to and from clients");
+        }
         let machine =
             Butterfly::with_pending(cfg, tensors, indices, Instant::now(), runner.pool.clone())?;
 
@@ -244,6 +259,7 @@ pub async fn run_round_pending(
             readers.spawn(read_link(
                 LinkEnd {
                     peer,
+                    pace: None,
                     lane: lane.clone(),
                     traffic: runner.traffic.clone(),
                 },
@@ -257,6 +273,7 @@ pub async fn run_round_pending(
             tasks.spawn(write_link(
                 LinkEnd {
                     peer,
+                    pace: paces[peer],
                     lane,
                     traffic: runner.traffic.clone(),
                 },
@@ -617,6 +634,9 @@ const MAX_RESERVE_AHEAD: usize = 4 << 20;
 /// Which member a link task serves, and its timeline lane.
 struct LinkEnd {
     peer: usize,
+    /// Bytes per second at which this link's parts and averages are written, if paced
+    /// ([`crate::allreduce::pacing`]; writers only).
+    pace: Option<f64>,
     lane: Option<String>,
     /// Where this link's transfers are counted, if anywhere.
     traffic: Option<Arc<Traffic>>,
@@ -627,6 +647,7 @@ async fn read_link(
         peer,
         lane,
         traffic,
+        pace: _,
     }: LinkEnd,
     mut read: impl AsyncRead + Unpin,
     group_id: Bytes,
@@ -771,6 +792,7 @@ async fn fill(
 async fn write_link(
     LinkEnd {
         peer,
+        pace,
         lane,
         traffic,
     }: LinkEnd,
@@ -782,6 +804,7 @@ async fn write_link(
     close_timeout: Duration,
 ) {
     let mut head = BytesMut::new();
+    let mut pacer = pace.map(Pacer::new);
     while let Some(message) = rx.recv().await {
         let traced = lane.as_ref().map(|_| {
             (
@@ -806,14 +829,33 @@ async fn write_link(
             group_id: group_id.clone(),
             message,
         };
-        let writing = std::time::Instant::now();
-        let error = write_frame(&mut write, &mut head, &frame, idle, write_timeout)
+        let paced = match (&mut pacer, &frame.message) {
+            (Some(pacer), Message::Part(_) | Message::Averaged(_)) => Some(pacer),
+            _ => None,
+        };
+        let error = if let Some(pacer) = paced {
+            // Counted slice by slice (the waits between them are not busy time).
+            write_frame_paced(
+                &mut write,
+                &mut head,
+                &frame,
+                pacer,
+                traffic.as_deref(),
+                write_timeout,
+            )
             .await
-            .err();
-        if let Some(traffic) = &traffic {
-            let bytes = head.len() + frame.message.payload_len();
-            traffic.sent(bytes as u64, writing, std::time::Instant::now());
-        }
+            .err()
+        } else {
+            let writing = std::time::Instant::now();
+            let error = write_frame(&mut write, &mut head, &frame, idle, write_timeout)
+                .await
+                .err();
+            if let Some(traffic) = &traffic {
+                let bytes = head.len() + frame.message.payload_len();
+                traffic.sent(bytes as u64, writing, std::time::Instant::now());
+            }
+            error
+        };
         if let Some(error) = error {
             let _ = events.send(Inbound::Failed { from: peer, error }).await;
             return;
@@ -833,6 +875,43 @@ async fn write_link(
         let _ = write.shutdown().await;
     })
     .await;
+}
+
+/// Writes one frame like [`write_frame`], in slices of [`PACE_SLICE_BYTES`] released by
+/// `pacer`, each written and flushed under `timeout` (the waits between them are not under
+/// it) and counted in `traffic`.
+async fn write_frame_paced(
+    write: &mut (impl AsyncWrite + Unpin),
+    head: &mut BytesMut,
+    frame: &Frame,
+    pacer: &mut Pacer,
+    traffic: Option<&Traffic>,
+    timeout: Duration,
+) -> Result<(), LinkError> {
+    head.clear();
+    let payload = wire::encode_frame_split(frame, head);
+    let mut bytes = Buf::chain(&head[..], payload);
+    while bytes.has_remaining() {
+        let n = bytes.remaining().min(PACE_SLICE_BYTES);
+        let at = pacer.reserve(Instant::now(), n);
+        tokio::time::sleep_until(at.into()).await;
+        let writing = Instant::now();
+        let mut slice = (&mut bytes).take(n);
+        // Flushed slice by slice: a buffering carrier must not gather them into a burst.
+        let write_slice = async {
+            write.write_all_buf(&mut slice).await?;
+            write.flush().await
+        };
+        match tokio::time::timeout(timeout, write_slice).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(LinkError::Io(e.to_string())),
+            Err(_) => return Err(LinkError::WriteTimeout),
+        }
+        if let Some(traffic) = traffic {
+            traffic.sent(n as u64, writing, Instant::now());
+        }
+    }
+    Ok(())
 }
 
 /// Writes one frame (its payload from the message's own buffer, after a small head encoded
@@ -882,6 +961,61 @@ mod tests {
     use crate::allreduce::PartMessage;
     use crate::compression::CompressionType;
 
+    /// A paced frame leaves in slices no faster than the pacer's rate (a floor its waits
+    /// guarantee), every byte as the unpaced writer writes it, each slice counted as sent.
+    #[tokio::test]
+    async fn a_paced_frame_is_written_in_slices_at_its_rate() {
+        const PAYLOAD: usize = 10 * PACE_SLICE_BYTES;
+        const RATE: f64 = 4e6; // bytes per second
+        let frame = wire::Frame {
+            group_id: Bytes::from_static(b"paced"),
+            message: Message::Part(PartMessage {
+                part: 7,
+                weight: 1.0,
+                codec: CompressionType::None,
+                dtype: DType::F32,
+                payload: Bytes::from((0..PAYLOAD).map(|i| i as u8).collect::<Vec<u8>>()),
+            }),
+        };
+        // What the unpaced writer puts on a link for the same frame.
+        let timeout = Duration::from_secs(30);
+        let mut head = BytesMut::new();
+        let (mut w, mut r) = tokio::io::duplex(1 << 20);
+        write_frame(&mut w, &mut head, &frame, true, timeout)
+            .await
+            .unwrap();
+        drop(w);
+        let mut expected = Vec::new();
+        r.read_to_end(&mut expected).await.unwrap();
+        let len = expected.len();
+        assert!(len > PAYLOAD && len < PAYLOAD + PACE_SLICE_BYTES);
+
+        let (mut write, mut read) = tokio::io::duplex(2 * len);
+        let traffic = Traffic::default();
+        let mut pacer = Pacer::new(RATE);
+        let start = tokio::time::Instant::now();
+        write_frame_paced(
+            &mut write,
+            &mut head,
+            &frame,
+            &mut pacer,
+            Some(&traffic),
+            timeout,
+        )
+        .await
+        .unwrap();
+        let took = start.elapsed();
+        // 11 slices: the first at once, each later one a slice's time after the one before.
+        let slices = len.div_ceil(PACE_SLICE_BYTES);
+        assert_eq!(slices, 11);
+        let spacing = Duration::from_secs_f64(PACE_SLICE_BYTES as f64 / RATE);
+        assert!(took >= spacing * (slices as u32 - 1), "{took:?}");
+        assert_eq!(traffic.bytes().0, len as u64);
+        let mut got = vec![0u8; len];
+        read.read_exact(&mut got).await.unwrap();
+        assert!(got == expected, "the paced bytes differ");
+    }
+
     /// A member that sends frames faster than the round takes them is read only as far as its
     /// link's budget: with room for two 1 MiB frames, two are queued and the reader waits;
     /// each message the round takes lets one more in, and every frame arrives in the end.
@@ -912,6 +1046,7 @@ mod tests {
         let reader = tokio::spawn(read_link(
             LinkEnd {
                 peer: 0,
+                pace: None,
                 lane: None,
                 traffic: None,
             },

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use hivemesh::allreduce::TensorDescriptor;
-use hivemesh::allreduce::{Member, Mode, Outcome, RoundConfig};
+use hivemesh::allreduce::{LinkRates, Member, Mode, Outcome, RoundConfig};
 use hivemesh::runner::{self, Link, RunnerConfig};
 use hivemesh::sim::make_tensors;
 use hivemesh::tensor::{DType, Tensor};
@@ -149,6 +149,9 @@ struct Setup {
     link_buffer: usize,
     /// Replaces the sender timeout; the reducer timeout is twice that.
     timeouts: Option<Duration>,
+    /// Declared measured rates (bytes per second, both directions) of every member, with
+    /// the client links paced from them (`RoundConfig::pace_client_links`).
+    paced_at: Option<f64>,
 }
 
 impl Default for Setup {
@@ -157,6 +160,7 @@ impl Default for Setup {
             link_queue: RunnerConfig::default().link_queue,
             link_buffer: 1 << 20,
             timeouts: None,
+            paced_at: None,
         }
     }
 }
@@ -201,6 +205,16 @@ async fn run_group_with(
         if let Some(t) = setup.timeouts {
             cfg.sender_timeout = t;
             cfg.reducer_timeout = 2 * t;
+        }
+        if let Some(rate) = setup.paced_at {
+            cfg.pace_client_links = true;
+            cfg.rates = vec![
+                LinkRates {
+                    up: rate,
+                    down: rate
+                };
+                n
+            ];
         }
         let tensors = start[me].clone();
         tasks.push(tokio::spawn(runner::run_round(
@@ -255,6 +269,7 @@ async fn full_link_queues_do_not_stall_the_round() {
             link_queue: queue,
             link_buffer: 4 << 10,
             timeouts: Some(Duration::from_secs(3600)),
+            paced_at: None,
         };
         let (start, results) = run_group_with(&modes, &weights, &[None; 4], setup).await;
         for (p, r) in results.iter().enumerate() {
@@ -267,27 +282,74 @@ async fn full_link_queues_do_not_stall_the_round() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn clients_and_aux_over_links() {
-    let modes = [
-        Mode::Node,
-        Mode::Client,
-        Mode::Aux,
-        Mode::Node,
-        Mode::Client,
-    ];
-    let weights = [1.0, 1.0, 0.0, 3.0, 0.25];
-    let (start, results) = run_group(&modes, &weights, &[None; 5]).await;
+/// Two nodes, an aux peer and two clients, with their weights.
+const MIXED: [Mode; 5] = [
+    Mode::Node,
+    Mode::Client,
+    Mode::Aux,
+    Mode::Node,
+    Mode::Client,
+];
+const MIXED_WEIGHTS: [f64; 5] = [1.0, 1.0, 0.0, 3.0, 0.25];
+
+/// Every member of [`MIXED`] but the aux peer holds the exact weighted mean of everyone's
+/// values, and nobody was banned or failed.
+fn assert_mixed_exact(start: &[Vec<Tensor>], results: &Results) {
     for (p, r) in results.iter().enumerate() {
         let (_, outcome) = r.as_ref().unwrap();
-        if modes[p] == Mode::Aux {
+        if MIXED[p] == Mode::Aux {
             assert!(outcome.results.is_none());
             continue;
         }
         assert!(outcome.report.local_parts().next().is_none(), "peer {p}");
-        let err = max_err(p, outcome, &start, &weights, &config(&modes, p, weights[p]));
+        assert!(outcome.report.banned.is_empty() && outcome.report.failed_reducers.is_empty());
+        let cfg = config(&MIXED, p, MIXED_WEIGHTS[p]);
+        let err = max_err(p, outcome, start, &MIXED_WEIGHTS, &cfg);
         assert!(err < 1e-5, "peer {p}: {err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_and_aux_over_links() {
+    let (start, results) = run_group(&MIXED, &MIXED_WEIGHTS, &[None; 5]).await;
+    assert_mixed_exact(&start, &results);
+}
+
+/// The same group with every member's rates declared at 1 MB/s and the client links paced
+/// from them: the averages are as exact, and the round takes at least as long as its slowest
+/// paced flow needs at its pace (a floor the pacer guarantees; over in-memory links an unpaced
+/// round takes milliseconds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_and_aux_over_paced_links() {
+    let rate = 1e6;
+    let setup = Setup {
+        paced_at: Some(rate),
+        ..Setup::default()
+    };
+    let cfg = config(&MIXED, 1, 1.0);
+    let paces = hivemesh::allreduce::pacing::link_paces(
+        &cfg.members,
+        &vec![
+            LinkRates {
+                up: rate,
+                down: rate
+            };
+            MIXED.len()
+        ],
+        1,
+    );
+    // Client 1 sends a third of its ~600 KB to each of the three reducers.
+    let pace = paces[0].expect("a client's link to a node is paced");
+    let floor = (600_000.0 / 3.0 - hivemesh::allreduce::pacing::PACE_SLICE_BYTES as f64) / pace;
+    assert!(floor > 0.5, "{floor}");
+    let started = std::time::Instant::now();
+    let (start, results) = run_group_with(&MIXED, &MIXED_WEIGHTS, &[None; 5], setup).await;
+    let took = started.elapsed().as_secs_f64();
+    assert!(
+        took >= floor,
+        "{took} s, paced flows need at least {floor} s"
+    );
+    assert_mixed_exact(&start, &results);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
