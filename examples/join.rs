@@ -355,8 +355,14 @@ fn detail(outcome: &hivemesh::averager::StepOutcome) -> String {
         .flat_map(|s| &s.segments)
         .map(|seg| seg.contributors.as_ref().map_or(0, |c| c.len()))
         .collect();
+    // Mbit/s at which our sends to each member were paced (a group with clients).
+    let paced: Vec<String> = outcome
+        .paces
+        .iter()
+        .map(|p| p.map_or("-".to_owned(), |p| format!("{:.1}", p * 8e-6)))
+        .collect();
     format!(
-        "mode={} reach={} links={} contributors={}..{} local_parts={} banned={} failed_reducers={}",
+        "mode={} reach={} links={} contributors={}..{} local_parts={} banned={} failed_reducers={} paced_mbit={}",
         outcome.mode,
         outcome.reach,
         links.join(","),
@@ -364,7 +370,8 @@ fn detail(outcome: &hivemesh::averager::StepOutcome) -> String {
         counts.iter().max().copied().unwrap_or(0),
         outcome.report.local_parts().count(),
         outcome.report.banned.len(),
-        outcome.report.failed_reducers.len()
+        outcome.report.failed_reducers.len(),
+        paced.join(",")
     )
 }
 

@@ -269,6 +269,9 @@ pub struct StepOutcome {
     pub report: RoundReport,
     /// The group key the step used.
     pub key: GroupKey,
+    /// Bytes per second at which our parts and averages to each member were paced (`None`:
+    /// not paced; see [`AveragerConfig::pace_client_links`]).
+    pub paces: Vec<Option<f64>>,
 }
 
 /// Why a step failed.
@@ -1513,6 +1516,12 @@ impl Actor {
             .collect();
         // A member that predates stand-ins would ban a sender whose part lies outside its span.
         cfg.stand_ins = group.members.iter().all(|m| m.info.stand_ins);
+        // What the runner paces our links at (it computes the same from `cfg`).
+        let paces = if cfg.pace_client_links {
+            crate::allreduce::pacing::link_paces(&cfg.members, &cfg.rates, group.me)
+        } else {
+            vec![None; group.members.len()]
+        };
         let carriers = established.carriers.clone();
         let links = established.kinds.clone();
         let summary: Vec<String> = links
@@ -1665,6 +1674,7 @@ impl Actor {
             reach: group.members[group.me].info.reach,
             report,
             key: group.key,
+            paces,
         })
     }
 }

@@ -203,6 +203,64 @@ async fn allreduce_weighted() {
     swarm.shutdown(averagers).await;
 }
 
+/// 4 peers, 2 of them clients, on tensors large enough for a round to measure rates (over
+/// 1 MiB each way): the first step paces nothing (no rates declared yet); from the second the
+/// links between clients and nodes are paced (`AveragerConfig::pace_client_links`) and the
+/// node-to-node and client-to-client ones are not; every step averages exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_links_are_paced_once_rates_are_measured() {
+    let _serial = crate::serial_swarms().await;
+    let swarm = Swarm::start(4, |i| i % 2 == 0).await;
+    let mut rng = StdRng::seed_from_u64(38);
+    let size = 400_000; // 1.6 MB of f32
+    let draw = |rng: &mut StdRng| -> Vec<Vec<Vec<f32>>> {
+        (0..4)
+            .map(|_| vec![(0..size).map(|_| rng.random_range(-1.0..1.0)).collect()])
+            .collect()
+    };
+    let mut inputs = draw(&mut rng);
+    let client = |i: usize| i.is_multiple_of(2);
+    let averagers: Vec<_> = (0..4)
+        .map(|i| {
+            let mode = if client(i) { Mode::Client } else { Mode::Node };
+            swarm.averager(i, inputs[i].clone(), config("paced", mode, Some(4)))
+        })
+        .collect();
+    for step in 0..2 {
+        if step > 0 {
+            // New values, so that the second step's averages are not the first one's.
+            inputs = draw(&mut rng);
+            for (a, input) in averagers.iter().zip(&inputs) {
+                a.tensors()[0] = Tensor::from_f32(&[size], input[0].clone()).unwrap();
+            }
+        }
+        let results = step_all(&averagers, |_| StepOptions {
+            timeout: Some(Duration::from_secs(60)),
+            ..StepOptions::default()
+        })
+        .await;
+        let mean = weighted_mean(&inputs.iter().map(|v| (v.clone(), 1.0)).collect::<Vec<_>>());
+        for (i, r) in results.iter().enumerate() {
+            let outcome = r.as_ref().unwrap();
+            assert_eq!(outcome.members.len(), 4);
+            assert_close(&values(&averagers[i]), &mean, 1e-5, "mean");
+            for (j, pace) in outcome.paces.iter().enumerate() {
+                // Member j's peer index: members are in group order.
+                let peer = (0..4)
+                    .position(|k| swarm.peer(k) == outcome.members[j])
+                    .unwrap();
+                let expect = step > 0 && j != outcome.me && client(i) != client(peer);
+                assert_eq!(
+                    pace.is_some(),
+                    expect,
+                    "step {step}, peer {i} to {peer}: {pace:?}"
+                );
+            }
+        }
+    }
+    swarm.shutdown(averagers).await;
+}
+
 /// 16 peers in groups of 4 (rotating bits) for 3 rounds: every step succeeds, groups have 4
 /// members, gathered bytes reach every member, and the global mean is preserved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
