@@ -28,10 +28,9 @@
 //! * Windows: a node sender keeps at most a window of parts outstanding per reducer, grown
 //!   from `initial_in_flight_parts` to the link's measured bandwidth-delay product, never
 //!   above `max_in_flight_parts` (which reducers enforce) ([`window`]).
-//! * Pacing (optional, [`pacing`]): in a group with clients, the flows between nodes and
-//!   clients are written at the rates the plan gives them, so that the nodes' exchange among
-//!   themselves gets its share of their lines (the runner paces; the state machine is
-//!   unchanged).
+//! * Pacing (optional, [`pacing`]): every flow is written at the rate the plan gives it (its
+//!   share of the step's bytes over the plan's step time, with headroom), not at whatever
+//!   share TCP gives it (the runner paces; the state machine is unchanged).
 //! * Adaptive timeouts (optional, [`deadline`]): the two timeouts below are derived per link
 //!   from part sizes, declared measured rates and the round's observed arrivals, within
 //!   user-set bounds.
@@ -216,10 +215,10 @@ pub struct RoundConfig {
     /// banned the others, healthy but still linking (`tests/integration/averager.rs`,
     /// `member_dying_mid_round_does_not_hang_the_others`).
     pub start_grace: Duration,
-    /// Whether the flows between nodes and clients are paced at the plan's rates from
-    /// `rates` ([`pacing`]; nothing is paced while a member's rates are unknown or without
-    /// clients). Off by default; the averager turns it on (`AveragerConfig::pace_client_links`).
-    pub pace_client_links: bool,
+    /// Whether every flow of the round is paced at the plan's rate from `rates` ([`pacing`];
+    /// nothing is paced while a member's rates are unknown). Off by default; the averager
+    /// turns it on (`AveragerConfig::pace_links`).
+    pub pace_links: bool,
 }
 
 impl RoundConfig {
@@ -241,7 +240,7 @@ impl RoundConfig {
             aggregator: Aggregator::Mean,
             stand_ins: false,
             start_grace: Duration::ZERO,
-            pace_client_links: false,
+            pace_links: false,
         }
     }
 

@@ -111,12 +111,11 @@ pub struct AveragerConfig {
     /// declared measured rates and the round's observed arrivals, within these bounds
     /// ([`crate::allreduce::deadline`]); `None` (the default) keeps the fixed ones.
     pub adaptive_timeouts: Option<crate::allreduce::AdaptiveTimeouts>,
-    /// All-reduce: in a group with clients, pace the flows between nodes and clients at the
-    /// rates the plan gives them (from the members' declared measured rates, with headroom;
-    /// [`crate::allreduce::pacing`]), so that the nodes' exchange among themselves gets its
-    /// share of their lines. Default `true`; nothing is paced while a member's rates are
-    /// unknown.
-    pub pace_client_links: bool,
+    /// All-reduce: pace every flow to another member at the rate the plan gives it (from the
+    /// members' declared measured rates, with headroom; [`crate::allreduce::pacing`]), so that
+    /// each flow gets its planned share of the lines rather than TCP's per-flow share, and
+    /// arrives smoothly. Default `true`; nothing is paced while a member's rates are unknown.
+    pub pace_links: bool,
     /// Bound on linking to a group's members. Also how much later than this peer the others
     /// may begin the all-reduce (they may still be linking): their first parts and replies
     /// are awaited that long after linking began (twice that where a census runs), plus the
@@ -181,7 +180,7 @@ impl AveragerConfig {
             reducer_timeout: crate::allreduce::DEFAULT_REDUCER_TIMEOUT,
             round_timeout: Duration::from_secs(300),
             adaptive_timeouts: None,
-            pace_client_links: true,
+            pace_links: true,
             link_timeout: Duration::from_secs(10),
             part_size_bytes: crate::allreduce::DEFAULT_PART_SIZE_BYTES,
             compression: Compression::default(),
@@ -270,7 +269,7 @@ pub struct StepOutcome {
     /// The group key the step used.
     pub key: GroupKey,
     /// Bytes per second at which our parts and averages to each member were paced (`None`:
-    /// not paced; see [`AveragerConfig::pace_client_links`]).
+    /// not paced; see [`AveragerConfig::pace_links`]).
     pub paces: Vec<Option<f64>>,
 }
 
@@ -1506,7 +1505,7 @@ impl Actor {
         cfg.round_timeout = Some(self.config.round_timeout);
         cfg.aggregator = self.config.aggregator;
         cfg.adaptive_timeouts = self.config.adaptive_timeouts;
-        cfg.pace_client_links = self.config.pace_client_links;
+        cfg.pace_links = self.config.pace_links;
         // The others may begin the round as late as their link phases allow.
         cfg.start_grace = others_begin_by.saturating_duration_since(std::time::Instant::now());
         cfg.rates = group
@@ -1517,7 +1516,7 @@ impl Actor {
         // A member that predates stand-ins would ban a sender whose part lies outside its span.
         cfg.stand_ins = group.members.iter().all(|m| m.info.stand_ins);
         // What the runner paces our links at (it computes the same from `cfg`).
-        let paces = if cfg.pace_client_links {
+        let paces = if cfg.pace_links {
             crate::allreduce::pacing::link_paces(&cfg.members, &cfg.rates, group.me)
         } else {
             vec![None; group.members.len()]

@@ -1,27 +1,31 @@
-//! Pacing the flows between nodes and clients at the plan's rates (issue 32, items 1-2).
+//! Pacing every flow of a round at the plan's rate (issue 32, items 1-2).
 //!
 //! # Why
 //!
-//! In a group with clients, the clients reach only the nodes, so the nodes' lines carry more
-//! than in a group of nodes: with two public reducers and two clients (the bench's
-//! `symmetric` scenario) each reducer's downlink carries the two clients' parts of its span
-//! (half a tensor each) and the other reducer's parts and averages (a tensor), and its uplink
-//! the mirror image. The plan needs the reducer↔reducer flow at half of each line and each
-//! client flow at a quarter. TCP shares a bottleneck per flow: each of the three flows gets a
-//! third, so the clients' parts come in early, the reducers' exchange lags, their reductions
-//! wait on it, and the round ends in a long tail of reducer-to-reducer traffic (61 % of the
-//! bound, measured; see docs/architecture.md, "WAN efficiency").
+//! TCP shares a bottleneck per flow, and the plan does not. In a group with clients, the
+//! clients reach only the nodes, so the nodes' lines carry more: with two public reducers and
+//! two clients (the bench's `symmetric` scenario) each reducer's downlink carries the two
+//! clients' parts of its span (half a tensor each) and the other reducer's parts and averages
+//! (a tensor), and its uplink the mirror image. The plan needs the reducer↔reducer flow at
+//! half of each line and each client flow at a quarter; per-flow fairness gave each a third,
+//! the clients' parts came early, the reducers' exchange lagged, their reductions waited on it,
+//! and the round ended in a long tail of reducer-to-reducer traffic (61 % of the bound). In
+//! groups of nodes alone the flows need equal shares, but unpaced they arrive in bursts that
+//! fill the lines' queues and delay the averages that windows wait on; paced, the same
+//! rounds ran 8-14 points of their bound faster on the bed (docs/architecture.md, "WAN
+//! efficiency").
 //!
 //! # What
 //!
-//! Every flow between a node and a client is paced at the rate the plan gives it, with
-//! headroom: a client's parts to reducer `r` at `k · f_r / t` and a node's averages to each
-//! client at `k · f_me / t` bytes per second, where `f` are the reducers' shares, `t` the
-//! plan's level (seconds per byte of tensor: the slowest member's time under the traffic
-//! model of [`crate::matchmaking::rate_shares`], from the members' declared measured rates)
-//! and `k` = [`PACE_HEADROOM`]. A flow paced like that carries its bytes in `t / k` of the
-//! planned step, and the flows between nodes, unpaced, take what the client flows leave.
-//! Nothing is paced when any member's rates are unknown, or in a group without clients.
+//! The flow from member `a` to member `b` carries `s_a · f_b + s_b · f_a` tensors per round
+//! (`a`'s parts of `b`'s span if `a` sends, the averages of `a`'s span for `b` if `b` sends;
+//! `f` the reducers' shares, `s` = 1 for a sender) and is paced at `k ·` that `/ t` bytes per
+//! second, where `t` is the plan's level (seconds per byte of tensor: the slowest member's
+//! time under the traffic model of [`crate::matchmaking::rate_shares`], from the members'
+//! declared measured rates) and `k` = [`PACE_HEADROOM`]. Summed over a member's flows this is
+//! its load in each direction, so every line is paced at `k ·` its planned share of the step,
+//! never above `k ×` its measured rate. Nothing is paced while any member's rates are unknown
+//! (before its first measured round).
 //!
 //! Pacing is smooth, not per frame: the writer releases a frame in slices of
 //! [`PACE_SLICE_BYTES`], each at its time ([`Pacer`]); a whole 512 KiB part written at the
@@ -32,17 +36,17 @@
 //!
 //! Measured rates are *achieved* rates, a little under what the line can do. Pacing at exactly
 //! `f / t` would make the next round's measurement no better than this one's, and a first
-//! round measured low (before pacing, the reducers' lines were not busy all round) would keep
-//! every later round slow. With `k > 1` a round limited by its pacing finishes sooner than
-//! the plan said, its measured rates rise, and the next plan paces faster, until the line,
-//! not the pacing, is the limit. Too much headroom gives the client flows more than their
-//! share again. Measured on the bed (`cargo bench --bench nat -- --scenario symmetric
-//! --rounds 10`, bound 2.68 s): `k` = 1.1 reached 3.06-3.09 s per step but only from round 8
-//! on; 1.15 was at 3.1-3.3 s from round 4; 1.25 3.2-3.4 s; 1.4 3.3-3.5 s; unpaced 4.4 s.
+//! round measured low (unpaced, the lines were not busy all round) would keep every later
+//! round slow. With `k > 1` a round limited by its pacing finishes sooner than the plan said,
+//! its measured rates rise, and the next plan paces faster, until the line, not the pacing, is
+//! the limit. Measured on the bed (`cargo bench --bench nat -- --scenario S --rounds 8`, one
+//! run each): `k` = 1.05 gave 4 public peers 2.17 s (bound 2.01 s) but left two symmetric-NAT
+//! clients at 4.0 s (bound 2.68 s, unpaced 4.4 s): their estimates never rose; 1.1: 2.23 s and
+//! 3.45 s, still falling at round 8; 1.15: 2.26 s and 3.35 s, with rounds 7-8 at 2.9-3.2 s.
 
 use std::time::{Duration, Instant};
 
-use super::{LinkRates, Member, Mode};
+use super::{LinkRates, Member};
 
 /// How much faster than the plan's rate a paced flow may go (module docs).
 pub const PACE_HEADROOM: f64 = 1.15;
@@ -51,31 +55,29 @@ pub const PACE_HEADROOM: f64 = 1.15;
 pub const PACE_SLICE_BYTES: usize = 16 << 10;
 
 /// Per member (in group order), the rate in bytes per second at which this peer (`me`) sends
-/// its parts and averages to it, or `None` (unpaced): see the module docs. `members` and
+/// its parts and averages to it, or `None` (unpaced: nothing to send, or a rate unknown): see
+/// the module docs. `members` and
 /// `rates` are the round's (every member must use the same values); `me` must index
 /// `members`.
 pub fn link_paces(members: &[Member], rates: &[LinkRates], me: usize) -> Vec<Option<f64>> {
     let unpaced = vec![None; members.len()];
-    let has_client = members.iter().any(|m| m.mode == Mode::Client);
-    let Some(level) = has_client.then(|| plan_level(members, rates)).flatten() else {
+    let Some(level) = plan_level(members, rates) else {
         return unpaced;
     };
     let shares = shares(members);
     let Some(&mine) = members.get(me) else {
         return unpaced;
     };
+    let sends = |m: &Member| if m.mode.is_sender() { 1.0 } else { 0.0 };
     members
         .iter()
         .enumerate()
         .map(|(i, other)| {
-            // Bytes per byte of tensor on the flow from me to member i.
-            let flow = match (mine.mode, other.mode) {
-                _ if i == me => 0.0,
-                // A client's parts of i's span.
-                (Mode::Client, Mode::Node | Mode::Aux) => shares[i],
-                // The averages of my span for a client.
-                (Mode::Node | Mode::Aux, Mode::Client) => shares[me],
-                _ => 0.0,
+            // Tensors per round from me to member i: my parts of its span, its averages of mine.
+            let flow = if i == me {
+                0.0
+            } else {
+                sends(&mine) * shares[i] + sends(other) * shares[me]
             };
             (flow > 0.0).then(|| PACE_HEADROOM * flow / level)
         })
@@ -121,8 +123,13 @@ pub fn plan_level(members: &[Member], rates: &[LinkRates]) -> Option<f64> {
     (level.is_finite() && level > 0.0).then_some(level)
 }
 
-/// When the slices of a paced flow may be written (sans-IO: the caller sleeps until the
-/// instant [`Pacer::reserve`] returns, then writes the slice).
+/// How far behind its schedule a paced flow may be and still catch up: a writer's timer wakes
+/// it up to a millisecond late (tokio's resolution), and a flow whose slices are due every few
+/// milliseconds, or faster than that, would otherwise lose that much every slice.
+pub const PACE_SLACK: Duration = Duration::from_millis(2);
+
+/// When the slices of a paced flow may be written (sans-IO: the caller waits until the instant
+/// [`Pacer::reserve`] returns, if it is later than now, then writes the slice).
 #[derive(Clone, Debug)]
 pub struct Pacer {
     rate: f64,
@@ -135,14 +142,16 @@ impl Pacer {
         Self { rate, next: None }
     }
 
-    /// The instant at which `bytes` more may be written, at or after `now`, and takes them:
-    /// slices follow each other at the rate, and a flow that was idle starts again at once
-    /// without a burst of saved-up credit.
+    /// The instant at which `bytes` more may be written, and takes them: slices follow each
+    /// other at the rate. A flow up to [`PACE_SLACK`] behind its schedule (a late wake-up)
+    /// catches up; one idle for longer starts again from now, without a burst of saved-up
+    /// credit.
     pub fn reserve(&mut self, now: Instant, bytes: usize) -> Instant {
         if !(self.rate.is_finite() && self.rate > 0.0) {
             return now;
         }
-        let at = self.next.map_or(now, |next| next.max(now));
+        let earliest = now.checked_sub(PACE_SLACK).unwrap_or(now);
+        let at = self.next.map_or(now, |next| next.max(earliest));
         self.next = Some(at + Duration::from_secs_f64(bytes as f64 / self.rate));
         at
     }
@@ -151,6 +160,7 @@ impl Pacer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::allreduce::Mode;
     use proptest::prelude::*;
 
     fn member(mode: Mode, fraction: f64) -> Member {
@@ -164,10 +174,15 @@ mod tests {
         }
     }
 
+    fn close(a: Option<f64>, b: f64) -> bool {
+        a.is_some_and(|a| (a - b).abs() < 1e-6 * b)
+    }
+
     #[test]
-    fn two_reducers_pace_two_clients_at_a_quarter_of_the_line() {
+    fn two_reducers_and_two_clients_pace_at_their_planned_shares_of_the_line() {
         // The bench's symmetric scenario: reducers carry 2 tensors each way, the plan's level
-        // is 2 / line, and every client flow carries half a tensor: a quarter of the line.
+        // is 2 / line; a client flow carries half a tensor (a quarter of the line), the
+        // reducer↔reducer flow a tensor (half of it).
         let members = vec![
             member(Mode::Node, 1.0),
             member(Mode::Node, 1.0),
@@ -176,17 +191,18 @@ mod tests {
         ];
         let rates = vec![line(100.0); 4];
         let quarter = PACE_HEADROOM * 100e6 / 8.0 / 4.0;
-        let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-6 * b);
-        // A client paces its parts to both reducers, and sends nothing to the other client.
+        // A client paces its parts to both reducers and sends nothing to the other client.
         let client = link_paces(&members, &rates, 2);
         assert!(
             close(client[0], quarter) && close(client[1], quarter),
             "{client:?}"
         );
         assert_eq!(client[2..], [None, None]);
-        // A reducer paces its averages to the clients, not its flow to the other reducer.
+        // A reducer paces its averages to the clients at a quarter, its flow to the other
+        // reducer at half of the line.
         let node = link_paces(&members, &rates, 0);
-        assert_eq!(node[..2], [None, None]);
+        assert_eq!(node[0], None);
+        assert!(close(node[1], 2.0 * quarter), "{node:?}");
         assert!(
             close(node[2], quarter) && close(node[3], quarter),
             "{node:?}"
@@ -194,43 +210,47 @@ mod tests {
     }
 
     #[test]
-    fn nothing_is_paced_without_clients_or_with_an_unknown_rate() {
+    fn four_nodes_pace_each_flow_at_a_third_of_the_line_and_unknown_rates_pace_nothing() {
+        // Four nodes with equal shares: each flow carries 1/4 + 1/4 of a tensor, each line
+        // 1.5 tensors: a third of the line per flow.
         let nodes = vec![member(Mode::Node, 1.0); 4];
         let rates = vec![line(100.0); 4];
-        assert!(link_paces(&nodes, &rates, 0).iter().all(Option::is_none));
-        let mut with_client = nodes.clone();
-        with_client[3] = member(Mode::Client, 0.0);
-        assert!(
-            link_paces(&with_client, &rates, 3)
-                .iter()
-                .any(Option::is_some)
-        );
+        let third = PACE_HEADROOM * 100e6 / 8.0 / 3.0;
+        let paces = link_paces(&nodes, &rates, 1);
+        assert_eq!(paces[1], None);
+        for i in [0, 2, 3] {
+            assert!(close(paces[i], third), "{paces:?}");
+        }
         let mut unknown = rates.clone();
-        unknown[1].down = 0.0;
-        assert!(
-            link_paces(&with_client, &unknown, 3)
-                .iter()
-                .all(Option::is_none)
-        );
+        unknown[2].down = 0.0;
+        assert!(link_paces(&nodes, &unknown, 1).iter().all(Option::is_none));
         // Fewer rates than members (an older peer declared none): unknown.
         assert!(
-            link_paces(&with_client, &rates[..3], 3)
+            link_paces(&nodes, &rates[..3], 1)
                 .iter()
                 .all(Option::is_none)
         );
     }
 
     #[test]
-    fn a_pacer_spaces_slices_at_its_rate_without_saving_credit() {
+    fn a_pacer_spaces_slices_at_its_rate_and_saves_no_more_than_its_slack() {
         let t0 = Instant::now();
+        let ms = Duration::from_millis;
         let mut p = Pacer::new(1000.0); // bytes per second
         assert_eq!(p.reserve(t0, 500), t0);
-        assert_eq!(p.reserve(t0, 500), t0 + Duration::from_millis(500));
-        assert_eq!(p.reserve(t0, 100), t0 + Duration::from_millis(1000));
-        // Idle for a while: the next slice goes at once, the one after it at the rate again.
+        assert_eq!(p.reserve(t0, 500), t0 + ms(500));
+        assert_eq!(p.reserve(t0, 100), t0 + ms(1000));
+        // Woken 1 ms late for the next slice (due at 1100 ms): it keeps its schedule.
+        assert_eq!(p.reserve(t0 + ms(1101), 100), t0 + ms(1100));
+        assert_eq!(p.reserve(t0 + ms(1101), 100), t0 + ms(1200));
+        // Idle for a while: the next slice goes at once, and the one after it a slice's time
+        // later, not at once on saved-up credit.
         let later = t0 + Duration::from_secs(10);
-        assert_eq!(p.reserve(later, 1000), later);
-        assert_eq!(p.reserve(later, 1), later + Duration::from_secs(1));
+        assert_eq!(p.reserve(later, 1000), later - PACE_SLACK);
+        assert_eq!(
+            p.reserve(later, 1),
+            later - PACE_SLACK + Duration::from_secs(1)
+        );
         // A rate that is not positive paces nothing.
         let mut off = Pacer::new(0.0);
         assert_eq!(off.reserve(t0, 1 << 20), t0);
@@ -252,16 +272,20 @@ mod tests {
     }
 
     proptest! {
-        /// Every paced flow carries its planned bytes in `level / k` of the step, and the paced
-        /// flows through any member's line never add up to more than `k ×` its rate.
+        /// Every flow is paced at `k ·` its planned bytes over the plan's level, only flows
+        /// that carry something are paced, and the flows through any member's uplink and
+        /// downlink add up to `k ·` its planned load over the level: never more than `k ×` its
+        /// measured rate.
         #[test]
         fn paced_flows_fit_the_plan((members, rates) in group()) {
             prop_assume!(members.iter().any(|m| m.mode.is_reducer()));
             prop_assume!(members.iter().any(|m| m.mode.is_sender()));
             let n = members.len();
             let shares = shares(&members);
+            let senders = members.iter().filter(|m| m.mode.is_sender()).count() as f64;
+            let s = |i: usize| if members[i].mode.is_sender() { 1.0 } else { 0.0 };
             let Some(level) = plan_level(&members, &rates) else {
-                // Only where some member carries nothing at all.
+                // Only where nobody carries anything.
                 return Ok(());
             };
             let mut down = vec![0.0; n];
@@ -269,16 +293,18 @@ mod tests {
                 let paces = link_paces(&members, &rates, me);
                 let mut up = 0.0;
                 for (i, pace) in paces.iter().enumerate() {
-                    let Some(pace) = *pace else { continue };
+                    let bytes = if i == me { 0.0 } else { s(me) * shares[i] + s(i) * shares[me] };
+                    let Some(pace) = *pace else {
+                        prop_assert!(bytes == 0.0, "{me} -> {i}: {bytes} unpaced");
+                        continue;
+                    };
                     prop_assert!(pace > 0.0 && pace.is_finite());
-                    // Only flows between a client and a node or aux peer, never to oneself.
-                    prop_assert!(i != me);
-                    prop_assert!((members[me].mode == Mode::Client) != (members[i].mode == Mode::Client));
-                    let bytes = if members[me].mode == Mode::Client { shares[i] } else { shares[me] };
                     prop_assert!((bytes / pace - level / PACE_HEADROOM).abs() <= 1e-9 * level);
                     up += pace;
                     down[i] += pace;
                 }
+                let load = s(me) * (1.0 - shares[me]) + (senders - s(me)) * shares[me];
+                prop_assert!((up - PACE_HEADROOM * load / level).abs() <= 1e-9 * up.max(1.0));
                 prop_assert!(up <= PACE_HEADROOM * rates[me].up * (1.0 + 1e-9), "{up} up at {me}");
             }
             for i in 0..n {

@@ -150,7 +150,7 @@ struct Setup {
     /// Replaces the sender timeout; the reducer timeout is twice that.
     timeouts: Option<Duration>,
     /// Declared measured rates (bytes per second, both directions) of every member, with
-    /// the client links paced from them (`RoundConfig::pace_client_links`).
+    /// the client links paced from them (`RoundConfig::pace_links`).
     paced_at: Option<f64>,
 }
 
@@ -207,7 +207,7 @@ async fn run_group_with(
             cfg.reducer_timeout = 2 * t;
         }
         if let Some(rate) = setup.paced_at {
-            cfg.pace_client_links = true;
+            cfg.pace_links = true;
             cfg.rates = vec![
                 LinkRates {
                     up: rate,
@@ -340,7 +340,8 @@ async fn clients_and_aux_over_paced_links() {
     );
     // Client 1 sends a third of its ~600 KB to each of the three reducers.
     let pace = paces[0].expect("a client's link to a node is paced");
-    let floor = (600_000.0 / 3.0 - hivemesh::allreduce::pacing::PACE_SLICE_BYTES as f64) / pace;
+    let floor = (600_000.0 / 3.0 - hivemesh::allreduce::pacing::PACE_SLICE_BYTES as f64) / pace
+        - hivemesh::allreduce::pacing::PACE_SLACK.as_secs_f64();
     assert!(floor > 0.5, "{floor}");
     let started = std::time::Instant::now();
     let (start, results) = run_group_with(&MIXED, &MIXED_WEIGHTS, &[None; 5], setup).await;
