@@ -355,7 +355,7 @@ fn detail(outcome: &hivemesh::averager::StepOutcome) -> String {
         .flat_map(|s| &s.segments)
         .map(|seg| seg.contributors.as_ref().map_or(0, |c| c.len()))
         .collect();
-    // Mbit/s at which our sends to each member were paced (a group with clients).
+    // Mbit/s at which our sends to each member were paced (`-`: not paced).
     let paced: Vec<String> = outcome
         .paces
         .iter()

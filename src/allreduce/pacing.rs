@@ -20,12 +20,16 @@
 //! The flow from member `a` to member `b` carries `s_a · f_b + s_b · f_a` tensors per round
 //! (`a`'s parts of `b`'s span if `a` sends, the averages of `a`'s span for `b` if `b` sends;
 //! `f` the reducers' shares, `s` = 1 for a sender) and is paced at `k ·` that `/ t` bytes per
-//! second, where `t` is the plan's level (seconds per byte of tensor: the slowest member's
-//! time under the traffic model of [`crate::matchmaking::rate_shares`], from the members'
-//! declared measured rates) and `k` = [`PACE_HEADROOM`]. Summed over a member's flows this is
-//! its load in each direction, so every line is paced at `k ·` its planned share of the step,
-//! never above `k ×` its measured rate. Nothing is paced while any member's rates are unknown
-//! (before its first measured round).
+//! second, where `t` is the time per byte of tensor of the slower of the two lines the flow
+//! crosses (`a`'s uplink, `b`'s downlink), each carrying its load under the traffic model of
+//! [`crate::matchmaking::rate_shares`] at its member's declared measured rates, and `k` =
+//! [`PACE_HEADROOM`]. Summed over a member's flows, its lines are never paced above `k ×` its
+//! measured rates. Only the two ends' rates count: a member that declares a tiny rate (the
+//! rates come from the DHT, and may lie) slows the flows to and from itself, which it could
+//! slow anyway by reading slowly, and no flow between two others. (The plan's level, the
+//! slowest line of the group, paced every flow in a first version: measured on the bed with
+//! that rule, below; equal lines give the same paces either way.) Nothing is paced while any
+//! member's rates are unknown (before its first measured round).
 //!
 //! Pacing is smooth, not per frame: the writer releases a frame in slices of
 //! [`PACE_SLICE_BYTES`], each at its time ([`Pacer`]); a whole 512 KiB part written at the
@@ -56,18 +60,13 @@ pub const PACE_SLICE_BYTES: usize = 16 << 10;
 
 /// Per member (in group order), the rate in bytes per second at which this peer (`me`) sends
 /// its parts and averages to it, or `None` (unpaced: nothing to send, or a rate unknown): see
-/// the module docs. `members` and
-/// `rates` are the round's (every member must use the same values); `me` must index
-/// `members`.
+/// the module docs. `members` and `rates` are the round's; `me` indexes `members`.
 pub fn link_paces(members: &[Member], rates: &[LinkRates], me: usize) -> Vec<Option<f64>> {
     let unpaced = vec![None; members.len()];
-    let Some(level) = plan_level(members, rates) else {
+    let (Some(times), Some(&mine)) = (line_times(members, rates), members.get(me)) else {
         return unpaced;
     };
     let shares = shares(members);
-    let Some(&mine) = members.get(me) else {
-        return unpaced;
-    };
     let sends = |m: &Member| if m.mode.is_sender() { 1.0 } else { 0.0 };
     members
         .iter()
@@ -79,7 +78,9 @@ pub fn link_paces(members: &[Member], rates: &[LinkRates], me: usize) -> Vec<Opt
             } else {
                 sends(&mine) * shares[i] + sends(other) * shares[me]
             };
-            (flow > 0.0).then(|| PACE_HEADROOM * flow / level)
+            // The slower of the two lines it crosses: my uplink, its downlink.
+            let level = times[me].0.max(times[i].1);
+            (flow > 0.0 && level > 0.0).then(|| PACE_HEADROOM * flow / level)
         })
         .collect()
 }
@@ -104,22 +105,33 @@ fn shares(members: &[Member]) -> Vec<f64> {
     }
 }
 
-/// The plan's level: the slowest member's time per byte of tensor, each direction of each
-/// line carrying `s·(1 − f) + (S − s)·f` tensors (`s` = 1 for a sender, `S` senders, share
-/// `f`), at its declared measured rate. `None` if a rate is unknown or nothing is carried.
-pub fn plan_level(members: &[Member], rates: &[LinkRates]) -> Option<f64> {
+/// Per member, the time per byte of tensor its uplink and its downlink need for their loads
+/// (each carries `s·(1 − f) + (S − s)·f` tensors: `s` = 1 for a sender, `S` senders, share
+/// `f`) at its declared measured rates. `None` if a rate is unknown.
+fn line_times(members: &[Member], rates: &[LinkRates]) -> Option<Vec<(f64, f64)>> {
     if rates.len() < members.len() {
         return None;
     }
     let shares = shares(members);
     let senders = members.iter().filter(|m| m.mode.is_sender()).count() as f64;
-    let mut level: f64 = 0.0;
-    for ((m, f), r) in members.iter().zip(&shares).zip(rates) {
-        let (up, down) = (r.up()?, r.down()?);
-        let s = if m.mode.is_sender() { 1.0 } else { 0.0 };
-        let load = s * (1.0 - f) + (senders - s) * f;
-        level = level.max(load / up).max(load / down);
-    }
+    members
+        .iter()
+        .zip(&shares)
+        .zip(rates)
+        .map(|((m, f), r)| {
+            let s = if m.mode.is_sender() { 1.0 } else { 0.0 };
+            let load = s * (1.0 - f) + (senders - s) * f;
+            Some((load / r.up()?, load / r.down()?))
+        })
+        .collect()
+}
+
+/// The plan's level: the slowest member's time per byte of tensor ([`line_times`]). `None` if
+/// a rate is unknown or nothing is carried.
+pub fn plan_level(members: &[Member], rates: &[LinkRates]) -> Option<f64> {
+    let level = line_times(members, rates)?
+        .into_iter()
+        .fold(0.0, |l: f64, (up, down)| l.max(up).max(down));
     (level.is_finite() && level > 0.0).then_some(level)
 }
 
@@ -144,8 +156,7 @@ impl Pacer {
 
     /// The instant at which `bytes` more may be written, and takes them: slices follow each
     /// other at the rate. A flow up to [`PACE_SLACK`] behind its schedule (a late wake-up)
-    /// catches up; one idle for longer starts again from now, without a burst of saved-up
-    /// credit.
+    /// catches up; one idle for longer keeps no more credit than that slack.
     pub fn reserve(&mut self, now: Instant, bytes: usize) -> Instant {
         if !(self.rate.is_finite() && self.rate > 0.0) {
             return now;
@@ -233,6 +244,25 @@ mod tests {
     }
 
     #[test]
+    fn a_member_declaring_a_tiny_rate_slows_only_its_own_flows() {
+        let nodes = vec![member(Mode::Node, 1.0); 4];
+        let honest = vec![line(100.0); 4];
+        let mut lying = honest.clone();
+        lying[3] = LinkRates { up: 1.0, down: 1.0 }; // one byte per second
+        for me in 0..3 {
+            let (h, l) = (
+                link_paces(&nodes, &honest, me),
+                link_paces(&nodes, &lying, me),
+            );
+            // Flows between honest members keep their pace; the liar's own flows crawl.
+            for i in 0..3 {
+                assert_eq!(h[i], l[i], "{me} -> {i}");
+            }
+            assert!(l[3].unwrap() < 2.0, "{me} -> 3: {:?}", l[3]);
+        }
+    }
+
+    #[test]
     fn a_pacer_spaces_slices_at_its_rate_and_saves_no_more_than_its_slack() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
@@ -272,22 +302,22 @@ mod tests {
     }
 
     proptest! {
-        /// Every flow is paced at `k ·` its planned bytes over the plan's level, only flows
-        /// that carry something are paced, and the flows through any member's uplink and
-        /// downlink add up to `k ·` its planned load over the level: never more than `k ×` its
-        /// measured rate.
+        /// Every flow is paced at `k ·` its planned bytes over the time of the slower line it
+        /// crosses (never slower than the plan's level allows), only flows that carry
+        /// something are paced, and the flows through any member's uplink and downlink never
+        /// add up to more than `k ×` its measured rate.
         #[test]
         fn paced_flows_fit_the_plan((members, rates) in group()) {
             prop_assume!(members.iter().any(|m| m.mode.is_reducer()));
             prop_assume!(members.iter().any(|m| m.mode.is_sender()));
             let n = members.len();
             let shares = shares(&members);
-            let senders = members.iter().filter(|m| m.mode.is_sender()).count() as f64;
             let s = |i: usize| if members[i].mode.is_sender() { 1.0 } else { 0.0 };
             let Some(level) = plan_level(&members, &rates) else {
                 // Only where nobody carries anything.
                 return Ok(());
             };
+            let times = line_times(&members, &rates).unwrap();
             let mut down = vec![0.0; n];
             for me in 0..n {
                 let paces = link_paces(&members, &rates, me);
@@ -299,12 +329,12 @@ mod tests {
                         continue;
                     };
                     prop_assert!(pace > 0.0 && pace.is_finite());
-                    prop_assert!((bytes / pace - level / PACE_HEADROOM).abs() <= 1e-9 * level);
+                    let flow_level = times[me].0.max(times[i].1);
+                    prop_assert!(flow_level <= level);
+                    prop_assert!((bytes / pace - flow_level / PACE_HEADROOM).abs() <= 1e-9 * flow_level);
                     up += pace;
                     down[i] += pace;
                 }
-                let load = s(me) * (1.0 - shares[me]) + (senders - s(me)) * shares[me];
-                prop_assert!((up - PACE_HEADROOM * load / level).abs() <= 1e-9 * up.max(1.0));
                 prop_assert!(up <= PACE_HEADROOM * rates[me].up * (1.0 + 1e-9), "{up} up at {me}");
             }
             for i in 0..n {
