@@ -1515,11 +1515,15 @@ impl Actor {
             .collect();
         // A member that predates stand-ins would ban a sender whose part lies outside its span.
         cfg.stand_ins = group.members.iter().all(|m| m.info.stand_ins);
-        // What the runner paces our links at (it computes the same from `cfg`).
-        let paces = if cfg.pace_links {
-            crate::allreduce::pacing::link_paces(&cfg.members, &cfg.rates, group.me)
+        // What the runner paces our links at (it computes the same from `cfg`), and their sums
+        // each way (what a paced round can measure: `runner::traffic::smooth`).
+        let (paces, paced) = if cfg.pace_links {
+            (
+                crate::allreduce::pacing::link_paces(&cfg.members, &cfg.rates, group.me),
+                crate::allreduce::pacing::paced_totals(&cfg.members, &cfg.rates, group.me),
+            )
         } else {
-            vec![None; group.members.len()]
+            (vec![None; group.members.len()], Default::default())
         };
         let carriers = established.carriers.clone();
         let links = established.kinds.clone();
@@ -1605,7 +1609,7 @@ impl Actor {
                 .measured
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            *measured = Some(runner::traffic::smooth(*measured, rates));
+            *measured = Some(runner::traffic::smooth(*measured, rates, paced));
         }
         self.trace("round", rounding, || {
             vec![

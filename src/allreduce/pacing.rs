@@ -168,6 +168,32 @@ impl Pacer {
     }
 }
 
+/// The sums of the paces of `me`'s flows in each direction: out of it (its own
+/// [`link_paces`]) and into it (what every other member paces its flow to `me` at), or `None`
+/// for a direction with no paced flow. What a paced round's measured rates can reach; see
+/// [`crate::runner::traffic::smooth`].
+pub fn paced_totals(members: &[Member], rates: &[LinkRates], me: usize) -> LinkTotals {
+    let sum = |paces: &mut dyn Iterator<Item = Option<f64>>| {
+        paces
+            .flatten()
+            .fold(None, |t: Option<f64>, p| Some(t.unwrap_or(0.0) + p))
+    };
+    let up = sum(&mut link_paces(members, rates, me).into_iter());
+    let down = sum(&mut (0..members.len())
+        .filter(|&i| i != me)
+        .map(|i| link_paces(members, rates, i).get(me).copied().flatten()));
+    LinkTotals { up, down }
+}
+
+/// What [`paced_totals`] returns: bytes per second per direction, `None` where unpaced.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LinkTotals {
+    /// The sum of the paces of the flows this member sends.
+    pub up: Option<f64>,
+    /// The sum of the paces of the flows this member receives.
+    pub down: Option<f64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,17 +215,22 @@ mod tests {
         a.is_some_and(|a| (a - b).abs() < 1e-6 * b)
     }
 
+    /// The bench's symmetric scenario: two public reducers, two clients.
+    fn two_nodes_two_clients() -> Vec<Member> {
+        vec![
+            member(Mode::Node, 1.0),
+            member(Mode::Node, 1.0),
+            member(Mode::Client, 0.0),
+            member(Mode::Client, 0.0),
+        ]
+    }
+
     #[test]
     fn two_reducers_and_two_clients_pace_at_their_planned_shares_of_the_line() {
         // The bench's symmetric scenario: reducers carry 2 tensors each way, the plan's level
         // is 2 / line; a client flow carries half a tensor (a quarter of the line), the
         // reducer↔reducer flow a tensor (half of it).
-        let members = vec![
-            member(Mode::Node, 1.0),
-            member(Mode::Node, 1.0),
-            member(Mode::Client, 0.0),
-            member(Mode::Client, 0.0),
-        ];
+        let members = two_nodes_two_clients();
         let rates = vec![line(100.0); 4];
         let quarter = PACE_HEADROOM * 100e6 / 8.0 / 4.0;
         // A client paces its parts to both reducers and sends nothing to the other client.
@@ -218,6 +249,39 @@ mod tests {
             close(node[2], quarter) && close(node[3], quarter),
             "{node:?}"
         );
+    }
+
+    #[test]
+    fn paced_totals_sum_the_flows_out_of_and_into_a_member() {
+        let members = two_nodes_two_clients();
+        let rates = vec![line(100.0); 4];
+        let full = PACE_HEADROOM * 100e6 / 8.0;
+        // A reducer's line carries its planned load both ways: k times the line.
+        let reducer = paced_totals(&members, &rates, 1);
+        assert!(
+            close(reducer.up, full) && close(reducer.down, full),
+            "{reducer:?}"
+        );
+        // A client sends a quarter of the line to each reducer and gets as much back.
+        let client = paced_totals(&members, &rates, 3);
+        assert!(
+            close(client.up, full / 2.0) && close(client.down, full / 2.0),
+            "{client:?}"
+        );
+        // Four nodes, the last one's uplink at a quarter of the line: its flows out are paced
+        // by its uplink, the flows into it by the others' (full) lines.
+        let nodes = vec![member(Mode::Node, 1.0); 4];
+        let mut slow_up = rates.clone();
+        slow_up[3].up /= 4.0;
+        let last = paced_totals(&nodes, &slow_up, 3);
+        assert!(
+            close(last.up, full / 4.0) && close(last.down, full),
+            "{last:?}"
+        );
+        // Nothing paced: no totals.
+        let mut unknown = rates.clone();
+        unknown[0].up = 0.0;
+        assert_eq!(paced_totals(&members, &unknown, 1), LinkTotals::default());
     }
 
     #[test]

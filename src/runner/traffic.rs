@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::allreduce::LinkRates;
+use crate::allreduce::pacing::LinkTotals;
 
 /// Fewest bytes in one direction for a round to measure that direction.
 pub const MIN_MEASURED_BYTES: u64 = 1 << 20;
@@ -80,14 +81,31 @@ impl Traffic {
     }
 }
 
-/// Folds a round's measured rates into the running estimate: the mean of the two, so one
-/// disturbed round moves the estimate only half way.
-pub fn smooth(previous: Option<LinkRates>, round: LinkRates) -> LinkRates {
+/// How far past the sum of its paces a paced round's measured rate may be and still count as
+/// bounded by them (the pacer's slack, timer jitter).
+pub const WITHIN_PACES: f64 = 1.1;
+
+/// Folds a round's measured rates into the running estimate, per direction.
+///
+/// - A drop moves the estimate half way, so one disturbed round moves it only half way.
+/// - A rise is taken at once where the round was paced in that direction (`paced`, the sums
+///   of its flows' paces: [`crate::allreduce::pacing::paced_totals`]) and its measured rate
+///   stays within [`WITHIN_PACES`] of them. Such a round could go no faster than its paces,
+///   so what it achieved is a lower bound on the line; halving the rise made the estimate,
+///   and the paces with it, climb only about half the pacing headroom per round after a low
+///   first measurement (five rounds from 66 to 90 Mbit/s on a 100 Mbit/s line, on the bed).
+/// - A rise beyond the paces, or in an unpaced round, counts half, as before: a socket buffer
+///   that absorbed the writes, or a reader that fell behind, measures more than the line.
+pub fn smooth(previous: Option<LinkRates>, round: LinkRates, paced: LinkTotals) -> LinkRates {
+    let fold = |previous: f64, round: f64, paced: Option<f64>| match paced {
+        Some(p) if round > previous && round <= WITHIN_PACES * p => round,
+        _ => 0.5 * (previous + round),
+    };
     match previous {
         None => round,
         Some(p) => LinkRates {
-            up: 0.5 * (p.up + round.up),
-            down: 0.5 * (p.down + round.down),
+            up: fold(p.up, round.up, paced.up),
+            down: fold(p.down, round.down, paced.down),
         },
     }
 }
@@ -112,6 +130,42 @@ mod tests {
         assert!((r.up - expected).abs() < 1e-6 * expected, "{}", r.up);
         assert!((r.down - (3u64 << 20) as f64 / 0.3).abs() < 1.0);
         assert_eq!(t.bytes(), (3 << 20, 3 << 20));
+    }
+
+    #[test]
+    fn a_paced_rise_within_the_paces_is_taken_at_once_and_everything_else_half_way() {
+        let rates = |up: f64, down: f64| LinkRates { up, down };
+        let unpaced = LinkTotals::default();
+        // The first round is taken as it is.
+        assert_eq!(smooth(None, rates(5.0, 7.0), unpaced), rates(5.0, 7.0));
+        // Unpaced: the mean, up or down.
+        assert_eq!(
+            smooth(Some(rates(10.0, 10.0)), rates(20.0, 4.0), unpaced),
+            rates(15.0, 7.0)
+        );
+        // Paced at 12 each way: a rise to 11 (within the paces) is taken; a rise to 100 (a
+        // socket buffer's burst, far past the paces) counts half; a drop counts half.
+        let paced = LinkTotals {
+            up: Some(12.0),
+            down: Some(12.0),
+        };
+        assert_eq!(
+            smooth(Some(rates(10.0, 10.0)), rates(11.0, 100.0), paced),
+            rates(11.0, 55.0)
+        );
+        assert_eq!(
+            smooth(Some(rates(10.0, 10.0)), rates(13.0, 6.0), paced),
+            rates(13.0, 8.0)
+        );
+        // Paced one way only: the other way is the mean.
+        let down_only = LinkTotals {
+            up: None,
+            down: Some(12.0),
+        };
+        assert_eq!(
+            smooth(Some(rates(10.0, 10.0)), rates(11.0, 11.0), down_only),
+            rates(10.5, 11.0)
+        );
     }
 
     #[test]
