@@ -126,7 +126,7 @@ fn line_times(members: &[Member], rates: &[LinkRates]) -> Option<Vec<(f64, f64)>
         .collect()
 }
 
-/// The plan's level: the slowest member's time per byte of tensor ([`line_times`]). `None` if
+/// The plan's level: the slowest member's time per byte of tensor (`line_times`). `None` if
 /// a rate is unknown or nothing is carried.
 pub fn plan_level(members: &[Member], rates: &[LinkRates]) -> Option<f64> {
     let level = line_times(members, rates)?
