@@ -160,6 +160,17 @@ pub struct Member {
     pub fraction: f64,
 }
 
+/// The tensors per round (per unit of tensor) that each direction of a member's line carries
+/// in a butterfly round, the same both ways: a sender sends its values of the other reducers'
+/// spans and receives their averages (`s·(1 − f)`), a reducer with share `f` receives its
+/// other senders' parts of its span and sends them its averages (`(S − s)·f`); `s` = 1 for a
+/// sender, `S` senders in all. Load balancing (`matchmaking::rate_shares`) and pacing
+/// ([`pacing`]) plan with it.
+pub fn line_load(sender: bool, senders: usize, share: f64) -> f64 {
+    let s = if sender { 1.0 } else { 0.0 };
+    s * (1.0 - share) + (senders as f64 - s) * share
+}
+
 /// Parameters of one round, identical on every member except `me` and `weight`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RoundConfig {

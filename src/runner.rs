@@ -878,8 +878,9 @@ async fn write_link(
 }
 
 /// Writes one frame like [`write_frame`], in slices of [`PACE_SLICE_BYTES`] released by
-/// `pacer`, each written and flushed under `timeout` (the waits between them are not under
-/// it) and counted in `traffic`.
+/// `pacer`, each flushed and counted in `traffic`; the whole frame, waits included, within
+/// `timeout` (a pace too slow for it, such as one from an absurd declared rate, fails the
+/// link as a peer that stops reading does).
 async fn write_frame_paced(
     write: &mut (impl AsyncWrite + Unpin),
     head: &mut BytesMut,
@@ -891,30 +892,25 @@ async fn write_frame_paced(
     head.clear();
     let payload = wire::encode_frame_split(frame, head);
     let mut bytes = Buf::chain(&head[..], payload);
-    while bytes.has_remaining() {
-        let n = bytes.remaining().min(PACE_SLICE_BYTES);
-        let now = Instant::now();
-        let at = pacer.reserve(now, n);
-        if at > now {
-            tokio::time::sleep_until(at.into()).await;
+    let write_slices = async {
+        while bytes.has_remaining() {
+            let n = bytes.remaining().min(PACE_SLICE_BYTES);
+            let now = Instant::now();
+            let at = pacer.reserve(now, n);
+            if at > now {
+                tokio::time::sleep_until(at.into()).await;
+            }
+            let writing = Instant::now();
+            // Flushed slice by slice: a buffering carrier must not gather them into a burst.
+            write.write_all_buf(&mut (&mut bytes).take(n)).await?;
+            write.flush().await?;
+            if let Some(traffic) = traffic {
+                traffic.sent(n as u64, writing, Instant::now());
+            }
         }
-        let writing = Instant::now();
-        let mut slice = (&mut bytes).take(n);
-        // Flushed slice by slice: a buffering carrier must not gather them into a burst.
-        let write_slice = async {
-            write.write_all_buf(&mut slice).await?;
-            write.flush().await
-        };
-        match tokio::time::timeout(timeout, write_slice).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(LinkError::Io(e.to_string())),
-            Err(_) => return Err(LinkError::WriteTimeout),
-        }
-        if let Some(traffic) = traffic {
-            traffic.sent(n as u64, writing, Instant::now());
-        }
-    }
-    Ok(())
+        Ok(())
+    };
+    within(timeout, write_slices).await
 }
 
 /// Writes one frame (its payload from the message's own buffer, after a small head encoded
@@ -934,9 +930,17 @@ pub(crate) async fn write_frame(
         if flush {
             write.flush().await?;
         }
-        Ok::<(), std::io::Error>(())
+        Ok(())
     };
-    match tokio::time::timeout(timeout, write_all).await {
+    within(timeout, write_all).await
+}
+
+/// A link write within `timeout`, its failures as [`LinkError`]s.
+async fn within(
+    timeout: Duration,
+    write: impl std::future::Future<Output = std::io::Result<()>>,
+) -> Result<(), LinkError> {
+    match tokio::time::timeout(timeout, write).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(LinkError::Io(e.to_string())),
         Err(_) => Err(LinkError::WriteTimeout),
@@ -964,22 +968,27 @@ mod tests {
     use crate::allreduce::PartMessage;
     use crate::compression::CompressionType;
 
+    /// A frame carrying one uncompressed part of `payload`.
+    fn part_frame(payload: Vec<u8>) -> wire::Frame {
+        wire::Frame {
+            group_id: Bytes::from_static(b"paced"),
+            message: Message::Part(PartMessage {
+                part: 0,
+                weight: 1.0,
+                codec: CompressionType::None,
+                dtype: DType::F32,
+                payload: Bytes::from(payload),
+            }),
+        }
+    }
+
     /// A paced frame leaves in slices no faster than the pacer's rate (a floor its waits
     /// guarantee), every byte as the unpaced writer writes it, each slice counted as sent.
     #[tokio::test]
     async fn a_paced_frame_is_written_in_slices_at_its_rate() {
         const PAYLOAD: usize = 10 * PACE_SLICE_BYTES;
         const RATE: f64 = 4e6; // bytes per second
-        let frame = wire::Frame {
-            group_id: Bytes::from_static(b"paced"),
-            message: Message::Part(PartMessage {
-                part: 7,
-                weight: 1.0,
-                codec: CompressionType::None,
-                dtype: DType::F32,
-                payload: Bytes::from((0..PAYLOAD).map(|i| i as u8).collect::<Vec<u8>>()),
-            }),
-        };
+        let frame = part_frame((0..PAYLOAD).map(|i| i as u8).collect());
         // What the unpaced writer puts on a link for the same frame.
         let timeout = Duration::from_secs(30);
         let mut head = BytesMut::new();
@@ -1019,6 +1028,28 @@ mod tests {
         let mut got = vec![0u8; len];
         read.read_exact(&mut got).await.unwrap();
         assert!(got == expected, "the paced bytes differ");
+    }
+
+    /// A pace too slow for the frame timeout (a member's absurd declared rate) fails the
+    /// write with a timeout once its first slice is out, instead of waiting for days.
+    #[tokio::test]
+    async fn a_frame_paced_too_slowly_times_out() {
+        let frame = part_frame(vec![1u8; 2 * PACE_SLICE_BYTES]);
+        let (mut write, mut read) = tokio::io::duplex(4 * PACE_SLICE_BYTES);
+        let traffic = Traffic::default();
+        let result = write_frame_paced(
+            &mut write,
+            &mut BytesMut::new(),
+            &frame,
+            &mut Pacer::new(1e-300),
+            Some(&traffic),
+            Duration::from_millis(200),
+        )
+        .await;
+        assert!(matches!(result, Err(LinkError::WriteTimeout)), "{result:?}");
+        assert_eq!(traffic.bytes().0, PACE_SLICE_BYTES as u64);
+        let mut first = vec![0u8; PACE_SLICE_BYTES];
+        read.read_exact(&mut first).await.unwrap();
     }
 
     /// A member that sends frames faster than the round takes them is read only as far as its

@@ -62,27 +62,89 @@ pub const PACE_SLICE_BYTES: usize = 16 << 10;
 /// its parts and averages to it, or `None` (unpaced: nothing to send, or a rate unknown): see
 /// the module docs. `members` and `rates` are the round's; `me` indexes `members`.
 pub fn link_paces(members: &[Member], rates: &[LinkRates], me: usize) -> Vec<Option<f64>> {
-    let unpaced = vec![None; members.len()];
-    let (Some(times), Some(&mine)) = (line_times(members, rates), members.get(me)) else {
-        return unpaced;
-    };
-    let shares = shares(members);
-    let sends = |m: &Member| if m.mode.is_sender() { 1.0 } else { 0.0 };
-    members
-        .iter()
-        .enumerate()
-        .map(|(i, other)| {
-            // Tensors per round from me to member i: my parts of its span, its averages of mine.
-            let flow = if i == me {
-                0.0
-            } else {
-                sends(&mine) * shares[i] + sends(other) * shares[me]
-            };
-            // The slower of the two lines it crosses: my uplink, its downlink.
-            let level = times[me].0.max(times[i].1);
-            (flow > 0.0 && level > 0.0).then(|| PACE_HEADROOM * flow / level)
+    match Plan::new(members, rates) {
+        Some(plan) if me < members.len() => (0..members.len()).map(|i| plan.pace(me, i)).collect(),
+        _ => vec![None; members.len()],
+    }
+}
+
+/// The sums of the paces of `me`'s flows in each direction: out of it (its own
+/// [`link_paces`]) and into it (what every other member paces its flow to `me` at), or `None`
+/// for a direction with no paced flow. What a paced round's measured rates can reach; see
+/// [`crate::runner::traffic::smooth`].
+pub fn paced_totals(members: &[Member], rates: &[LinkRates], me: usize) -> LinkTotals {
+    match Plan::new(members, rates) {
+        Some(plan) if me < members.len() => {
+            let total =
+                |paces: &mut dyn Iterator<Item = Option<f64>>| paces.flatten().reduce(|a, b| a + b);
+            let n = members.len();
+            LinkTotals {
+                up: total(&mut (0..n).map(|i| plan.pace(me, i))),
+                down: total(&mut (0..n).map(|i| plan.pace(i, me))),
+            }
+        }
+        _ => LinkTotals::default(),
+    }
+}
+
+/// What [`paced_totals`] returns: bytes per second per direction, `None` where unpaced.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LinkTotals {
+    /// The sum of the paces of the flows this member sends.
+    pub up: Option<f64>,
+    /// The sum of the paces of the flows this member receives.
+    pub down: Option<f64>,
+}
+
+/// A round's traffic as pacing sees it, computed once per round.
+struct Plan {
+    /// Per member, its reducer share (summing to 1 over the members that reduce).
+    shares: Vec<f64>,
+    /// Per member, whether it sends.
+    sends: Vec<bool>,
+    /// Per member, the time per byte of tensor its uplink and its downlink need for their
+    /// loads ([`super::line_load`]) at its declared measured rates.
+    times: Vec<(f64, f64)>,
+}
+
+impl Plan {
+    /// `None` if a member's rate is unknown.
+    fn new(members: &[Member], rates: &[LinkRates]) -> Option<Self> {
+        if rates.len() < members.len() {
+            return None;
+        }
+        let shares = shares(members);
+        let sends: Vec<bool> = members.iter().map(|m| m.mode.is_sender()).collect();
+        let senders = sends.iter().filter(|&&s| s).count();
+        let times = sends
+            .iter()
+            .zip(&shares)
+            .zip(rates)
+            .map(|((&s, &f), r)| {
+                let load = super::line_load(s, senders, f);
+                Some((load / r.up()?, load / r.down()?))
+            })
+            .collect::<Option<_>>()?;
+        Some(Self {
+            shares,
+            sends,
+            times,
         })
-        .collect()
+    }
+
+    /// The pace of the flow from member `a` to member `b`, `None` where it carries nothing.
+    fn pace(&self, a: usize, b: usize) -> Option<f64> {
+        if a == b {
+            return None;
+        }
+        // Tensors per round from a to b: a's parts of b's span (if a sends), the averages of
+        // a's span for b (if b sends).
+        let s = |i: usize| if self.sends[i] { 1.0 } else { 0.0 };
+        let flow = s(a) * self.shares[b] + s(b) * self.shares[a];
+        // The slower of the two lines it crosses: a's uplink, b's downlink.
+        let level = self.times[a].0.max(self.times[b].1);
+        (flow > 0.0 && level > 0.0).then(|| PACE_HEADROOM * flow / level)
+    }
 }
 
 /// Reducer shares (summing to 1 over the members that reduce), or all zero if none does.
@@ -105,40 +167,16 @@ fn shares(members: &[Member]) -> Vec<f64> {
     }
 }
 
-/// Per member, the time per byte of tensor its uplink and its downlink need for their loads
-/// (each carries `s·(1 − f) + (S − s)·f` tensors: `s` = 1 for a sender, `S` senders, share
-/// `f`) at its declared measured rates. `None` if a rate is unknown.
-fn line_times(members: &[Member], rates: &[LinkRates]) -> Option<Vec<(f64, f64)>> {
-    if rates.len() < members.len() {
-        return None;
-    }
-    let shares = shares(members);
-    let senders = members.iter().filter(|m| m.mode.is_sender()).count() as f64;
-    members
-        .iter()
-        .zip(&shares)
-        .zip(rates)
-        .map(|((m, f), r)| {
-            let s = if m.mode.is_sender() { 1.0 } else { 0.0 };
-            let load = s * (1.0 - f) + (senders - s) * f;
-            Some((load / r.up()?, load / r.down()?))
-        })
-        .collect()
-}
-
-/// The plan's level: the slowest member's time per byte of tensor (`line_times`). `None` if
-/// a rate is unknown or nothing is carried.
-pub fn plan_level(members: &[Member], rates: &[LinkRates]) -> Option<f64> {
-    let level = line_times(members, rates)?
-        .into_iter()
-        .fold(0.0, |l: f64, (up, down)| l.max(up).max(down));
-    (level.is_finite() && level > 0.0).then_some(level)
-}
-
 /// How far behind its schedule a paced flow may be and still catch up: a writer's timer wakes
 /// it up to a millisecond late (tokio's resolution), and a flow whose slices are due every few
 /// milliseconds, or faster than that, would otherwise lose that much every slice.
 pub const PACE_SLACK: Duration = Duration::from_millis(2);
+
+/// The longest one slice's time may be, however slow its rate: a rate that a member's absurd
+/// declaration made tiny (the rates come from the DHT) would otherwise overflow the
+/// arithmetic. The writer's frame timeout ends such a flow long before
+/// (`runner::write_frame_paced`).
+pub const MAX_SLICE_TIME: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// When the slices of a paced flow may be written (sans-IO: the caller waits until the instant
 /// [`Pacer::reserve`] returns, if it is later than now, then writes the slice).
@@ -163,35 +201,10 @@ impl Pacer {
         }
         let earliest = now.checked_sub(PACE_SLACK).unwrap_or(now);
         let at = self.next.map_or(now, |next| next.max(earliest));
-        self.next = Some(at + Duration::from_secs_f64(bytes as f64 / self.rate));
+        let time = Duration::try_from_secs_f64(bytes as f64 / self.rate).unwrap_or(MAX_SLICE_TIME);
+        self.next = Some(at + time.min(MAX_SLICE_TIME));
         at
     }
-}
-
-/// The sums of the paces of `me`'s flows in each direction: out of it (its own
-/// [`link_paces`]) and into it (what every other member paces its flow to `me` at), or `None`
-/// for a direction with no paced flow. What a paced round's measured rates can reach; see
-/// [`crate::runner::traffic::smooth`].
-pub fn paced_totals(members: &[Member], rates: &[LinkRates], me: usize) -> LinkTotals {
-    let sum = |paces: &mut dyn Iterator<Item = Option<f64>>| {
-        paces
-            .flatten()
-            .fold(None, |t: Option<f64>, p| Some(t.unwrap_or(0.0) + p))
-    };
-    let up = sum(&mut link_paces(members, rates, me).into_iter());
-    let down = sum(&mut (0..members.len())
-        .filter(|&i| i != me)
-        .map(|i| link_paces(members, rates, i).get(me).copied().flatten()));
-    LinkTotals { up, down }
-}
-
-/// What [`paced_totals`] returns: bytes per second per direction, `None` where unpaced.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct LinkTotals {
-    /// The sum of the paces of the flows this member sends.
-    pub up: Option<f64>,
-    /// The sum of the paces of the flows this member receives.
-    pub down: Option<f64>,
 }
 
 #[cfg(test)]
@@ -345,6 +358,10 @@ mod tests {
             p.reserve(later, 1),
             later - PACE_SLACK + Duration::from_secs(1)
         );
+        // A rate so small that a slice's time overflows a Duration waits the cap, no panic.
+        let mut crawl = Pacer::new(1e-300);
+        assert_eq!(crawl.reserve(t0, PACE_SLICE_BYTES), t0);
+        assert_eq!(crawl.reserve(t0, PACE_SLICE_BYTES), t0 + MAX_SLICE_TIME);
         // A rate that is not positive paces nothing.
         let mut off = Pacer::new(0.0);
         assert_eq!(off.reserve(t0, 1 << 20), t0);
@@ -377,11 +394,13 @@ mod tests {
             let n = members.len();
             let shares = shares(&members);
             let s = |i: usize| if members[i].mode.is_sender() { 1.0 } else { 0.0 };
-            let Some(level) = plan_level(&members, &rates) else {
+            let times = Plan::new(&members, &rates).unwrap().times;
+            // The plan's level: the slowest line's time.
+            let level = times.iter().fold(0.0, |l: f64, &(up, down)| l.max(up).max(down));
+            if !(level.is_finite() && level > 0.0) {
                 // Only where nobody carries anything.
                 return Ok(());
-            };
-            let times = line_times(&members, &rates).unwrap();
+            }
             let mut down = vec![0.0; n];
             for me in 0..n {
                 let paces = link_paces(&members, &rates, me);

@@ -64,8 +64,7 @@ pub struct RateShares {
 /// The load of member `p` (per unit of tensor) with share `f` among `senders` senders; the
 /// same in each direction (module docs).
 pub fn load(p: &RatedPeer, senders: usize, f: f64) -> f64 {
-    let s = if p.sender { 1.0 } else { 0.0 };
-    s * (1.0 - f) + (senders as f64 - s) * f
+    crate::allreduce::line_load(p.sender, senders, f)
 }
 
 fn rate_ok(r: f64) -> bool {
