@@ -1603,18 +1603,49 @@ impl Actor {
                 options.timeout,
             )
             .await?;
-        if let Some(rates) = traffic.rates() {
+        let round_rates = traffic.rates();
+        let estimate = round_rates.map(|rates| {
             let mut measured = self
                 .shared
                 .measured
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             *measured = Some(runner::traffic::smooth(*measured, rates, paced));
-        }
+            *measured
+        });
         self.trace("round", rounding, || {
+            // Mbit/s: what this round measured, the estimate it left, the members' declared
+            // rates this round was planned with, and our paces to each member.
+            let mbit = |r: Option<crate::allreduce::LinkRates>| {
+                r.map_or("-".to_owned(), |r| {
+                    format!("{:.1}/{:.1}", r.up * 8e-6, r.down * 8e-6)
+                })
+            };
+            let list = |v: Vec<String>| v.join(",");
             vec![
                 ("group", crate::runner::hex(&group.group_id)),
                 ("me", group.me.to_string()),
+                ("measured_mbit", mbit(round_rates)),
+                ("estimate_mbit", mbit(estimate.flatten())),
+                (
+                    "declared_mbit",
+                    list(
+                        group
+                            .members
+                            .iter()
+                            .map(|m| mbit(m.info.measured))
+                            .collect(),
+                    ),
+                ),
+                (
+                    "paces_mbit",
+                    list(
+                        paces
+                            .iter()
+                            .map(|p| p.map_or("-".to_owned(), |p| format!("{:.1}", p * 8e-6)))
+                            .collect(),
+                    ),
+                ),
             ]
         });
         if let Some(gate) = &self.config.apply_gate {

@@ -666,7 +666,7 @@ async fn read_link(
             Err(e) => break e,
         };
         if let (Some(traffic), Some(started)) = (&traffic, head_at) {
-            traffic.received(body.len() as u64, started, std::time::Instant::now());
+            traffic.received(peer, body.len() as u64, started, std::time::Instant::now());
         }
         // Nothing more is read from this link until the frames queued from it fit the budget
         // with this one (the budget holds at least one frame of the largest size).
@@ -840,7 +840,7 @@ async fn write_link(
                 &mut head,
                 &frame,
                 pacer,
-                traffic.as_deref(),
+                traffic.as_deref().map(|t| (t, peer)),
                 write_timeout,
             )
             .await
@@ -852,7 +852,7 @@ async fn write_link(
                 .err();
             if let Some(traffic) = &traffic {
                 let bytes = head.len() + frame.message.payload_len();
-                traffic.sent(bytes as u64, writing, std::time::Instant::now());
+                traffic.sent(peer, bytes as u64, writing, std::time::Instant::now());
             }
             error
         };
@@ -886,7 +886,7 @@ async fn write_frame_paced(
     head: &mut BytesMut,
     frame: &Frame,
     pacer: &mut Pacer,
-    traffic: Option<&Traffic>,
+    traffic: Option<(&Traffic, usize)>,
     timeout: Duration,
 ) -> Result<(), LinkError> {
     head.clear();
@@ -900,12 +900,17 @@ async fn write_frame_paced(
             if at > now {
                 tokio::time::sleep_until(at.into()).await;
             }
-            let writing = Instant::now();
             // Flushed slice by slice: a buffering carrier must not gather them into a burst.
             write.write_all_buf(&mut (&mut bytes).take(n)).await?;
             write.flush().await?;
-            if let Some(traffic) = traffic {
-                traffic.sent(n as u64, writing, Instant::now());
+            if let Some((traffic, flow)) = traffic {
+                // The slice moves over its time in the schedule, or until its write returned
+                // if that was later (the line, not the pace, held it): a write into a socket
+                // with room returns at once, and counting only that instant would measure
+                // memory, not the line (`traffic`'s module docs).
+                let end = Instant::now();
+                let until = pacer.scheduled_until().unwrap_or(end).max(end);
+                traffic.sent(flow, n as u64, at.min(end), until);
             }
         }
         Ok(())
@@ -1011,7 +1016,7 @@ mod tests {
             &mut head,
             &frame,
             &mut pacer,
-            Some(&traffic),
+            Some((&traffic, 0)),
             timeout,
         )
         .await
@@ -1030,6 +1035,36 @@ mod tests {
         assert!(got == expected, "the paced bytes differ");
     }
 
+    /// A paced flow measures its pace, not the speed of the writes: into a link with room for
+    /// the whole frame every write returns at once, and the slices' times in the schedule are
+    /// what the line was busy for.
+    #[tokio::test]
+    async fn a_paced_flow_measures_its_pace() {
+        const PAYLOAD: usize = 1 << 20;
+        const RATE: f64 = 64e6; // bytes per second: the frame takes about 16 ms
+        let frame = part_frame(vec![7u8; PAYLOAD]);
+        let (mut write, mut read) = tokio::io::duplex(2 * PAYLOAD);
+        let traffic = Traffic::default();
+        write_frame_paced(
+            &mut write,
+            &mut BytesMut::new(),
+            &frame,
+            &mut Pacer::new(RATE),
+            Some((&traffic, 1)),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+        let now = Instant::now();
+        traffic.received(0, 1 << 20, now, now + Duration::from_secs(1));
+        let up = traffic.rates().unwrap().up;
+        // At most the pace (the schedule's slack aside); a late runtime only makes it slower.
+        assert!(up <= RATE * 1.01, "{up} > {RATE}");
+        assert!(up >= RATE / 4.0, "{up} < {RATE} / 4");
+        let mut got = vec![0u8; traffic.bytes().0 as usize];
+        read.read_exact(&mut got).await.unwrap();
+    }
+
     /// A pace too slow for the frame timeout (a member's absurd declared rate) fails the
     /// write with a timeout once its first slice is out, instead of waiting for days.
     #[tokio::test]
@@ -1042,7 +1077,7 @@ mod tests {
             &mut BytesMut::new(),
             &frame,
             &mut Pacer::new(1e-300),
-            Some(&traffic),
+            Some((&traffic, 0)),
             Duration::from_millis(200),
         )
         .await;

@@ -66,6 +66,7 @@
 
 mod punch;
 mod record;
+mod socket;
 mod tls;
 
 pub use punch::PunchSocket;

@@ -44,16 +44,22 @@
 //! round slow. With `k > 1` a round limited by its pacing finishes sooner than the plan said,
 //! its measured rates rise, and the next plan paces faster, until the line, not the pacing, is
 //! the limit. Measured on the bed (`cargo bench --bench nat -- --scenario S --rounds 8`, one
-//! run each): `k` = 1.05 gave 4 public peers 2.17 s (bound 2.01 s) but left two symmetric-NAT
-//! clients at 4.0 s (bound 2.68 s, unpaced 4.4 s): their estimates never rose; 1.1: 2.23 s and
-//! 3.45 s, still falling at round 8; 1.15: 2.26 s and 3.35 s, with rounds 7-8 at 2.9-3.2 s.
+//! run each), when a round's rates were measured over the union of its transfers and a paced
+//! write counted only while it ran: `k` = 1.05 gave 4 public peers 2.17 s (bound 2.01 s) but
+//! left two symmetric-NAT clients at 4.0 s (bound 2.68 s, unpaced 4.4 s): their estimates
+//! never rose; 1.1: 2.23 s and 3.45 s, still falling at round 8; 1.15: 2.26 s and 3.35 s, with
+//! rounds 7-8 at 2.9-3.2 s. Those measurements read about 0.87 of the paces, so 1.15 paced
+//! about at the lines. Since session 40 they read the lines (`runner::traffic`: rates where
+//! the most flows moved, a paced slice over its time in the schedule, writes that return when
+//! the bytes leave), and 1.15 overdrove them: 3.38-3.43 s for the clients' scenario and
+//! 2.36-2.43 s for the public one, against 3.22 s and 2.28 s at 1.05 (one run each).
 
 use std::time::{Duration, Instant};
 
 use super::{LinkRates, Member};
 
 /// How much faster than the plan's rate a paced flow may go (module docs).
-pub const PACE_HEADROOM: f64 = 1.15;
+pub const PACE_HEADROOM: f64 = 1.05;
 
 /// A paced frame is written in slices of this many bytes, each at its time.
 pub const PACE_SLICE_BYTES: usize = 16 << 10;
@@ -204,6 +210,12 @@ impl Pacer {
         let time = Duration::try_from_secs_f64(bytes as f64 / self.rate).unwrap_or(MAX_SLICE_TIME);
         self.next = Some(at + time.min(MAX_SLICE_TIME));
         at
+    }
+
+    /// The end of the last reserved slice's time: when the flow is due to have sent what it
+    /// reserved (`None` before the first reservation, or if nothing is paced).
+    pub fn scheduled_until(&self) -> Option<Instant> {
+        self.next
     }
 }
 

@@ -257,9 +257,9 @@ pub async fn connect_over(
         detail: e.to_string(),
     })?;
     let stream = tokio::time::timeout(timeout, async {
-        tcp.set_nodelay(true).map_err(|e| TlsError::Connect {
+        super::socket::tune(&tcp).map_err(|e| TlsError::Connect {
             addr,
-            detail: format!("cannot set TCP_NODELAY: {e}"),
+            detail: format!("cannot set the socket's options: {e}"),
         })?;
         let server_name = ServerName::IpAddress(addr.ip().into());
         DataStream::establish(tcp, Role::Client(config, server_name), addr).await
@@ -294,9 +294,9 @@ async fn connect_with(
                 detail: e.to_string(),
             })?;
         connected = true;
-        tcp.set_nodelay(true).map_err(|e| TlsError::Connect {
+        super::socket::tune(&tcp).map_err(|e| TlsError::Connect {
             addr,
-            detail: format!("cannot set TCP_NODELAY: {e}"),
+            detail: format!("cannot set the socket's options: {e}"),
         })?;
         let server_name = ServerName::IpAddress(addr.ip().into());
         DataStream::establish(tcp, Role::Client(config, server_name), addr).await
@@ -420,9 +420,9 @@ impl Handshake {
     pub async fn run(self, timeout: Duration) -> Result<(PeerId, DataStream), TlsError> {
         let Self { tcp, addr, config } = self;
         let attempt = tokio::time::timeout(timeout, async {
-            tcp.set_nodelay(true).map_err(|e| TlsError::Handshake {
+            super::socket::tune(&tcp).map_err(|e| TlsError::Handshake {
                 addr,
-                detail: format!("cannot set TCP_NODELAY: {e}"),
+                detail: format!("cannot set the socket's options: {e}"),
             })?;
             DataStream::establish(tcp, Role::Server(config), addr).await
         })
