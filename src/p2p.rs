@@ -745,8 +745,9 @@ impl P2p {
             .await
     }
 
-    /// Merges `value` into the local record under `key` (through the policy) and replicates the
-    /// merged record to the closest peers. Returns how many remote peers stored it.
+    /// Merges `value` into the local record under `key` (through the policy) and sends `value`
+    /// to the closest peers (not the merged record: a replica refuses a remote write holding
+    /// another owner's entry under an owned key). Returns how many remote peers acknowledged it.
     pub async fn put_record(&self, key: Vec<u8>, value: Vec<u8>) -> Result<usize, P2pError> {
         self.call(|reply| swarm::Command::Put { key, value, reply })
             .await?

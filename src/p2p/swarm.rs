@@ -825,22 +825,29 @@ impl EventLoop {
         }
     }
 
-    /// Merges `value` into the local record (through the policy) and replicates the result.
-    /// (Sending `value` alone, O(1) per write instead of O(writers), was tried in session 35
-    /// and reverted: see docs/architecture.md, "Background traffic".)
+    /// Merges `value` into the local record (through the policy) and replicates `value` itself:
+    /// the replicas merge it into theirs. Nothing republishes records, so a replica holds what
+    /// the writers sent it; readers merge every replica's answer.
     fn put(
         &mut self,
         key: Vec<u8>,
         value: Vec<u8>,
         reply: oneshot::Sender<Result<usize, P2pError>>,
     ) {
-        let record = match self.merge_into_store(&key, &value, None) {
+        let stored = match self.merge_into_store(&key, &value, None) {
             Ok(r) => r,
             Err(e) => {
                 let _ = reply.send(Err(P2pError::Rejected(e)));
                 return;
             }
         };
+        // The PUT carries this write alone, not the merged record: under an owned key a
+        // replica refuses a remote write holding anyone else's entry, so a merged record
+        // was refused everywhere as soon as this node held another writer's entry (a
+        // withdrawal reached nobody but its writer). Alone it is O(1) per write, however
+        // many writers share the key.
+        let mut record = kad::Record::new(stored.key, value);
+        record.expires = stored.expires;
         if let Some(peers) = self.replicas.fresh(&key, Instant::now()) {
             let peers = peers.to_vec();
             self.metrics.dht_write(false);

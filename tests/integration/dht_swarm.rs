@@ -549,3 +549,32 @@ async fn a_silent_replica_does_not_hold_reads_up() {
         }
     }
 }
+
+/// Under an owned key every peer is a replica and a writer: a peer whose own store already holds
+/// the others' entries still gets its write into the other replicas (a PUT carries only the
+/// writer's own entry: replicas refuse a remote write that holds someone else's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_holding_others_entries_still_writes_its_own() {
+    let peers = swarm(3).await;
+    let (a, b) = (&peers[0], &peers[1]);
+    let key = hivemesh::dht::owned_key("run_progress");
+    assert!(
+        b.store(&key, Some(&b.own_subkey()), b"b1", ahead(60.0))
+            .await
+            .unwrap()
+            >= 1,
+        "b's write reached a replica"
+    );
+    // a holds b's entry now (it is a replica of the key in a swarm of three).
+    assert!(owner_entry(a, &key, b.p2p().peer_id()).await.is_some());
+    let held = a
+        .store(&key, Some(&a.own_subkey()), b"a1", ahead(60.0))
+        .await
+        .unwrap();
+    assert!(held >= 1, "a's write was refused by every replica");
+    let held = b
+        .store(&key, Some(&b.own_subkey()), b"b2", ahead(61.0))
+        .await
+        .unwrap();
+    assert!(held >= 1, "b's second write was refused by every replica");
+}
