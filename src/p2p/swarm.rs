@@ -825,29 +825,28 @@ impl EventLoop {
         }
     }
 
-    /// Merges `value` into the local record (through the policy) and replicates `value` itself:
-    /// the replicas merge it into theirs. Nothing republishes records, so a replica holds what
-    /// the writers sent it; readers merge every replica's answer.
+    /// Merges `value` into the local record (through the policy) and replicates `value` itself,
+    /// not the merged record: the replicas merge it into theirs. Under an owned key a replica
+    /// refuses a remote write holding anyone else's entry, so a merged record was refused
+    /// everywhere as soon as this node held another writer's entry (a withdrawal reached nobody
+    /// but its writer); alone it is also O(1) per write, however many writers share the key.
+    /// Nothing republishes records, so a replica holds what the writers sent it; readers merge
+    /// every replica's answer.
     fn put(
         &mut self,
         key: Vec<u8>,
         value: Vec<u8>,
         reply: oneshot::Sender<Result<usize, P2pError>>,
     ) {
-        let stored = match self.merge_into_store(&key, &value, None) {
-            Ok(r) => r,
+        let expires = match self.merge_into_store(&key, &value, None) {
+            Ok(e) => e,
             Err(e) => {
                 let _ = reply.send(Err(P2pError::Rejected(e)));
                 return;
             }
         };
-        // The PUT carries this write alone, not the merged record: under an owned key a
-        // replica refuses a remote write holding anyone else's entry, so a merged record
-        // was refused everywhere as soon as this node held another writer's entry (a
-        // withdrawal reached nobody but its writer). Alone it is O(1) per write, however
-        // many writers share the key.
-        let mut record = kad::Record::new(stored.key, value);
-        record.expires = stored.expires;
+        let mut record = kad::Record::new(kad::RecordKey::new(&key), value);
+        record.expires = Some(expires);
         if let Some(peers) = self.replicas.fresh(&key, Instant::now()) {
             let peers = peers.to_vec();
             self.metrics.dht_write(false);
@@ -958,13 +957,14 @@ impl EventLoop {
         }
     }
 
-    /// Merges `incoming` with the stored value under `key` and stores the result.
+    /// Merges `incoming` with the stored value under `key` and stores the result; returns when
+    /// the stored record expires.
     fn merge_into_store(
         &mut self,
         key: &[u8],
         incoming: &[u8],
         source: Option<PeerId>,
-    ) -> Result<kad::Record, String> {
+    ) -> Result<Instant, String> {
         let rkey = kad::RecordKey::new(&key);
         let store = self.swarm.behaviour_mut().kad.store_mut();
         let existing = store.get(&rkey).map(|r| r.value.clone());
@@ -973,17 +973,18 @@ impl EventLoop {
             self.policy
                 .merge(key, existing.as_deref(), incoming, source, now)?;
         let ttl = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
+        let expires = Instant::now() + ttl;
         let mut record = kad::Record::new(rkey, merged);
-        record.expires = Some(Instant::now() + ttl);
+        record.expires = Some(expires);
         // The store charges this write's growth of the record to its writer (`store.rs`).
         record.publisher = Some(source.unwrap_or(*self.swarm.local_peer_id()));
         self.swarm
             .behaviour_mut()
             .kad
             .store_mut()
-            .try_put(record.clone())
+            .try_put(record)
             .map_err(|e| e.to_string())?;
-        Ok(record)
+        Ok(expires)
     }
 
     /// The addresses of `peer` in the routing table (empty if it is not there).

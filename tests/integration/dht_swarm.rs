@@ -550,9 +550,10 @@ async fn a_silent_replica_does_not_hold_reads_up() {
     }
 }
 
-/// Under an owned key every peer is a replica and a writer: a peer whose own store already holds
-/// the others' entries still gets its write into the other replicas (a PUT carries only the
-/// writer's own entry: replicas refuse a remote write that holds someone else's).
+/// Under an owned key the servers are both replicas and writers: a server whose own store
+/// already holds another writer's entry still gets its write into the other replicas (a PUT
+/// carries only the writer's own entry: replicas refuse a remote write that holds someone
+/// else's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_holding_others_entries_still_writes_its_own() {
     let peers = swarm(3).await;
@@ -563,9 +564,9 @@ async fn a_replica_holding_others_entries_still_writes_its_own() {
             .await
             .unwrap()
             >= 1,
-        "b's write reached a replica"
+        "b's first write reached no replica"
     );
-    // a holds b's entry now (it is a replica of the key in a swarm of three).
+    // a holds b's entry now: the third node is a client, so a is the replica that kept it.
     assert!(owner_entry(a, &key, b.p2p().peer_id()).await.is_some());
     let held = a
         .store(&key, Some(&a.own_subkey()), b"a1", ahead(60.0))
